@@ -98,10 +98,20 @@ def _smollm2_model_dir() -> Path:
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.float32
         )
-        model.save_pretrained(out, safe_serialization=True)
+        _save_dequantized(model, out)
         shutil.copytree(_smollm2_tokenizer_dir(), out, dirs_exist_ok=True)
 
     return _cached("smollm2-135m", build)
+
+
+def _save_dequantized(model: Any, out: Path) -> None:
+    """Save a model loaded from GGUF. Its weights are already dequantized to float32, but
+    transformers still marks it as GGUF-quantized and refuses to save; drop that mark."""
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out, safe_serialization=True)
 
 
 def _gguf_dir(path: Path) -> Path:
@@ -119,7 +129,7 @@ def _gguf_dir(path: Path) -> Path:
         model = AutoModelForCausalLM.from_pretrained(
             path.parent, gguf_file=path.name, dtype=torch.float32
         )
-        model.save_pretrained(out, safe_serialization=True)
+        _save_dequantized(model, out)
 
     return _cached(key, build)
 

@@ -1,14 +1,7 @@
-"""Tic-tac-toe environments: one optimal move (`tictactoe-move`) and a whole game (`tictactoe-game`).
+"""Tic-tac-toe: one optimal move (`tictactoe-move`) and a whole game (`tictactoe-game`).
 
 Boards are 9-character strings of "X", "O" and "." in row-major order; squares are numbered
-1-9 row-major, which is also what the model sees and what `choose_square` takes:
-
-     1 | 2 | 3
-    ---+---+---
-     4 | 5 | 6
-    ---+---+---
-     7 | 8 | 9
-
+1-9 row-major (1 top left, 9 bottom right), which is also what `choose_square` takes.
 The game is small enough to solve exactly, so rewards come from a memoised minimax rather
 than from a heuristic: a move is "optimal" iff it keeps the best game-theoretic value.
 """
@@ -18,7 +11,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from functools import cache, lru_cache
+from functools import cache
 from typing import Any, ClassVar, Literal
 
 from looprl.errors import EnvError
@@ -53,6 +46,12 @@ _TOOL_NAME = "choose_square"
 # Rewards of the single-move task; an immediate win outranks a merely optimal move so the
 # policy learns to finish games instead of postponing a forced win.
 WIN_REWARD, OPTIMAL_REWARD, LEGAL_REWARD, ILLEGAL_REWARD = 1.0, 0.8, 0.0, -1.0
+_MOVE_OUTCOMES = {
+    WIN_REWARD: "win",
+    OPTIMAL_REWARD: "optimal",
+    LEGAL_REWARD: "legal",
+    ILLEGAL_REWARD: "illegal",
+}
 
 
 # ---------------------------------------------------------------------------- board rules
@@ -156,7 +155,7 @@ def score_move(board: str, square: Any) -> float:
     return OPTIMAL_REWARD if sq in _best_moves(board, "X") else LEGAL_REWARD
 
 
-@lru_cache(maxsize=1)
+@cache
 def _unfinished_x_to_move() -> tuple[str, ...]:
     """Sorted positions reachable by legal play with X to move and the game not over."""
     seen: set[str] = set()
@@ -281,12 +280,6 @@ class TicTacToeMove(_TicTacToeEnv):
         "left. Choose your move by calling the choose_square tool with the number of an empty "
         "square."
     )
-    _outcome_of: ClassVar[dict[float, str]] = {
-        WIN_REWARD: "win",
-        OPTIMAL_REWARD: "optimal",
-        LEGAL_REWARD: "legal",
-        ILLEGAL_REWARD: "illegal",
-    }
 
     def __init__(
         self,
@@ -329,7 +322,7 @@ class TicTacToeMove(_TicTacToeEnv):
         if call is None:
             return StepResult([], done=True, reward=ILLEGAL_REWARD, outcome=failure, info=info)
         reward = score_move(state.board, info["square"])
-        return StepResult([], True, reward=reward, outcome=self._outcome_of[reward], info=info)
+        return StepResult([], True, reward=reward, outcome=_MOVE_OUTCOMES[reward], info=info)
 
     def demonstrations(self, task: Task) -> list[Message]:
         """One expert call: the smallest immediate win, else the smallest best move."""
@@ -355,6 +348,9 @@ def parse_opponent(spec: Any) -> float:
         f"opponent={spec!r} is invalid: expected 'random', 'minimax' or 'mixed:P' with "
         "0 <= P <= 1 (e.g. 'mixed:0.5')"
     )
+
+
+_GAME_OVER = {"win": "you win.", "draw": "it is a draw.", "loss": "you lose."}
 
 
 @dataclass
@@ -445,26 +441,23 @@ class TicTacToeGame(_TicTacToeEnv):
         elif square is not None and state.board[square - 1] != ".":
             failure = "occupied"
         if failure is not None:
-            text = f"Illegal move ({failure}): you lose.\n\n{render_board(state.board)}"
+            text = (
+                f"Illegal move ({failure}).\n\n{render_board(state.board)}\n\nGame over: you lose."
+            )
             return self._reply(state, call, text, "illegal", failure=failure)
 
         assert square is not None and call is not None
         state.board = play(state.board, square, state.agent)
         state.moves.append((state.agent, square))
         text = f"You played {square}."
-        if not self._over(state):
+        if winner(state.board) is None and "." in state.board:
             text += f" The opponent ({other(state.agent)}) played {self._opponent_move(state)}."
         text += f"\n\n{render_board(state.board)}"
         won = winner(state.board)
-        if won is not None:
-            return self._reply(state, call, text, "win" if won == state.agent else "loss")
-        if not legal_moves(state.board):
-            return self._reply(state, call, text, "draw")
-        return self._reply(state, call, text + "\n\nYour move?", None)
-
-    @staticmethod
-    def _over(state: _GameState) -> bool:
-        return winner(state.board) is not None or "." not in state.board
+        if won is None and "." in state.board:
+            return self._reply(state, call, text + "\n\nYour move?", None)
+        outcome = "draw" if won is None else "win" if won == state.agent else "loss"
+        return self._reply(state, call, f"{text}\n\nGame over: {_GAME_OVER[outcome]}", outcome)
 
     def _reply(
         self, state: _GameState, call: ToolCall | None, text: str, outcome: str | None, **info: Any

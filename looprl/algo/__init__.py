@@ -1,0 +1,27 @@
+"""Pure RL algorithm functions: advantages, per-token log-probs, policy-gradient losses."""
+
+from looprl.algo.advantages import batch_advantages, dynamic_sampling_keep, group_advantages
+from looprl.algo.logprobs import masked_mean, masked_sum, token_logprobs
+from looprl.algo.losses import (
+    LOSSES,
+    dr_grpo_loss,
+    grpo_loss,
+    gspo_loss,
+    gspo_token_loss,
+    k3_kl,
+)
+
+__all__ = [
+    "LOSSES",
+    "batch_advantages",
+    "dr_grpo_loss",
+    "dynamic_sampling_keep",
+    "group_advantages",
+    "grpo_loss",
+    "gspo_loss",
+    "gspo_token_loss",
+    "k3_kl",
+    "masked_mean",
+    "masked_sum",
+    "token_logprobs",
+]

@@ -1,0 +1,73 @@
+"""Group-relative advantages (GRPO family).
+
+Every prompt is sampled G times; the G rewards form a *group*. A completion's advantage is
+its reward relative to the others of its group, one scalar per sequence:
+
+    A_i = (r_i - mean(r)) / (std(r) + eps)      scale=True   (GRPO, arXiv 2402.03300)
+    A_i =  r_i - mean(r)                        scale=False  (Dr.GRPO, arXiv 2503.20783)
+
+`std` is the *population* standard deviation (unbiased=False, divide by G): it is the
+spread of the rewards actually observed, and it stays defined for G=1.
+
+Dr.GRPO drops the division by std because it up-weights groups whose rewards barely
+differ (nearly-solved or nearly-failed prompts), a difficulty bias.
+
+A group whose rewards are all equal carries no learning signal: every advantage is 0,
+set explicitly rather than computed, because `r - mean(r)` of equal floats can be a
+rounding residue (~1e-9) that the division by a std of the same size would blow up.
+DAPO's dynamic sampling (arXiv 2503.14476) drops such groups before the update.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _all_equal(rewards_G: Tensor) -> bool:
+    return bool((rewards_G == rewards_G[0]).all())
+
+
+def group_advantages(rewards_G: Tensor, scale: bool = True, eps: float = 1e-6) -> Tensor:
+    """Advantages of one group of G rewards, shape [G].
+
+    scale=True:  A = (r - mean) / (std + eps), std with unbiased=False (population).
+    scale=False: A = r - mean (Dr.GRPO).
+    A group of all-equal rewards (including G=1) gets exactly 0.
+    """
+    if rewards_G.dim() != 1 or rewards_G.numel() == 0:
+        raise ValueError(f"rewards_G must be a non-empty 1-D tensor, got {tuple(rewards_G.shape)}")
+    r_G = rewards_G if rewards_G.is_floating_point() else rewards_G.float()
+    if _all_equal(r_G):
+        return torch.zeros_like(r_G)
+    centered_G = r_G - r_G.mean()  # r_i - mean(r)
+    if not scale:
+        return centered_G
+    std = r_G.std(unbiased=False)  # sqrt(mean((r - mean)^2)), population std
+    return centered_G / (std + eps)
+
+
+def batch_advantages(rewards: list[list[float]], scale: bool = True) -> tuple[Tensor, Tensor]:
+    """Advantages of many groups, each normalised within itself.
+
+    Returns (adv_B, zero_std_mask_G): adv_B is float32, the groups' advantages concatenated
+    in group order (B = total completions; groups may differ in size); zero_std_mask_G is a
+    bool tensor, True for a group whose rewards are all equal (its advantages are 0).
+    """
+    adv_parts: list[Tensor] = []
+    zero_std: list[bool] = []
+    for group in rewards:
+        r_G = torch.tensor(group, dtype=torch.float32)
+        adv_parts.append(group_advantages(r_G, scale=scale))
+        zero_std.append(_all_equal(r_G))
+    adv_B = torch.cat(adv_parts) if adv_parts else torch.zeros(0)
+    return adv_B, torch.tensor(zero_std, dtype=torch.bool)
+
+
+def dynamic_sampling_keep(rewards: list[list[float]]) -> list[bool]:
+    """DAPO dynamic sampling (arXiv 2503.14476): keep a group only if its rewards differ.
+
+    An all-correct or all-wrong group has zero advantage everywhere, so it adds nothing to
+    the gradient but still dilutes the batch; the caller drops it (and may resample).
+    """
+    return [len(set(group)) > 1 for group in rewards]

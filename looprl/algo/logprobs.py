@@ -1,0 +1,84 @@
+"""Per-token log-probabilities and masked reductions.
+
+    logp_{b,t} = log softmax(z_{b,t} / tau)[y_{b,t}] = z_{b,t,y}/tau - logsumexp_v(z_{b,t,v}/tau)
+
+Computed as "gathered logit minus logsumexp" in float32, one chunk of `chunk_size`
+sequences at a time, so no [B, T, V] float32 copy of the logits (nor a full log_softmax) is
+ever materialised beyond one chunk. When the logits require grad, each chunk runs under
+activation checkpointing: the backward pass recomputes that chunk's float32 copy instead of
+keeping every chunk's copy alive until backward. The gradient with respect to the logits
+is of course still a full [B, T, V] tensor (in the logits' dtype).
+
+Temperature: rollouts sampled at temperature tau came from softmax(z / tau), so the trainer
+must score them with the *same* tau, otherwise the importance ratio pi/pi_old is off even
+when the weights have not moved.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+
+def _chunk_logprobs(logits_CTV: Tensor, target_ids_CT: Tensor, temperature: float) -> Tensor:
+    z_CTV = logits_CTV.float()
+    if temperature != 1.0:
+        z_CTV = z_CTV / temperature  # z / tau
+    lse_CT = torch.logsumexp(z_CTV, dim=-1)  # log sum_v exp(z_v / tau)
+    picked_CT = z_CTV.gather(-1, target_ids_CT.unsqueeze(-1)).squeeze(-1)  # z_y / tau
+    return picked_CT - lse_CT  # log softmax(z / tau)[y]
+
+
+def token_logprobs(
+    logits_BTV: Tensor, target_ids_BT: Tensor, temperature: float = 1.0, chunk_size: int = 1
+) -> Tensor:
+    """log pi(y_t | ...) for each target token, float32, shape [B, T].
+
+    `logits_BTV[b, t]` must be the logits that predict `target_ids_BT[b, t]` (shift before
+    calling). `chunk_size` is the number of sequences processed at once; it changes memory
+    use, never the result. `temperature` must equal the sampling temperature.
+    """
+    if logits_BTV.shape[:-1] != target_ids_BT.shape:
+        raise ValueError(
+            f"logits {tuple(logits_BTV.shape)} and targets {tuple(target_ids_BT.shape)} "
+            "disagree on [B, T]"
+        )
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    target_ids_BT = target_ids_BT.long()
+    recompute = torch.is_grad_enabled() and logits_BTV.requires_grad
+    # torch.split (not indexing): its backward concatenates the chunk gradients into one
+    # [B, T, V] tensor instead of one zero-padded [B, T, V] tensor per chunk.
+    parts: list[Tensor] = []
+    for logits_CTV, targets_CT in zip(
+        logits_BTV.split(chunk_size), target_ids_BT.split(chunk_size), strict=True
+    ):
+        if recompute:
+            part = checkpoint(
+                _chunk_logprobs, logits_CTV, targets_CT, temperature, use_reentrant=False
+            )
+        else:
+            part = _chunk_logprobs(logits_CTV, targets_CT, temperature)
+        parts.append(part)
+    return torch.cat(parts, dim=0)
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """sum(x * mask) over `dim` (all dims if None). mask is 0/1 (bool or float).
+
+    Positions with mask 0 are replaced by 0 before multiplying, so a NaN/inf there
+    neither leaks into the result nor into the gradient.
+    """
+    m = mask.to(x.dtype)
+    x_masked = torch.where(m != 0, x * m, torch.zeros_like(x))
+    return x_masked.sum() if dim is None else x_masked.sum(dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """sum(x * mask) / max(sum(mask), 1): the mean over masked positions, 0 if there are none."""
+    m = mask.to(x.dtype)
+    count = m.sum() if dim is None else m.sum(dim)
+    return masked_sum(x, m, dim) / count.clamp(min=1.0)

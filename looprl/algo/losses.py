@@ -1,0 +1,406 @@
+"""Clipped policy-gradient losses: GSPO, GSPO-token, GRPO (DAPO token-mean), Dr.GRPO.
+
+Every loss has the same shape of call
+
+    loss, stats = fn(logp_BT, old_logp_BT, adv_B, mask_BT, *, eps_low, eps_high,
+                     ref_logp_BT=None, kl_coef=0.0, normalizer=None, loss_scale=1.0)
+
+(`dr_grpo_loss` also needs `max_tokens`), and returns a 0-dim loss to minimise and a dict
+of python floats. Inputs:
+
+    logp_BT      log pi_theta(y_t) of the current policy, with grad        [B, T]
+    old_logp_BT  log pi_old(y_t) of the policy that sampled (no grad)      [B, T]
+    adv_B        one advantage per sequence (see advantages.py)            [B]
+    mask_BT      1 on policy-generated tokens, 0 on prompt/tool/padding    [B, T]
+    ref_logp_BT  log pi_ref(y_t) of the frozen reference, for the KL term  [B, T]
+
+Clipped surrogate (PPO, arXiv 1707.06347) with an asymmetric range (DAPO "clip-higher",
+arXiv 2503.14476):
+
+    obj = min(w * A, clip(w, 1 - eps_low, 1 + eps_high) * A)
+
+where w is a sequence ratio (GSPO) or a token ratio (GRPO, Dr.GRPO). Log-ratios are clamped
+to [-20, 20] before exp so a diverged policy gives a huge but finite ratio, not inf/NaN.
+Masked positions are removed with `torch.where` before anything else, so whatever values
+sit there (padding, -inf) never reach the loss and get exactly zero gradient.
+
+Micro-batching and `normalizer`
+-------------------------------
+Each loss is a SUM of per-unit terms divided by one normaliser N:
+
+    gspo, gspo_token, dr_grpo:  loss = sum_i term_i / N,   N = number of sequences
+    grpo (token mean):          loss = sum_{i,t} term_it / N, N = number of masked tokens
+
+By default N is computed from this call (B, or sum(mask)). To split a minibatch into
+micro-batches and accumulate gradients, pass the *whole minibatch's* N to every call:
+
+    N = B_minibatch                      (gspo, gspo_token, dr_grpo)
+    N = mask_minibatch.sum()             (grpo)
+    loss(minibatch) == sum_k loss(micro_k, normalizer=N)      (value and gradient)
+
+so call backward() on each micro-batch loss as is, with no extra scaling. The KL term
+obeys the same convention (see `_kl_term`). A sequence whose mask is all 0 contributes
+nothing but still counts in the default N = B: drop such rows before the call, or pass N.
+`loss_scale` multiplies the final loss (e.g. 1/world_size); it does not touch the stats.
+
+Stats (python floats, for *this call* only; `count` lets the trainer weight them when
+averaging over micro-batches):
+
+    clip_frac   fraction of units whose ratio was clipped AND the clipped branch won the
+                min, i.e. the units whose policy-gradient is zeroed by clipping:
+                (A > 0 and w > 1 + eps_high) or (A < 0 and w < 1 - eps_low).
+                Units are sequences for gspo/gspo_token, masked tokens for grpo/dr_grpo.
+                A ratio outside the range whose unclipped branch is the min (the
+                pessimistic side) is not counted: its gradient still flows.
+    ratio_mean, ratio_min, ratio_max   over the same units (1.0 when there are none)
+    count       number of units (sequences with >= 1 masked token, or masked tokens)
+    pg_loss     the policy-gradient part of the loss, before kl and loss_scale
+    kl          mean k3 KL to the reference (only when ref_logp_BT is given)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from looprl.algo.logprobs import masked_mean, masked_sum
+
+MAX_LOG_RATIO = 20.0  # exp(20) ~ 4.9e8: finite in float32/bf16, far past any clip range
+
+LossFn = Callable[..., tuple[Tensor, dict[str, float]]]
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _check_shapes(logp_BT: Tensor, old_logp_BT: Tensor, adv_B: Tensor, mask_BT: Tensor) -> None:
+    if logp_BT.dim() != 2:
+        raise ValueError(f"logp_BT must be [B, T], got {tuple(logp_BT.shape)}")
+    if old_logp_BT.shape != logp_BT.shape or mask_BT.shape != logp_BT.shape:
+        raise ValueError(
+            f"shape mismatch: logp {tuple(logp_BT.shape)}, old_logp "
+            f"{tuple(old_logp_BT.shape)}, mask {tuple(mask_BT.shape)}"
+        )
+    if adv_B.shape != logp_BT.shape[:1]:
+        raise ValueError(f"adv_B must be [B]={logp_BT.shape[0]}, got {tuple(adv_B.shape)}")
+
+
+def _masked_log_ratio(logp_BT: Tensor, old_logp_BT: Tensor, m_BT: Tensor) -> Tensor:
+    # log w_it = logp_it - old_it on masked tokens, exactly 0 (no grad) elsewhere
+    diff_BT = logp_BT - old_logp_BT.detach()
+    return torch.where(m_BT, diff_BT, torch.zeros_like(diff_BT))
+
+
+def _clipped_objective(
+    ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float
+) -> tuple[Tensor, Tensor]:
+    """obj = min(w A, clip(w, 1-eps_low, 1+eps_high) A) and where the clip zeroed the grad."""
+    unclipped = ratio * adv  # w A
+    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv  # clip(w) A
+    obj = torch.minimum(unclipped, clipped)
+    # the clipped branch is active (grad 0) iff w left the range on the side A pushes it to
+    clip_active = ((adv > 0) & (ratio > 1.0 + eps_high)) | ((adv < 0) & (ratio < 1.0 - eps_low))
+    return obj, clip_active
+
+
+def k3_kl(logp_BT: Tensor, ref_logp_BT: Tensor) -> Tensor:
+    """Per-token k3 estimator of KL(pi || pi_ref) (Schulman, "Approximating KL divergence").
+
+    kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1 >= 0, unbiased under samples of pi,
+    zero iff ref_t == logp_t. The difference is clamped to [-20, 20] before exp.
+    """
+    d_BT = (ref_logp_BT.detach() - logp_BT).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return torch.exp(d_BT) - d_BT - 1.0
+
+
+def _kl_term(
+    logp_BT: Tensor,
+    ref_logp_BT: Tensor,
+    m_BT: Tensor,
+    normalizer: float | Tensor,
+    per_sequence: bool,
+) -> tuple[Tensor, Tensor]:
+    """(KL contribution to the loss under `normalizer`, mean KL of this call for stats).
+
+    per_sequence=True (gspo, gspo_token, dr_grpo):  sum_i mean_t kl_it / N_sequences
+    per_sequence=False (grpo):                      sum_{i,t} kl_it / N_tokens
+    The aggregation follows the loss's own normaliser, so micro-batching stays exact.
+    """
+    # zero both inputs off the mask *before* the nonlinearity: kl = 0 there, and a NaN/-inf
+    # in the padding cannot turn the zero upstream gradient into 0 * nan
+    zeros_BT = torch.zeros_like(logp_BT)
+    kl_BT = k3_kl(
+        torch.where(m_BT, logp_BT, zeros_BT), torch.where(m_BT, ref_logp_BT.detach(), zeros_BT)
+    )
+    if per_sequence:
+        kl_B = masked_mean(kl_BT, m_BT, dim=-1)  # mean_t m_it kl_it, 0 for an empty row
+        valid_B = m_BT.any(dim=-1)
+        stat = kl_B.detach()[valid_B].mean() if valid_B.any() else kl_B.new_zeros(())
+        return kl_B.sum() / normalizer, stat
+    stat = masked_mean(kl_BT.detach(), m_BT)
+    return masked_sum(kl_BT, m_BT) / normalizer, stat
+
+
+def _stats(
+    ratio_U: Tensor, clip_active_U: Tensor, pg_loss: Tensor, kl: Tensor | None
+) -> dict[str, float]:
+    """Stats over the units U (valid sequences or masked tokens), one device sync."""
+    with torch.no_grad():
+        count = ratio_U.numel()
+        dtype = pg_loss.dtype
+        if count:
+            r_U = ratio_U.detach()
+            vals = [clip_active_U.to(dtype).mean(), r_U.mean(), r_U.min(), r_U.max()]
+        else:
+            one = pg_loss.new_ones(())
+            vals = [one * 0.0, one, one, one]
+        vals.append(pg_loss.detach())
+        if kl is not None:
+            vals.append(kl.detach())
+        floats = torch.stack([v.to(dtype) for v in vals]).tolist()
+    stats = {
+        "clip_frac": floats[0],
+        "ratio_mean": floats[1],
+        "ratio_min": floats[2],
+        "ratio_max": floats[3],
+        "count": float(count),
+        "pg_loss": floats[4],
+    }
+    if kl is not None:
+        stats["kl"] = floats[5]
+    return stats
+
+
+def _finish(
+    pg_loss: Tensor,
+    logp_BT: Tensor,
+    ref_logp_BT: Tensor | None,
+    m_BT: Tensor,
+    *,
+    kl_coef: float,
+    normalizer: float | Tensor,
+    per_sequence: bool,
+    loss_scale: float,
+    ratio_U: Tensor,
+    clip_active_U: Tensor,
+) -> tuple[Tensor, dict[str, float]]:
+    loss = pg_loss
+    kl_stat = None
+    if ref_logp_BT is not None:
+        kl_loss, kl_stat = _kl_term(logp_BT, ref_logp_BT, m_BT, normalizer, per_sequence)
+        if kl_coef > 0:
+            loss = loss + kl_coef * kl_loss  # L = L_pg + beta * KL
+    stats = _stats(ratio_U, clip_active_U, pg_loss, kl_stat)
+    return loss * loss_scale, stats
+
+
+def _sequence_log_ratio(logp_BT: Tensor, old_logp_BT: Tensor, m_BT: Tensor) -> Tensor:
+    # log s_i = sum_t m_it (logp_it - old_it) / max(sum_t m_it, 1)   -- the MEAN, not the sum
+    # (GSPO eq. 7: s_i = (pi(y_i)/pi_old(y_i))^(1/|y_i|), length-normalised)
+    len_B = m_BT.sum(dim=-1).clamp(min=1).to(logp_BT.dtype)
+    log_s_B = _masked_log_ratio(logp_BT, old_logp_BT, m_BT).sum(dim=-1) / len_B
+    return log_s_B.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+
+
+# ----------------------------------------------------------------------------- losses
+
+
+def gspo_loss(
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    adv_B: Tensor,
+    mask_BT: Tensor,
+    *,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    ref_logp_BT: Tensor | None = None,
+    kl_coef: float = 0.0,
+    normalizer: float | None = None,
+    loss_scale: float = 1.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """GSPO, Group Sequence Policy Optimization (arXiv 2507.18071), sequence-level ratio.
+
+    s_i  = exp( sum_t m_it (logp_it - old_it) / sum_t m_it )      (exp of the mean)
+    L    = - sum_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i) / N,   N = #sequences
+    Default eps 3e-4 / 4e-4 as in the paper (sequence ratios stay very close to 1).
+    A row with an all-zero mask contributes 0 (and no NaN). clip_frac is over sequences.
+    """
+    _check_shapes(logp_BT, old_logp_BT, adv_B, mask_BT)
+    m_BT = mask_BT.bool()
+    valid_B = m_BT.any(dim=-1)
+    n = float(logp_BT.shape[0]) if normalizer is None else normalizer
+    adv_B = adv_B.detach().to(logp_BT.dtype)
+
+    s_B = torch.exp(_sequence_log_ratio(logp_BT, old_logp_BT, m_BT))
+    obj_B, clip_active_B = _clipped_objective(s_B, adv_B, eps_low, eps_high)
+    obj_B = torch.where(valid_B, obj_B, torch.zeros_like(obj_B))
+    pg_loss = -obj_B.sum() / n  # -(1/N) sum_i min(s_i A_i, clip(s_i) A_i)
+
+    return _finish(
+        pg_loss,
+        logp_BT,
+        ref_logp_BT,
+        m_BT,
+        kl_coef=kl_coef,
+        normalizer=n,
+        per_sequence=True,
+        loss_scale=loss_scale,
+        ratio_U=s_B[valid_B],
+        clip_active_U=clip_active_B[valid_B],
+    )
+
+
+def gspo_token_loss(
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    adv_B: Tensor,
+    mask_BT: Tensor,
+    *,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    ref_logp_BT: Tensor | None = None,
+    kl_coef: float = 0.0,
+    normalizer: float | None = None,
+    loss_scale: float = 1.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """GSPO-token (arXiv 2507.18071, sec. 4.3): sequence ratio value, per-token gradient path.
+
+    s_it = sg[s_i] * exp(logp_it - sg[logp_it])        (value s_i, d s_it/d logp_it = s_i)
+    L    = - sum_i (1/|y_i|) sum_t m_it min(s_it A_i, clip(s_it) A_i) / N,   N = #sequences
+
+    With one advantage per sequence (adv_B) this equals `gspo_loss` exactly, in value and in
+    gradient: both give dL/dlogp_it = -A_i s_i m_it / (|y_i| N) when the clip is inactive,
+    and 0 when it is active. It only differs once advantages vary per token, which this
+    signature does not take; it is kept as the hook for that. Stats are per sequence.
+    """
+    _check_shapes(logp_BT, old_logp_BT, adv_B, mask_BT)
+    m_BT = mask_BT.bool()
+    valid_B = m_BT.any(dim=-1)
+    n = float(logp_BT.shape[0]) if normalizer is None else normalizer
+    adv_B = adv_B.detach().to(logp_BT.dtype)
+
+    s_B = torch.exp(_sequence_log_ratio(logp_BT, old_logp_BT, m_BT)).detach()  # sg[s_i]
+    lp_BT = torch.where(m_BT, logp_BT, torch.zeros_like(logp_BT))
+    s_BT = s_B[:, None] * torch.exp(lp_BT - lp_BT.detach())  # sg[s_i] exp(logp - sg[logp])
+    obj_BT, _ = _clipped_objective(s_BT, adv_B[:, None], eps_low, eps_high)
+    _, clip_active_B = _clipped_objective(s_B, adv_B, eps_low, eps_high)
+    # (1/|y_i|) sum_t m_it obj_it, 0 for an empty row
+    obj_B = masked_mean(obj_BT, m_BT, dim=-1)
+    pg_loss = -obj_B.sum() / n
+
+    return _finish(
+        pg_loss,
+        logp_BT,
+        ref_logp_BT,
+        m_BT,
+        kl_coef=kl_coef,
+        normalizer=n,
+        per_sequence=True,
+        loss_scale=loss_scale,
+        ratio_U=s_B[valid_B],
+        clip_active_U=clip_active_B[valid_B],
+    )
+
+
+def grpo_loss(
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    adv_B: Tensor,
+    mask_BT: Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    ref_logp_BT: Tensor | None = None,
+    kl_coef: float = 0.0,
+    normalizer: float | None = None,
+    loss_scale: float = 1.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """GRPO with DAPO's token-level loss and clip-higher (arXiv 2503.14476).
+
+    r_it = exp(logp_it - old_it)
+    L    = - sum_{i,t} m_it min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i) / N,
+    N    = number of masked tokens (in the whole minibatch when micro-batching).
+    Every token weighs the same, so long sequences are not down-weighted (DAPO sec. 3.3).
+    The KL term is a token mean as well. clip_frac is over masked tokens.
+    """
+    _check_shapes(logp_BT, old_logp_BT, adv_B, mask_BT)
+    m_BT = mask_BT.bool()
+    n = m_BT.sum().clamp(min=1).to(logp_BT.dtype) if normalizer is None else normalizer
+    adv_B = adv_B.detach().to(logp_BT.dtype)
+
+    log_r_BT = _masked_log_ratio(logp_BT, old_logp_BT, m_BT).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    r_BT = torch.exp(log_r_BT)
+    obj_BT, clip_active_BT = _clipped_objective(r_BT, adv_B[:, None], eps_low, eps_high)
+    pg_loss = -masked_sum(obj_BT, m_BT) / n
+
+    return _finish(
+        pg_loss,
+        logp_BT,
+        ref_logp_BT,
+        m_BT,
+        kl_coef=kl_coef,
+        normalizer=n,
+        per_sequence=False,
+        loss_scale=loss_scale,
+        ratio_U=r_BT[m_BT],
+        clip_active_U=clip_active_BT[m_BT],
+    )
+
+
+def dr_grpo_loss(
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    adv_B: Tensor,
+    mask_BT: Tensor,
+    *,
+    max_tokens: int,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    ref_logp_BT: Tensor | None = None,
+    kl_coef: float = 0.0,
+    normalizer: float | None = None,
+    loss_scale: float = 1.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """Dr.GRPO (arXiv 2503.20783): token ratios, constant length normaliser.
+
+    r_it = exp(logp_it - old_it)
+    L    = - sum_i [ sum_t m_it min(r_it A_i, clip(r_it) A_i) / max_tokens ] / N,
+    N    = number of sequences. Dividing by a constant (e.g. the generation budget) instead
+    of |y_i| removes GRPO's length bias (long wrong answers penalised less per token).
+    `max_tokens` is required and must be the same for every micro-batch. The KL term is a
+    per-sequence mean. Clip defaults follow grpo_loss (clip-higher); clip_frac is per token.
+    """
+    _check_shapes(logp_BT, old_logp_BT, adv_B, mask_BT)
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
+    m_BT = mask_BT.bool()
+    n = float(logp_BT.shape[0]) if normalizer is None else normalizer
+    adv_B = adv_B.detach().to(logp_BT.dtype)
+
+    log_r_BT = _masked_log_ratio(logp_BT, old_logp_BT, m_BT).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    r_BT = torch.exp(log_r_BT)
+    obj_BT, clip_active_BT = _clipped_objective(r_BT, adv_B[:, None], eps_low, eps_high)
+    pg_loss = -masked_sum(obj_BT, m_BT) / max_tokens / n
+
+    return _finish(
+        pg_loss,
+        logp_BT,
+        ref_logp_BT,
+        m_BT,
+        kl_coef=kl_coef,
+        normalizer=n,
+        per_sequence=True,
+        loss_scale=loss_scale,
+        ratio_U=r_BT[m_BT],
+        clip_active_U=clip_active_BT[m_BT],
+    )
+
+
+LOSSES: dict[str, LossFn] = {
+    "gspo": gspo_loss,
+    "gspo_token": gspo_token_loss,
+    "grpo": grpo_loss,
+    "dr_grpo": dr_grpo_loss,
+}

@@ -1,0 +1,180 @@
+"""`looprl` command line: run, eval, envs, config."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from looprl.errors import LoopRLError
+
+app = typer.Typer(
+    help="Agentic RL post-training on one machine: baseline → post-train → retest.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+envs_app = typer.Typer(help="List, show and check environments.", invoke_without_command=True)
+config_app = typer.Typer(help="Show the resolved config and describe every field.")
+app.add_typer(envs_app, name="envs")
+app.add_typer(config_app, name="config")
+
+console = Console()
+err_console = Console(stderr=True)
+
+ConfigArg = Annotated[Optional[Path], typer.Argument(help="YAML config file (optional).")]
+SetOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", "-s", help="Override a config field: section.field=value (repeatable)."),
+]
+
+
+def fail(message: str, code: int = 2) -> None:
+    err_console.print("[bold red]error:[/] ", end="")
+    err_console.print(message, markup=False, highlight=False)
+    raise typer.Exit(code)
+
+
+def guarded(fn: Any) -> Any:
+    """Turn looprl's own errors into a clear message and exit code 2 (no traceback)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except LoopRLError as err:
+            fail(str(err))
+
+    return wrapper
+
+
+# ---------------------------------------------------------------- run / eval
+
+
+@app.command()
+@guarded
+def run(
+    config: ConfigArg = None,
+    set_: SetOpt = None,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Run folder.")] = Path("runs/latest"),
+    force: Annotated[bool, typer.Option(help="Overwrite an existing run folder.")] = False,
+    resume: Annotated[bool, typer.Option(help="Continue the run in --out.")] = False,
+) -> None:
+    """Baseline eval → GSPO post-training → retest on the same tasks → report."""
+    from looprl.config import load_config
+    from looprl.train import run_training
+
+    cfg = load_config(config, set_)
+    run_training(cfg, out, force=force, resume=resume)
+
+
+@app.command("eval")
+@guarded
+def eval_cmd(
+    config: ConfigArg = None,
+    set_: SetOpt = None,
+    checkpoint: Annotated[
+        Optional[Path], typer.Option(help="A checkpoint folder of a run to evaluate.")
+    ] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Write the EvalResult JSON here.")] = None,
+) -> None:
+    """Evaluate a model (or a run's checkpoint) on the env's held-out tasks."""
+    from looprl.config import load_config
+    from looprl.train import run_eval
+
+    cfg = load_config(config, set_)
+    result = run_eval(cfg, checkpoint=checkpoint, out=out)
+    console.print_json(json.dumps(result))
+
+
+# ---------------------------------------------------------------- envs
+
+
+@envs_app.callback()
+@guarded
+def envs_list(ctx: typer.Context) -> None:
+    """List environments with a one-line description."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from looprl.envs import list_envs
+
+    table = Table("environment", "description")
+    for name, description in list_envs().items():
+        table.add_row(name, description)
+    console.print(table)
+
+
+@envs_app.command("show")
+@guarded
+def envs_show(
+    name: Annotated[str, typer.Argument(help="Environment name.")],
+    seed: Annotated[int, typer.Option(help="Pick the task with this seed.")] = 0,
+    split: Annotated[str, typer.Option(help="train or eval.")] = "train",
+    model: Annotated[str, typer.Option(help="Whose tokenizer renders it.")] = "smollm2-135m",
+    arg: Annotated[
+        Optional[list[str]], typer.Option("--arg", help="Env argument key=value (repeatable).")
+    ] = None,
+) -> None:
+    """Print one task exactly as the model sees it: rendered prompt and tool schemas."""
+    import yaml
+
+    from looprl.chat import ChatRenderer
+    from looprl.envs import make_env
+    from looprl.models import load_tokenizer
+
+    args = {}
+    for item in arg or []:
+        key, _, value = item.partition("=")
+        args[key] = yaml.safe_load(value)
+    env = make_env(name, args)
+    task = env.tasks(split, n=1, seed=seed)[0]
+    obs = env.reset(task)
+    renderer = ChatRenderer(load_tokenizer(model), model_name=model)
+    ids = renderer.prompt_ids(obs.messages, obs.tools)
+    console.rule(f"{name} · task {task.id} · tool_choice={obs.tool_choice}")
+    console.print(
+        f"tools reach the prompt: {'native template' if renderer.native_tools else 'fallback system block'}"
+        f" · call syntax: {renderer.format} · prompt tokens: {len(ids)}",
+        highlight=False,
+    )
+    console.rule("rendered prompt")
+    console.print(renderer.tokenizer.decode(ids), markup=False, highlight=False)
+    console.rule("tool schemas")
+    console.print_json(json.dumps(obs.tools))
+
+
+# ---------------------------------------------------------------- config
+
+
+@config_app.command("show")
+@guarded
+def config_show(config: ConfigArg = None, set_: SetOpt = None) -> None:
+    """Print the fully resolved config as YAML."""
+    from looprl.config import load_config, to_yaml
+
+    sys.stdout.write(to_yaml(load_config(config, set_)))
+
+
+@config_app.command("fields")
+def config_fields() -> None:
+    """Every config field with its default and a one-line description."""
+    from looprl.config import describe_fields
+
+    table = Table("key", "default", "description")
+    for key, default, description in describe_fields():
+        table.add_row(key, default, description)
+    console.print(table)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Rollout engines: turn prompt token ids into sampled completion ids + logprobs.
+
+The protocol is small on purpose, so a vLLM engine (GPU) or a remote engine can take the
+place of the default `hf` engine without touching the rollout or the trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 64
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)  # extra stop strings (EOS always stops)
+
+
+@dataclass
+class ToolConstraint:
+    """Forces the completion to be a valid call: `tool_choice` is "required" (any of
+    `tools`) or the name of one tool. `fmt` is the model's call syntax."""
+
+    tools: list[dict[str, Any]]
+    tool_choice: str
+    fmt: str
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    constraint: ToolConstraint | None = None
+
+
+@dataclass
+class Completion:
+    ids: list[int]
+    logprobs: list[float]  # unconstrained policy logprob of each sampled token
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+
+
+class RolloutEngine(Protocol):
+    def generate(
+        self, requests: list[GenerationRequest], params: SamplingParams
+    ) -> list[Completion]: ...
+
+    def load_weights(self, state_dict: dict[str, Any] | None = None) -> None:
+        """Make the next `generate` sample from the current policy."""
+        ...

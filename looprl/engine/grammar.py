@@ -1,0 +1,104 @@
+"""Constrained decoding for forced tool calls, with xgrammar.
+
+The grammar is the whole assistant reply: exactly one call of an allowed tool, in the
+model's call syntax, whose arguments satisfy the tool's JSON schema, then EOS. JSON is
+generated without free whitespace (`", "` and `": "` separators, as `json.dumps`
+writes them), so the forced reply costs as few tokens as possible.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from typing import Any
+
+from looprl.engine import ToolConstraint
+from looprl.errors import ChatError
+
+
+def _function(tool: dict[str, Any]) -> dict[str, Any]:
+    return tool.get("function", tool)
+
+
+def call_schema(constraint: ToolConstraint, args_key: str = "arguments") -> dict[str, Any]:
+    """JSON schema of one call object {"name": ..., args_key: {...}} of an allowed tool."""
+    options = []
+    for tool in constraint.tools:
+        fn = _function(tool)
+        if constraint.tool_choice not in ("required", fn["name"]):
+            continue
+        options.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": fn["name"]},
+                    args_key: fn.get("parameters") or {"type": "object"},
+                },
+                "required": ["name", args_key],
+                "additionalProperties": False,
+            }
+        )
+    if not options:
+        raise ChatError(f"tool_choice {constraint.tool_choice!r} names no tool in the schemas")
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def _literal(text: str) -> str:
+    return "root ::= " + json.dumps(text)
+
+
+def build_grammar(constraint: ToolConstraint) -> Any:
+    import xgrammar as xgr
+
+    def schema(key: str) -> Any:
+        return xgr.Grammar.from_json_schema(
+            json.dumps(call_schema(constraint, key)), any_whitespace=False
+        )
+
+    if constraint.fmt == "hermes":
+        parts = [
+            xgr.Grammar.from_ebnf(_literal("<tool_call>\n")),
+            schema("arguments"),
+            xgr.Grammar.from_ebnf(_literal("\n</tool_call>")),
+        ]
+    elif constraint.fmt == "llama3":
+        parts = [schema("parameters")]
+    elif constraint.fmt == "mistral":
+        parts = [
+            xgr.Grammar.from_ebnf(_literal("[TOOL_CALLS][")),
+            schema("arguments"),
+            xgr.Grammar.from_ebnf(_literal("]")),
+        ]
+    else:
+        raise ChatError(
+            f"forced tool calls are not available for the {constraint.fmt!r} call syntax; "
+            "use tool_choice=auto or a hermes/llama3/mistral model"
+        )
+    return xgr.Grammar.concat(*parts)
+
+
+class GrammarCache:
+    """Compiles each distinct constraint once per tokenizer."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        import xgrammar as xgr
+
+        self.info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
+        )
+        self.compiler = xgr.GrammarCompiler(self.info)
+        self._compile = lru_cache(maxsize=64)(self._compile_key)
+
+    def _compile_key(self, key: str) -> Any:
+        data = json.loads(key)
+        constraint = ToolConstraint(tools=data["tools"], tool_choice=data["choice"], fmt=data["fmt"])
+        return self.compiler.compile_grammar(build_grammar(constraint))
+
+    def matcher(self, constraint: ToolConstraint) -> Any:
+        import xgrammar as xgr
+
+        key = json.dumps(
+            {"tools": constraint.tools, "choice": constraint.tool_choice, "fmt": constraint.fmt},
+            sort_keys=True,
+        )
+        return xgr.GrammarMatcher(self._compile(key))

@@ -1,0 +1,144 @@
+"""Rollouts: drive many episodes at once through the engine and their environments.
+
+Token-in/token-out: an episode's `token_ids` only ever grow by appending. The sampled
+completion ids go in as they are (loss mask 1, with their sampling logprobs); the
+environment's reply is rendered by the chat layer into the ids that continue the
+conversation (loss mask 0). Every live episode's next model call is batched together.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from looprl.chat import ChatRenderer
+from looprl.engine import GenerationRequest, RolloutEngine, SamplingParams, ToolConstraint
+from looprl.types import ENV_ERROR, TRUNCATED, Episode, Message, Observation, Task, Turn
+
+
+@dataclass
+class _Live:
+    """An episode in progress: its environment, conversation and token record."""
+
+    env: Any
+    episode: Episode
+    obs: Observation
+    history: list[Message] = field(default_factory=list)
+
+
+def _fail(live: _Live, err: BaseException) -> None:
+    """A bug inside the environment: this episode only is marked and left out of the loss."""
+    ep = live.episode
+    ep.outcome = ENV_ERROR
+    ep.reward = 0.0
+    ep.error = "".join(traceback.format_exception(type(err), err, err.__traceback__))[-4000:]
+
+
+def _start(task: Task, make_env: Callable[[], Any], renderer: ChatRenderer) -> _Live:
+    env = make_env()
+    episode = Episode(task=task, messages=[], token_ids=[], loss_mask=[], logprobs=[])
+    live = _Live(env=env, episode=episode, obs=Observation(messages=[], tools=[]))
+    try:
+        live.obs = env.reset(task)
+    except Exception as err:
+        _fail(live, err)
+        return live
+    live.history = list(live.obs.messages)
+    prompt = renderer.prompt_ids(live.history, live.obs.tools)
+    _append(episode, prompt, mask=0)
+    return live
+
+
+def _append(episode: Episode, ids: list[int], mask: int, logprobs: list[float] | None = None) -> None:
+    episode.token_ids.extend(ids)
+    episode.loss_mask.extend([mask] * len(ids))
+    episode.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+
+
+def _request(live: _Live, renderer: ChatRenderer) -> GenerationRequest:
+    choice = live.obs.tool_choice
+    constraint = None
+    if choice not in ("auto", "none") and live.obs.tools:
+        constraint = ToolConstraint(live.obs.tools, choice, renderer.format)
+    return GenerationRequest(prompt_ids=list(live.episode.token_ids), constraint=constraint)
+
+
+def run_episodes(
+    tasks: list[Task],
+    make_env: Callable[[], Any],
+    engine: RolloutEngine,
+    renderer: ChatRenderer,
+    params: SamplingParams,
+    max_turns: int,
+    max_episode_tokens: int,
+) -> list[Episode]:
+    """Play one episode per entry of `tasks` (repeat a task for a group) and return them
+    in the same order. Malformed model output is an outcome; an environment that raises
+    ends only its own episode with outcome `env_error`."""
+    lives = [_start(task, make_env, renderer) for task in tasks]
+    active = [lv for lv in lives if lv.episode.outcome != ENV_ERROR]
+    turn = 0
+    while active:
+        room = [max_episode_tokens - len(lv.episode.token_ids) for lv in active]
+        for lv, left in zip(active, room):
+            if left <= 0:
+                lv.episode.outcome = TRUNCATED
+        active = [lv for lv in active if lv.episode.outcome != TRUNCATED]
+        if not active:
+            break
+        turn_params = replace(
+            params,
+            max_new_tokens=min(params.max_new_tokens, min(max(r, 1) for r in room)),
+            seed=None if params.seed is None else params.seed + 7919 * turn,
+        )
+        completions = engine.generate([_request(lv, renderer) for lv in active], turn_params)
+        still: list[_Live] = []
+        for lv, completion in zip(active, completions):
+            if _advance(lv, completion, renderer, last_turn=turn + 1 >= max_turns):
+                still.append(lv)
+        active = still
+        turn += 1
+    for lv in lives:
+        lv.episode.messages = lv.history
+    return [lv.episode for lv in lives]
+
+
+def _advance(live: _Live, completion: Any, renderer: ChatRenderer, last_turn: bool) -> bool:
+    """Record one completion, let the environment answer; True if the episode goes on."""
+    ep = live.episode
+    text = renderer.decode(completion.ids)
+    ep.turns.append(
+        Turn(
+            prompt_ids=list(ep.token_ids),
+            completion_ids=list(completion.ids),
+            completion_logprobs=list(completion.logprobs),
+            text=text,
+            finish_reason=completion.finish_reason,
+        )
+    )
+    _append(ep, completion.ids, mask=1, logprobs=completion.logprobs)
+    message = renderer.assistant_message(
+        text, live.obs.tools, require_call=bool(live.obs.tools) and live.obs.tool_choice != "none"
+    )
+    live.history.append(message)
+    try:
+        result = live.env.step(message)
+    except Exception as err:
+        _fail(live, err)
+        return False
+    ep.reward = float(result.reward)
+    ep.info = dict(result.info)
+    if result.done or last_turn:
+        live.history.extend(result.messages)
+        ep.outcome = (result.outcome or "done") if result.done else TRUNCATED
+        return False
+    try:
+        more = renderer.continuation_ids(live.history, result.messages, live.obs.tools, completion.ids)
+    except Exception as err:
+        _fail(live, err)
+        return False
+    live.history.extend(result.messages)
+    _append(ep, more, mask=0)
+    return True

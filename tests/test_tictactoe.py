@@ -1,0 +1,378 @@
+"""Tic-tac-toe: exact minimax, move scoring, task pools and both environments end to end."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+
+from looprl.envs.base import Environment, demonstrations
+from looprl.envs.tictactoe import (
+    CHOOSE_SQUARE_TOOL,
+    EMPTY_BOARD,
+    ENVIRONMENTS,
+    TicTacToeGame,
+    TicTacToeMove,
+    best_moves,
+    expert_move,
+    legal_moves,
+    other,
+    play,
+    positions,
+    render_board,
+    score_move,
+    to_move,
+    winner,
+)
+from looprl.errors import EnvError
+from looprl.types import PARSE_FAILURES, Message, Task, ToolCall
+
+N_POSITIONS = 2423  # unfinished, X to move, reachable from the empty board
+
+
+# ------------------------------------------------------------------ exhaustive minimax
+
+
+def _reachable() -> set[str]:
+    seen, stack = set(), [EMPTY_BOARD]
+    while stack:
+        board = stack.pop()
+        if board not in seen:
+            seen.add(board)
+            stack.extend(play(board, m, to_move(board)) for m in legal_moves(board))
+    return seen
+
+
+REACHABLE = _reachable()
+
+
+def _result(board: str, player: str) -> int | None:
+    """Final result for `player` if the game is over: +1 / 0 / -1, else None."""
+    won = winner(board)
+    if won is not None:
+        return 1 if won == player else -1
+    return 0 if "." not in board else None
+
+
+def _solve(board: str, memo: dict[str, int]) -> int:
+    """Independent plain negamax: value for the player to move."""
+    if board not in memo:
+        done = _result(board, to_move(board))
+        if done is not None:
+            memo[board] = done
+        else:
+            p = to_move(board)
+            memo[board] = max(-_solve(play(board, m, p), memo) for m in legal_moves(board))
+    return memo[board]
+
+
+def test_reachable_position_count() -> None:
+    assert len(REACHABLE) == 5478  # the well-known count of legal tic-tac-toe positions
+
+
+def test_best_moves_match_independent_solver() -> None:
+    memo: dict[str, int] = {}
+    for board in REACHABLE:
+        p = to_move(board)
+        moves = legal_moves(board)
+        values = {m: -_solve(play(board, m, p), memo) for m in moves}
+        top = max(values.values(), default=None)
+        assert best_moves(board, p) == [m for m in moves if values[m] == top], board
+
+
+def test_minimax_player_never_does_worse_than_the_game_value() -> None:
+    """Every best move x every opponent reply, from every reachable unfinished position."""
+    solved: dict[str, int] = {}
+    worst: dict[tuple[str, str], int] = {}
+
+    def worst_case(board: str, me: str) -> int:
+        key = (board, me)
+        if key not in worst:
+            done = _result(board, me)
+            if done is not None:
+                worst[key] = done
+            elif to_move(board) == me:
+                worst[key] = min(worst_case(play(board, m, me), me) for m in best_moves(board, me))
+            else:
+                worst[key] = min(
+                    worst_case(play(board, m, other(me)), me) for m in legal_moves(board)
+                )
+        return worst[key]
+
+    checked = 0
+    for board in REACHABLE:
+        if _result(board, "X") is None:
+            me = to_move(board)
+            value = _solve(board, solved)
+            assert worst_case(board, me) == value, board
+            checked += 1
+    assert checked > 4000
+    assert worst_case(EMPTY_BOARD, "X") == 0 and worst_case(play(EMPTY_BOARD, 5, "X"), "O") == 0
+
+
+def test_minimax_vs_minimax_always_draws() -> None:
+    results: set[int] = set()
+    seen: set[str] = set()
+    stack = [EMPTY_BOARD]
+    while stack:
+        board = stack.pop()
+        if board in seen:
+            continue
+        seen.add(board)
+        done = _result(board, "X")
+        if done is not None:
+            results.add(done)
+        else:
+            stack.extend(play(board, m, to_move(board)) for m in best_moves(board, to_move(board)))
+    assert results == {0}
+
+
+# ------------------------------------------------------------------------ board helpers
+
+
+def test_winner_legal_moves_to_move() -> None:
+    assert winner(EMPTY_BOARD) is None
+    assert winner("XXXOO....") == "X"
+    assert winner("XX.OOOX.X") == "O"
+    assert winner("O.XOX.X..") == "X"  # anti-diagonal
+    assert winner("XOXXOOOXX") is None  # full board, draw
+    assert legal_moves(EMPTY_BOARD) == list(range(1, 10))
+    assert legal_moves("X...O...X") == [2, 3, 4, 6, 7, 8]
+    assert legal_moves("XXXOO....") == []  # game over
+    assert to_move(EMPTY_BOARD) == "X" and to_move("X........") == "O"
+    assert to_move("XO.......") == "X"
+
+
+def test_score_move() -> None:
+    assert score_move("XX.OO....", 3) == 1.0  # immediate win
+    assert score_move("XX.OO....", 7) == 0.0  # lets O win at 6
+    # O threatens 3, X has no threat: blocking is the only optimal move.
+    assert best_moves("OO.X...X.", "X") == [3]
+    assert score_move("OO.X...X.", 3) == 0.8
+    assert score_move("OO.X...X.", 9) == 0.0
+    assert score_move(EMPTY_BOARD, 5) == 0.8  # every opening draws
+    for bad in (None, 0, 10, -3, "5", 5.0, True, 1):  # square 1 is occupied
+        assert score_move("OO.X...X.", bad) == -1.0
+
+
+def test_expert_move_prefers_immediate_win() -> None:
+    board = "X.XOO.X.O"  # X wins at 2 now; other moves may also win later
+    assert expert_move(board, "X") == 2
+    assert expert_move("OO.X...X.", "X") == 3
+
+
+def test_render_board() -> None:
+    expected = " X | 2 | O\n---+---+---\n 4 | X | 6\n---+---+---\n O | 8 | 9"
+    assert render_board("X.O.X.O..") == expected
+
+
+def test_positions() -> None:
+    everything = positions(N_POSITIONS)
+    assert len(set(everything)) == N_POSITIONS
+    assert EMPTY_BOARD in everything
+    assert set(everything) == {
+        b for b in REACHABLE if to_move(b) == "X" and winner(b) is None and "." in b
+    }
+    for b in everything:
+        assert b.count("X") == b.count("O") and winner(b) is None and "." in b
+    assert positions(100) == positions(100) == everything[:100]
+    assert positions(100, seed=1) != positions(100)
+    assert sorted(positions(N_POSITIONS, seed=1)) == sorted(everything)
+    with pytest.raises(ValueError, match="2423"):
+        positions(N_POSITIONS + 1)
+
+
+def test_tool_schema() -> None:
+    fn = CHOOSE_SQUARE_TOOL["function"]
+    assert fn["name"] == "choose_square"
+    assert fn["parameters"]["required"] == ["square"]
+    assert fn["parameters"]["properties"]["square"]["maximum"] == 9
+
+
+# ----------------------------------------------------------------------- move env
+
+
+def _call(square: object, call_id: str | None = "c1") -> Message:
+    return Message("assistant", tool_calls=[ToolCall("choose_square", {"square": square}, call_id)])
+
+
+def test_registry_and_protocol() -> None:
+    assert len(ENVIRONMENTS) == 2 and ENVIRONMENTS["tictactoe-move"] is TicTacToeMove
+    assert ENVIRONMENTS["tictactoe-game"] is TicTacToeGame
+    for cls in ENVIRONMENTS.values():
+        env = cls()
+        assert isinstance(env, Environment)
+        assert env.name in ENVIRONMENTS and env.description
+
+
+def test_move_tasks_splits_and_determinism() -> None:
+    env = TicTacToeMove()
+    ev, tr = env.tasks("eval"), env.tasks("train")
+    assert len(ev) == 256 and len(tr) == 2048 - 256
+    assert [t.data["board"] for t in ev] == positions()[:256]
+    assert not {t.id for t in ev} & {t.id for t in tr}
+    assert env.tasks("train", n=32, seed=3) == TicTacToeMove().tasks("train", n=32, seed=3)
+    assert env.tasks("train", n=32, seed=3) != env.tasks("train", n=32, seed=4)
+    assert len({t.id for t in env.tasks("eval", n=256, seed=9)}) == 256
+    small = TicTacToeMove(eval_size=3, pool_size=10)
+    counts = Counter(t.id for t in small.tasks("eval", n=7, seed=1))
+    assert len(counts) == 3 and sorted(counts.values()) == [2, 2, 3]  # cycles evenly
+    with pytest.raises(EnvError, match="split"):
+        env.tasks("test")
+
+
+def test_move_outcomes_all_reachable() -> None:
+    env = TicTacToeMove()
+    task = Task("t", {"board": "XX.OO...."})
+    expected = {3: ("win", 1.0), 7: ("legal", 0.0), 4: ("illegal", -1.0)}
+    for square, (outcome, reward) in expected.items():
+        obs = env.reset(task)
+        assert obs.tools == [CHOOSE_SQUARE_TOOL] and obs.tool_choice == "required"
+        assert render_board("XX.OO....") in obs.messages[-1].content
+        res = env.step(_call(square))
+        assert (res.done, res.outcome, res.reward) == (True, outcome, reward)
+        assert res.info["square"] == square and res.info["best_moves"] == [3]
+    env.reset(Task("t", {"board": "OO.X...X."}))
+    assert env.step(_call(3)).outcome == "optimal"
+    for failure in PARSE_FAILURES:
+        env.reset(task)
+        res = env.step(Message("assistant", parse_failure=failure))
+        assert (res.done, res.outcome, res.reward) == (True, failure, -1.0)
+    env.reset(task)
+    two = Message("assistant", tool_calls=[_call(3).tool_calls[0], _call(4).tool_calls[0]])
+    assert env.step(two).outcome == "win"  # the first call counts
+    env.reset(task)
+    assert env.step(Message("assistant")).outcome == "no_tool_call"
+    with pytest.raises(EnvError, match="step"):
+        env.step(_call(3))  # episode already over
+
+
+def test_move_demonstrations_are_optimal() -> None:
+    env = TicTacToeMove()
+    for task in env.tasks("eval") + env.tasks("train", n=200):
+        (msg,) = demonstrations(env, task)
+        env.reset(task)
+        assert env.step(msg).reward >= 0.8
+
+
+# ----------------------------------------------------------------------- game env
+
+
+def _last_board(text: str) -> str:
+    cells = re.findall(r"^ (\S) \| (\S) \| (\S)$", text, flags=re.MULTILINE)[-3:]
+    return "".join(c if c in "XO" else "." for row in cells for c in row)
+
+
+def _play(env: TicTacToeGame, task: Task, agent) -> tuple[list, object]:
+    """Run one game with `agent(board, mark) -> square`; returns (all messages, last result)."""
+    obs = env.reset(task)
+    mark = task.data["agent"]
+    transcript, board = list(obs.messages), _last_board(obs.messages[-1].content)
+    for turn in range(env.max_turns):
+        msg = _call(agent(board, mark), f"call-{turn}")
+        res = env.step(msg)
+        transcript += [msg, *res.messages]
+        if res.done:
+            return transcript, res
+        (tool_msg,) = res.messages
+        assert tool_msg.role == "tool" and tool_msg.tool_call_id == f"call-{turn}"
+        board = _last_board(tool_msg.content)
+    raise AssertionError("game did not end within max_turns")
+
+
+def _lowest(board: str, mark: str) -> int:
+    return legal_moves(board)[0]
+
+
+def test_game_outcomes_all_reachable() -> None:
+    seen = Counter()
+    for opponent, agent in (("random", expert_move), ("minimax", expert_move)):
+        env = TicTacToeGame(opponent=opponent)
+        for task in env.tasks("eval"):
+            _, res = _play(env, task, agent)
+            seen[res.outcome] += 1
+            assert res.outcome != "loss"  # the expert never loses
+            if opponent == "minimax":
+                assert res.outcome == "draw" and res.reward == 0.0
+            assert res.messages and res.messages[0].role == "tool"  # the end is shown
+            assert res.info["board"] == _last_board(res.messages[0].content)
+    assert seen["win"] > 0
+    env = TicTacToeGame(opponent="minimax", agent_plays="X")
+    _, res = _play(env, env.tasks("eval")[0], _lowest)
+    assert (res.outcome, res.reward) == ("loss", -1.0)
+    assert winner(res.info["board"]) == "O"
+
+
+def test_game_illegal_moves() -> None:
+    env = TicTacToeGame(agent_plays="O")
+    task = env.tasks("eval")[0]
+    opened = env.reset(task)
+    first = re.search(r"opened on (\d)", opened.messages[-1].content)
+    res = env.step(_call(int(first.group(1))))
+    assert (res.done, res.outcome, res.reward) == (True, "illegal", -1.0)
+    assert res.info["failure"] == "occupied" and res.messages[0].tool_call_id == "c1"
+    for square, failure in ((10, "out_of_range"), (0, "out_of_range"), ("5", "bad_arguments")):
+        env.reset(task)
+        res = env.step(_call(square))
+        assert res.outcome == "illegal" and res.info["failure"] == failure
+    for failure in PARSE_FAILURES:
+        env.reset(task)
+        res = env.step(Message("assistant", parse_failure=failure))
+        assert (res.outcome, res.info["failure"], res.messages) == ("illegal", failure, [])
+
+
+def test_game_tasks_and_agent_marks() -> None:
+    env = TicTacToeGame()
+    ev = env.tasks("eval")
+    assert [t.id for t in ev] == [f"game-eval-{i}" for i in range(64)]
+    assert [t.data["agent"] for t in ev[:4]] == ["X", "O", "X", "O"]
+    assert all(t.data["opponent"] == "mixed:0.5" for t in ev)
+    tr = env.tasks("train", n=500, seed=0)
+    assert len({t.id for t in tr}) == 500
+    assert not {t.seed for t in ev} & {t.seed for t in tr}
+    assert not {t.id for t in ev} & {t.id for t in tr}
+    assert tr == TicTacToeGame().tasks("train", n=500, seed=0)
+    assert tr != env.tasks("train", n=500, seed=1)
+    assert env.tasks("eval", n=10, seed=5) == env.tasks("eval", n=10, seed=5)
+    assert {t.data["agent"] for t in TicTacToeGame(agent_plays="O").tasks("eval")} == {"O"}
+    with pytest.raises(EnvError, match="pass n"):
+        env.tasks("train")
+
+
+def test_game_replays_are_identical() -> None:
+    env = TicTacToeGame(opponent="mixed:0.5")
+    finals = set()
+    for task in env.tasks("eval", n=16) + env.tasks("train", n=16, seed=2):
+        a, res_a = _play(env, task, _lowest)
+        b, res_b = _play(TicTacToeGame(opponent="mixed:0.5"), task, _lowest)
+        assert a == b and res_a == res_b
+        finals.add(res_a.info["board"])
+    assert len(finals) > 1  # the opponent is not the same game every time
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "needle"),
+    [
+        (TicTacToeGame, {"opponent": "smart"}, "opponent='smart'"),
+        (TicTacToeGame, {"opponent": "mixed:1.5"}, "0 <= P <= 1"),
+        (TicTacToeGame, {"opponent": "mixed:abc"}, "mixed:P"),
+        (TicTacToeGame, {"agent_plays": "Z"}, "agent_plays='Z'.*X, O, alternate"),
+        (TicTacToeGame, {"tool_choice": "sometimes"}, "tool_choice='sometimes'.*auto, required"),
+        (TicTacToeGame, {"max_turns": 4}, "max_turns=4"),
+        (TicTacToeGame, {"eval_size": 0}, "eval_size=0"),
+        (TicTacToeMove, {"tool_choice": "sometimes"}, "tool_choice='sometimes'"),
+        (TicTacToeMove, {"pool_size": 5000}, "pool_size=5000.*2423"),
+        (TicTacToeMove, {"eval_size": 2048}, "eval_size=2048"),
+        (TicTacToeMove, {"pool_seed": "x"}, "pool_seed='x'"),
+    ],
+)
+def test_constructor_validation(cls: type, kwargs: dict, needle: str) -> None:
+    with pytest.raises(EnvError, match=needle):
+        cls(**kwargs)
+
+
+def test_tool_choice_auto_and_custom_prompt() -> None:
+    env = TicTacToeGame(tool_choice="auto", system_prompt="Be brief.")
+    obs = env.reset(env.tasks("eval")[0])
+    assert obs.tool_choice == "auto" and obs.messages[0].content == "Be brief."
