@@ -1,0 +1,109 @@
+"""Checkpoints: trainable weights + optimizer + scheduler + RNG states + step.
+
+A checkpoint is written into a temporary folder and renamed into place, so a crash in
+the middle of a write leaves the previous checkpoint intact. The newest `keep` are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+PREFIX = "step_"
+
+
+def rng_state() -> dict[str, Any]:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def trainable_state(model: Any) -> dict[str, torch.Tensor]:
+    return {
+        name: p.detach().contiguous().cpu()
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    extra: dict[str, Any],
+    keep: int,
+) -> Path:
+    root = run_dir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
+    try:
+        save_file(trainable_state(model), str(tmp / "trainable.safetensors"))
+        torch.save(
+            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()},
+            tmp / "state.pt",
+        )
+        (tmp / "meta.json").write_text(json.dumps({"step": step, **extra}, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    for old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (temporary folders are never listed)."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(
+        p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / "meta.json").exists()
+    )
+
+
+def load_weights(model: Any, checkpoint: Path) -> dict[str, Any]:
+    """Load a checkpoint's trainable weights into `model`; return its metadata."""
+    state = load_file(str(checkpoint / "trainable.safetensors"))
+    params = dict(model.named_parameters())
+    missing = [name for name in state if name not in params]
+    if missing:
+        raise ValueError(f"checkpoint {checkpoint} does not fit this model: {missing[:3]} ...")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+    return json.loads((checkpoint / "meta.json").read_text())
+
+
+def load_training_state(checkpoint: Path, optimizer: Any, scheduler: Any) -> None:
+    state = torch.load(checkpoint / "state.pt", weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
