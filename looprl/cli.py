@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -12,6 +13,8 @@ from rich.console import Console
 from rich.table import Table
 
 from looprl.errors import LoopRLError
+
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 app = typer.Typer(
     help="Agentic RL post-training on one machine: baseline → post-train → retest.",

@@ -75,6 +75,11 @@ def load_policy(cfg: Config) -> Policy:
     return Policy(model, tokenizer, renderer, engine, device)
 
 
+def prompt_length(mask: list[int]) -> int:
+    """Tokens before the first generated one: the episode's initial prompt."""
+    return mask.index(1) if 1 in mask else len(mask)
+
+
 def sequence_logprobs(
     model: Any,
     sequences: list[list[int]],
@@ -83,35 +88,59 @@ def sequence_logprobs(
     device: torch.device,
     temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token logprobs of the loss-masked tokens of several sequences.
+    """Per-token logprobs of the tokens after each sequence's initial prompt.
 
-    Sequences are left-padded to a common length T so that their ends line up; only the
-    last K positions, which hold every masked (generated) token of every sequence, get
-    logits. This keeps the [B, K, vocab] logits small for long prompts. Left padding with
-    explicit position ids matches the engine, so trainer and engine logprobs agree.
-    Returns logp_BK (with grad if enabled) and mask_BK (bool).
+    Prefix sharing, exact gradients included: the G episodes of a task share their
+    prompt, so each distinct prompt is run once (left-padded, batch U) and its KV cache
+    rows are copied to every episode that uses it (an indexing op, so gradients from all
+    G episodes flow back into the one prompt pass). Then the episodes' suffixes (all
+    turns after the prompt, right-padded) run on top of that cache. Positions follow the
+    engine's convention, so trainer and engine logprobs agree.
+    Returns logp_BS (with grad if enabled) and mask_BS (bool): S covers every suffix.
     """
-    batch = len(sequences)
-    longest = max(len(s) for s in sequences)
-    # K: distance from the first generated token to the end, over the batch
-    window = max(len(s) - m.index(1) for s, m in zip(sequences, masks) if 1 in m)
-    ids_BT = torch.full((batch, longest), pad_id, dtype=torch.long)
-    attention_BT = torch.zeros((batch, longest), dtype=torch.long)
-    mask_BT = torch.zeros((batch, longest), dtype=torch.bool)
-    for row, (seq, m) in enumerate(zip(sequences, masks)):
-        ids_BT[row, longest - len(seq) :] = torch.tensor(seq)
-        attention_BT[row, longest - len(seq) :] = 1
-        mask_BT[row, longest - len(seq) :] = torch.tensor(m, dtype=torch.bool)
-    positions_BT = (attention_BT.cumsum(-1) - 1).clamp(min=0)
-    out = model(
-        input_ids=ids_BT.to(device),
-        attention_mask=attention_BT.to(device),
-        position_ids=positions_BT.to(device),
-        use_cache=False,
-        logits_to_keep=window + 1,
+    starts = [prompt_length(m) for m in masks]
+    unique: dict[tuple[int, ...], int] = {}
+    rows_of = [unique.setdefault(tuple(seq[:st]), len(unique)) for seq, st in zip(sequences, starts)]
+    prompts = list(unique)
+    expand = torch.tensor(rows_of, device=device)
+    longest = max(len(p) for p in prompts)
+    ids_UP = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+    attention_UP = torch.zeros((len(prompts), longest), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids_UP[row, longest - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        attention_UP[row, longest - len(prompt) :] = 1
+    ids_UP, attention_UP = ids_UP.to(device), attention_UP.to(device)
+    positions_UP = (attention_UP.cumsum(-1) - 1).clamp(min=0)
+    prefill = model(
+        input_ids=ids_UP,
+        attention_mask=attention_UP,
+        position_ids=positions_UP,
+        use_cache=True,
+        logits_to_keep=1,
     )
-    # logits at position p predict token p + 1: drop the last position's logits
-    logits_BKV = out.logits[:, :-1, :]
-    targets_BK = ids_BT[:, longest - window :].to(device)
-    logp_BK = token_logprobs(logits_BKV, targets_BK, temperature=temperature)
-    return logp_BK, mask_BT[:, longest - window :].to(device)
+    cache = prefill.cache
+    cache.batch_select_indices(expand)
+
+    suffixes = [seq[st:] for seq, st in zip(sequences, starts)]
+    width = max(len(x) for x in suffixes)
+    batch = len(sequences)
+    ids_BS = torch.full((batch, width), pad_id, dtype=torch.long)
+    attention_BS = torch.zeros((batch, width), dtype=torch.long)
+    mask_BS = torch.zeros((batch, width), dtype=torch.bool)
+    for row, (suffix, m, st) in enumerate(zip(suffixes, masks, starts)):
+        ids_BS[row, : len(suffix)] = torch.tensor(suffix, dtype=torch.long)
+        attention_BS[row, : len(suffix)] = 1
+        mask_BS[row, : len(suffix)] = torch.tensor(m[st:], dtype=torch.bool)
+    ids_BS, attention_BS = ids_BS.to(device), attention_BS.to(device)
+    positions_BS = positions_UP[expand][:, -1:] + 1 + torch.arange(width, device=device)
+    out = model(
+        input_ids=ids_BS,
+        attention_mask=torch.cat([attention_UP[expand], attention_BS], dim=1),
+        position_ids=positions_BS,
+        cache=cache,
+        use_cache=True,
+    )
+    # the prompt's last logits predict suffix token 0; suffix position t predicts t + 1
+    logits_BSV = torch.cat([prefill.logits[expand][:, -1:, :], out.logits[:, :-1, :]], dim=1)
+    logp_BS = token_logprobs(logits_BSV, ids_BS, temperature=temperature)
+    return logp_BS, mask_BS.to(device)

@@ -41,7 +41,7 @@ from looprl.envs import make_env
 from looprl.errors import ConfigError, LoopRLError
 from looprl.evaluate import eval_result, summarize
 from looprl.log import MetricsLogger, write_samples
-from looprl.policy import Policy, load_policy, sequence_logprobs
+from looprl.policy import Policy, load_policy, prompt_length, sequence_logprobs
 from looprl.report import write_report
 from looprl.rollout import run_episodes
 from looprl.types import Episode
@@ -229,11 +229,17 @@ def update_policy(
 
     loss_fn = LOSSES[cfg.algo.name]
     extra = {"max_tokens": cfg.rollout.max_new_tokens * max_turns} if cfg.algo.name == "dr_grpo" else {}
-    order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(cfg.seed * 7 + step))
-    minibatches = [m for m in torch.tensor_split(order, cfg.algo.num_minibatches) if len(m)]
+    # minibatches are made of whole groups (shuffled), so a group's episodes share one
+    # prompt pass (see sequence_logprobs)
+    by_task: dict[str, list[tuple[Episode, float]]] = {}
+    for item in batch:
+        by_task.setdefault(item[0].task.id, []).append(item)
+    groups = list(by_task.values())
+    order = torch.randperm(len(groups), generator=torch.Generator().manual_seed(cfg.seed * 7 + step))
+    splits = [m for m in torch.tensor_split(order, min(cfg.algo.num_minibatches, len(groups))) if len(m)]
     losses, clips, norms, ratio_max = [], [], [], 1.0
-    for indices in minibatches:
-        mb = [batch[i] for i in indices.tolist()]
+    for indices in splits:
+        mb = [item for i in indices.tolist() for item in groups[i]]
         if cfg.algo.name == "grpo":
             normalizer = float(sum(e.response_len for e, _ in mb))
         else:
@@ -284,17 +290,21 @@ def update_policy(
 
 
 def micro_batches(episodes: list[Episode], token_budget: int) -> list[list[Episode]]:
-    """Greedy split so that (rows × longest row) stays within the token budget."""
+    """Greedy split, in order, so that the tokens one forward pass processes stay within
+    the budget: each distinct prompt once plus (rows × longest suffix)."""
     chunks: list[list[Episode]] = []
     current: list[Episode] = []
-    longest = 0
+
+    def cost(chunk: list[Episode]) -> int:
+        prompts = {tuple(e.token_ids[: prompt_length(e.loss_mask)]) for e in chunk}
+        suffix = max(len(e.token_ids) - prompt_length(e.loss_mask) for e in chunk)
+        return sum(len(p) for p in prompts) + len(chunk) * suffix
+
     for episode in episodes:
-        n = len(episode.token_ids)
-        if current and (len(current) + 1) * max(longest, n) > token_budget:
+        if current and cost(current + [episode]) > token_budget:
             chunks.append(current)
-            current, longest = [], 0
+            current = []
         current.append(episode)
-        longest = max(longest, n)
     if current:
         chunks.append(current)
     return chunks

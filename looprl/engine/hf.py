@@ -77,15 +77,20 @@ class HFEngine:
     ) -> list[Completion]:
         batch = len(requests)
         device = self.device
-        longest = max(len(r.prompt_ids) for r in requests)
-        input_ids = torch.full((batch, longest), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((batch, longest), dtype=torch.long)
-        for row, request in enumerate(requests):
-            n = len(request.prompt_ids)
-            input_ids[row, longest - n :] = torch.tensor(request.prompt_ids)
-            attention[row, longest - n :] = 1
+        # Prefix sharing: the G samples of a task have the same prompt. Prefill each
+        # distinct prompt once, then copy its KV rows to every request that uses it.
+        unique: dict[tuple[int, ...], int] = {}
+        rows_of = [unique.setdefault(tuple(r.prompt_ids), len(unique)) for r in requests]
+        prompts = list(unique)
+        longest = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), longest), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(prompts), longest), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, longest - len(prompt) :] = torch.tensor(prompt)
+            attention[row, longest - len(prompt) :] = 1
         input_ids, attention = input_ids.to(device), attention.to(device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        expand = torch.tensor(rows_of, device=device)
         matchers = [
             self.grammars().matcher(r.constraint) if r.constraint is not None else None
             for r in requests
@@ -110,7 +115,12 @@ class HFEngine:
                 logits_to_keep=1,
             )
             cache = out.cache
-            logits_BV = out.logits[:, -1, :].float().cpu()
+            logits_BV = out.logits[:, -1, :].float()
+            if logits_BV.shape[0] != batch:  # after the shared prefill: one row per request
+                cache.batch_select_indices(expand)
+                logits_BV = logits_BV[expand]
+                attention, positions = attention[expand], positions[expand]
+            logits_BV = logits_BV.cpu()
             tokens_B, logp_B = self._sample(logits_BV, params, matchers, bitmask, done, generator)
             for row in range(batch):
                 if done[row]:

@@ -1,0 +1,67 @@
+"""Tiny environments for tests: a one-call task whose best answer is a fixed number."""
+
+from __future__ import annotations
+
+from looprl.types import PARSE_FAILURES, Message, Observation, StepResult, Task
+
+PICK_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "pick",
+        "description": "Pick a number.",
+        "parameters": {
+            "type": "object",
+            "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}},
+            "required": ["n"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+class PickSeven:
+    """Reward 1 for pick(n=7), 0 for another number, -1 for a failed call."""
+
+    name = "pick-seven"
+    description = "Pick the number 7 (a trivial task for learning tests)."
+    outcomes = ("hit", "miss", *PARSE_FAILURES)
+    reward_range = (-1.0, 1.0)
+    max_turns = 1
+
+    def __init__(self, tool_choice: str = "required") -> None:
+        self.tool_choice = tool_choice
+
+    def tasks(self, split: str, n: int | None = None, seed: int = 0) -> list[Task]:
+        offset = 0 if split == "eval" else 10_000
+        return [Task(id=f"{split}-{seed}-{i}", data={}, seed=offset + i) for i in range(n or 8)]
+
+    def reset(self, task: Task) -> Observation:
+        return Observation(
+            messages=[Message(role="user", content="Pick a number from 1 to 9.")],
+            tools=[PICK_TOOL],
+            tool_choice=self.tool_choice,
+        )
+
+    def step(self, message: Message) -> StepResult:
+        if message.parse_failure or not message.tool_calls:
+            return StepResult([], done=True, reward=-1.0, outcome=message.parse_failure)
+        hit = message.tool_calls[0].arguments.get("n") == 7
+        return StepResult([], done=True, reward=1.0 if hit else 0.0, outcome="hit" if hit else "miss")
+
+
+class FlakyPickSeven(PickSeven):
+    """Raises inside `step` for every 10th task: an environment bug, not model output."""
+
+    def __init__(self, every: int = 10) -> None:
+        super().__init__()
+        self.every = every
+        self._task: Task | None = None
+
+    def reset(self, task: Task) -> Observation:
+        self._task = task
+        return super().reset(task)
+
+    def step(self, message: Message) -> StepResult:
+        if self._task is not None and self._task.seed % self.every == 0:
+            raise RuntimeError("simulated environment bug")
+        return super().step(message)
