@@ -64,7 +64,11 @@ def save_checkpoint(
     try:
         save_file(trainable_state(model), str(tmp / "trainable.safetensors"))
         torch.save(
-            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()},
+            {
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "rng": rng_state(),
+            },
             tmp / "state.pt",
         )
         (tmp / "meta.json").write_text(json.dumps({"step": step, **extra}, indent=2))

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import warnings
 import sys
+import warnings
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -30,9 +30,9 @@ app.add_typer(config_app, name="config")
 console = Console()
 err_console = Console(stderr=True)
 
-ConfigArg = Annotated[Optional[Path], typer.Argument(help="YAML config file (optional).")]
+ConfigArg = Annotated[Path | None, typer.Argument(help="YAML config file (optional).")]
 SetOpt = Annotated[
-    Optional[list[str]],
+    list[str] | None,
     typer.Option("--set", "-s", help="Override a config field: section.field=value (repeatable)."),
 ]
 
@@ -83,9 +83,9 @@ def eval_cmd(
     config: ConfigArg = None,
     set_: SetOpt = None,
     checkpoint: Annotated[
-        Optional[Path], typer.Option(help="A checkpoint folder of a run to evaluate.")
+        Path | None, typer.Option(help="A checkpoint folder of a run to evaluate.")
     ] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Write the EvalResult JSON here.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Write the EvalResult JSON here.")] = None,
 ) -> None:
     """Evaluate a model (or a run's checkpoint) on the env's held-out tasks."""
     from looprl.config import load_config
@@ -121,7 +121,7 @@ def envs_show(
     split: Annotated[str, typer.Option(help="train or eval.")] = "train",
     model: Annotated[str, typer.Option(help="Whose tokenizer renders it.")] = "smollm2-135m",
     arg: Annotated[
-        Optional[list[str]], typer.Option("--arg", help="Env argument key=value (repeatable).")
+        list[str] | None, typer.Option("--arg", help="Env argument key=value (repeatable).")
     ] = None,
 ) -> None:
     """Print one task exactly as the model sees it: rendered prompt and tool schemas."""
@@ -142,7 +142,8 @@ def envs_show(
     ids = renderer.prompt_ids(obs.messages, obs.tools)
     console.rule(f"{name} · task {task.id} · tool_choice={obs.tool_choice}")
     console.print(
-        f"tools reach the prompt: {'native template' if renderer.native_tools else 'fallback system block'}"
+        "tools reach the prompt: "
+        f"{'native template' if renderer.native_tools else 'fallback system block'}"
         f" · call syntax: {renderer.format} · prompt tokens: {len(ids)}",
         highlight=False,
     )

@@ -149,7 +149,9 @@ class TrainConfig(Section):
 
 class EvalConfig(Section):
     tasks: int = Field(64, ge=1, description="Held-out tasks for baseline and final eval.")
-    temperature: float = Field(0.0, ge=0, le=5, description="Eval sampling temperature; 0 = greedy.")
+    temperature: float = Field(
+        0.0, ge=0, le=5, description="Eval sampling temperature; 0 = greedy."
+    )
     samples_per_task: int = Field(1, ge=1, description="Episodes per eval task.")
     seed: int = Field(1234, description="Seed of the eval task sample and sampling.")
 
@@ -270,7 +272,9 @@ def _allowed(loc: tuple) -> str:
 # ---------------------------------------------------------------- describing
 
 
-def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+def describe_fields(
+    model: type[BaseModel] = Config, prefix: str = ""
+) -> list[tuple[str, str, str]]:
     """(key, default, description) for every leaf field, in declaration order."""
     rows: list[tuple[str, str, str]] = []
     defaults = model()

@@ -49,9 +49,7 @@ def summarize(episodes: list[Episode]) -> dict[str, Any]:
     }
 
 
-def eval_result(
-    episodes: list[Episode], env: str, model: str, task_seed: int
-) -> dict[str, Any]:
+def eval_result(episodes: list[Episode], env: str, model: str, task_seed: int) -> dict[str, Any]:
     """The EvalResult JSON object of the run-folder contract."""
     stats = summarize(episodes)
     return {

@@ -100,7 +100,9 @@ def sequence_logprobs(
     """
     starts = [prompt_length(m) for m in masks]
     unique: dict[tuple[int, ...], int] = {}
-    rows_of = [unique.setdefault(tuple(seq[:st]), len(unique)) for seq, st in zip(sequences, starts)]
+    rows_of = [
+        unique.setdefault(tuple(seq[:st]), len(unique)) for seq, st in zip(sequences, starts)
+    ]
     prompts = list(unique)
     expand = torch.tensor(rows_of, device=device)
     longest = max(len(p) for p in prompts)

@@ -34,12 +34,24 @@ def write_report(
         "| metric | before | after |",
         "|---|---|---|",
         _row("reward mean [95% CI]", _reward(baseline), _reward(final)),
-        _row("valid tool-call rate", f"{baseline['valid_tool_call_rate']:.1%}", f"{final['valid_tool_call_rate']:.1%}"),
-        _row("response_len (tokens)", f"{baseline['response_len']:.1f}", f"{final['response_len']:.1f}"),
+        _row(
+            "valid tool-call rate",
+            f"{baseline['valid_tool_call_rate']:.1%}",
+            f"{final['valid_tool_call_rate']:.1%}",
+        ),
+        _row(
+            "response_len (tokens)",
+            f"{baseline['response_len']:.1f}",
+            f"{final['response_len']:.1f}",
+        ),
     ]
     for o in outcomes:
         lines.append(
-            _row(f"outcome: {o}", f"{baseline['outcomes'].get(o, 0):.1%}", f"{final['outcomes'].get(o, 0):.1%}")
+            _row(
+                f"outcome: {o}",
+                f"{baseline['outcomes'].get(o, 0):.1%}",
+                f"{final['outcomes'].get(o, 0):.1%}",
+            )
         )
     path = run_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")

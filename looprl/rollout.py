@@ -51,7 +51,9 @@ def _start(task: Task, make_env: Callable[[], Any], renderer: ChatRenderer) -> _
     return live
 
 
-def _append(episode: Episode, ids: list[int], mask: int, logprobs: list[float] | None = None) -> None:
+def _append(
+    episode: Episode, ids: list[int], mask: int, logprobs: list[float] | None = None
+) -> None:
     episode.token_ids.extend(ids)
     episode.loss_mask.extend([mask] * len(ids))
     episode.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
@@ -135,7 +137,9 @@ def _advance(live: _Live, completion: Any, renderer: ChatRenderer, last_turn: bo
         ep.outcome = (result.outcome or "done") if result.done else TRUNCATED
         return False
     try:
-        more = renderer.continuation_ids(live.history, result.messages, live.obs.tools, completion.ids)
+        more = renderer.continuation_ids(
+            live.history, result.messages, live.obs.tools, completion.ids
+        )
     except Exception as err:
         _fail(live, err)
         return False

@@ -77,7 +77,9 @@ def run_training(cfg: Config, out: Path, force: bool = False, resume: bool = Fal
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg))
     start = resume_state(run_dir, policy, optimizer, scheduler) if resume else 0
-    logger = MetricsLogger(run_dir, cfg.logging.tensorboard, cfg.model_dump() if cfg.logging.wandb else None)
+    logger = MetricsLogger(
+        run_dir, cfg.logging.tensorboard, cfg.model_dump() if cfg.logging.wandb else None
+    )
     env_errors = 0
     bad_steps = 0
 
@@ -88,7 +90,9 @@ def run_training(cfg: Config, out: Path, force: bool = False, resume: bool = Fal
         bar = progress.add_task("training", total=cfg.train.steps, completed=start)
         for step in range(start + 1, cfg.train.steps + 1):
             t0 = time.time()
-            tasks = probe.tasks("train", n=cfg.rollout.tasks_per_step, seed=cfg.seed * 1_000_003 + step)
+            tasks = probe.tasks(
+                "train", n=cfg.rollout.tasks_per_step, seed=cfg.seed * 1_000_003 + step
+            )
             params = SamplingParams(
                 temperature=cfg.rollout.temperature,
                 top_p=cfg.rollout.top_p,
@@ -96,24 +100,36 @@ def run_training(cfg: Config, out: Path, force: bool = False, resume: bool = Fal
                 max_new_tokens=cfg.rollout.max_new_tokens,
                 seed=cfg.seed * 1_000_003 + step,
             )
-            episodes = play([t for t in tasks for _ in range(cfg.rollout.group_size)], params=params)
+            episodes = play(
+                [t for t in tasks for _ in range(cfg.rollout.group_size)], params=params
+            )
             rollout_s = time.time() - t0
 
             # feedback → advantages
-            groups = [episodes[i : i + cfg.rollout.group_size] for i in range(0, len(episodes), cfg.rollout.group_size)]
+            groups = [
+                episodes[i : i + cfg.rollout.group_size]
+                for i in range(0, len(episodes), cfg.rollout.group_size)
+            ]
             errors = sum(1 for e in episodes if not e.trainable and e.outcome == "env_error")
             env_errors += errors
             if env_errors > cfg.env.error_budget:
                 save_now(run_dir, step - 1, policy, optimizer, scheduler, cfg)
                 raise LoopRLError(
                     f"{env_errors} episodes ended in env_error (budget env.error_budget="
-                    f"{cfg.env.error_budget}); tracebacks are in {run_dir / 'samples' / 'env_errors.jsonl'}"
+                    f"{cfg.env.error_budget}); tracebacks are in "
+                    f"{run_dir / 'samples' / 'env_errors.jsonl'}"
                 )
             if errors:
-                write_samples(run_dir / "samples" / "env_errors.jsonl", [e for e in episodes if e.error], step)
+                write_samples(
+                    run_dir / "samples" / "env_errors.jsonl", [e for e in episodes if e.error], step
+                )
             rewards = [[e.reward for e in g] for g in groups]
             adv_B, zero_std_G = batch_advantages(rewards, scale=cfg.algo.scale_advantages)
-            keep_G = dynamic_sampling_keep(rewards) if cfg.algo.dynamic_sampling else [True] * len(groups)
+            keep_G = (
+                dynamic_sampling_keep(rewards)
+                if cfg.algo.dynamic_sampling
+                else [True] * len(groups)
+            )
             batch = [
                 (episode, float(adv_B[i * cfg.rollout.group_size + j]))
                 for i, group in enumerate(groups)
@@ -134,7 +150,9 @@ def run_training(cfg: Config, out: Path, force: bool = False, resume: bool = Fal
             metrics = {
                 "step": step,
                 "rollout/rewards_mean": summary["reward_mean"],
-                "rollout/rewards_std": float(np.std([e.reward for e in episodes if e.trainable] or [0.0])),
+                "rollout/rewards_std": float(
+                    np.std([e.reward for e in episodes if e.trainable] or [0.0])
+                ),
                 "response_len": summary["response_len"],
                 "rollout/valid_tool_call_rate": summary["valid_tool_call_rate"],
                 "rollout/env_errors": errors,
@@ -155,7 +173,11 @@ def run_training(cfg: Config, out: Path, force: bool = False, resume: bool = Fal
                 metrics[f"outcomes/{outcome}"] = frac
             logger.log(metrics)
             if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
-                write_samples(run_dir / "samples" / "train.jsonl", episodes[: cfg.logging.samples_per_log], step)
+                write_samples(
+                    run_dir / "samples" / "train.jsonl",
+                    episodes[: cfg.logging.samples_per_log],
+                    step,
+                )
             if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
                 save_now(run_dir, step, policy, optimizer, scheduler, cfg)
             progress.update(
@@ -176,7 +198,9 @@ def run_training(cfg: Config, out: Path, force: bool = False, resume: bool = Fal
 
     # ---- retest on exactly the same tasks and seeds, then report
     final = evaluate(policy, play, eval_tasks, cfg, run_dir, "final")
-    write_report(run_dir, cfg, baseline, final, wall_s=time.time() - started, peak_rss=peak_rss_gb())
+    write_report(
+        run_dir, cfg, baseline, final, wall_s=time.time() - started, peak_rss=peak_rss_gb()
+    )
     return {"baseline": baseline, "final": final, "run_dir": str(run_dir)}
 
 
@@ -217,7 +241,9 @@ def update_policy(
             for row, episode in enumerate(chunk):
                 values = logp_BK[row][mask_BK[row]].float().cpu()
                 old[id(episode)] = values
-                engine = torch.tensor([lp for lp, m in zip(episode.logprobs, episode.loss_mask) if m])
+                engine = torch.tensor(
+                    [lp for lp, m in zip(episode.logprobs, episode.loss_mask) if m]
+                )
                 gaps.append((values - engine).abs().mean().item())
             if cfg.algo.kl_coef > 0:
                 with model.disable_adapter():
@@ -228,15 +254,21 @@ def update_policy(
     model.train()
 
     loss_fn = LOSSES[cfg.algo.name]
-    extra = {"max_tokens": cfg.rollout.max_new_tokens * max_turns} if cfg.algo.name == "dr_grpo" else {}
+    extra = (
+        {"max_tokens": cfg.rollout.max_new_tokens * max_turns} if cfg.algo.name == "dr_grpo" else {}
+    )
     # minibatches are made of whole groups (shuffled), so a group's episodes share one
     # prompt pass (see sequence_logprobs)
     by_task: dict[str, list[tuple[Episode, float]]] = {}
     for item in batch:
         by_task.setdefault(item[0].task.id, []).append(item)
     groups = list(by_task.values())
-    order = torch.randperm(len(groups), generator=torch.Generator().manual_seed(cfg.seed * 7 + step))
-    splits = [m for m in torch.tensor_split(order, min(cfg.algo.num_minibatches, len(groups))) if len(m)]
+    order = torch.randperm(
+        len(groups), generator=torch.Generator().manual_seed(cfg.seed * 7 + step)
+    )
+    splits = [
+        m for m in torch.tensor_split(order, min(cfg.algo.num_minibatches, len(groups))) if len(m)
+    ]
     losses, clips, norms, ratio_max = [], [], [], 1.0
     for indices in splits:
         mb = [item for i in indices.tolist() for item in groups[i]]
@@ -270,7 +302,9 @@ def update_policy(
             clip_sum += st["clip_frac"] * st["count"]
             ratio_max = max(ratio_max, st["ratio_max"])
             out["tokens"] += sum(len(e.token_ids) for e in chunk)
-        norm = torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.train.max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(
+            policy.trainable_parameters(), cfg.train.max_grad_norm
+        )
         if not (np.isfinite(total) and torch.isfinite(norm)):
             optimizer.zero_grad(set_to_none=True)  # skip: weights and optimizer untouched
             out["skipped"] = True
@@ -313,7 +347,9 @@ def micro_batches(episodes: list[Episode], token_budget: int) -> list[list[Episo
 # ============================================================================ plumbing
 
 
-def evaluate(policy: Policy, play: Any, tasks: list, cfg: Config, run_dir: Path | None, name: str) -> dict:
+def evaluate(
+    policy: Policy, play: Any, tasks: list, cfg: Config, run_dir: Path | None, name: str
+) -> dict:
     """Play the eval tasks with the eval sampling settings; write eval/NAME.json."""
     params = SamplingParams(
         temperature=cfg.eval.temperature,
@@ -384,14 +420,26 @@ def resume_state(run_dir: Path, policy: Policy, optimizer: Any, scheduler: Any) 
     step = int(meta["step"])
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():  # drop steps logged after the checkpoint
-        kept = [ln for ln in metrics.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+        kept = [
+            ln for ln in metrics.read_text().splitlines() if ln and json.loads(ln)["step"] <= step
+        ]
         metrics.write_text("".join(ln + "\n" for ln in kept))
     return step
 
 
-def save_now(run_dir: Path, step: int, policy: Policy, optimizer: Any, scheduler: Any, cfg: Config) -> None:
+def save_now(
+    run_dir: Path, step: int, policy: Policy, optimizer: Any, scheduler: Any, cfg: Config
+) -> None:
     if step > 0:
-        save_checkpoint(run_dir, step, policy.model, optimizer, scheduler, {"model": cfg.model.name}, cfg.train.keep_checkpoints)
+        save_checkpoint(
+            run_dir,
+            step,
+            policy.model,
+            optimizer,
+            scheduler,
+            {"model": cfg.model.name},
+            cfg.train.keep_checkpoints,
+        )
 
 
 def lr_factor(step: int, cfg: Config) -> float:

@@ -46,7 +46,8 @@ class PickSeven:
         if message.parse_failure or not message.tool_calls:
             return StepResult([], done=True, reward=-1.0, outcome=message.parse_failure)
         hit = message.tool_calls[0].arguments.get("n") == 7
-        return StepResult([], done=True, reward=1.0 if hit else 0.0, outcome="hit" if hit else "miss")
+        reward, outcome = (1.0, "hit") if hit else (0.0, "miss")
+        return StepResult([], done=True, reward=reward, outcome=outcome)
 
 
 class FlakyPickSeven(PickSeven):

@@ -180,7 +180,9 @@ class ChatRenderer:
         block = fallback_tool_block(tools, self.format)
         for m in messages:
             if m.role == "tool":
-                out.append({"role": "user", "content": f"<tool_response>\n{m.content}\n</tool_response>"})
+                out.append(
+                    {"role": "user", "content": f"<tool_response>\n{m.content}\n</tool_response>"}
+                )
             elif m.role == "assistant":
                 text = m.content if m.content == _PLACEHOLDER else self.assistant_text(m)
                 out.append({"role": "assistant", "content": text})

@@ -91,7 +91,9 @@ class GrammarCache:
 
     def _compile_key(self, key: str) -> Any:
         data = json.loads(key)
-        constraint = ToolConstraint(tools=data["tools"], tool_choice=data["choice"], fmt=data["fmt"])
+        constraint = ToolConstraint(
+            tools=data["tools"], tool_choice=data["choice"], fmt=data["fmt"]
+        )
         return self.compiler.compile_grammar(build_grammar(constraint))
 
     def matcher(self, constraint: ToolConstraint) -> Any:

@@ -136,7 +136,9 @@ class HFEngine:
             if bool(done.all()):
                 break
             step_input = tokens_B.view(batch, 1).to(device)
-            attention = torch.cat([attention, torch.ones((batch, 1), dtype=attention.dtype, device=device)], 1)
+            attention = torch.cat(
+                [attention, torch.ones((batch, 1), dtype=attention.dtype, device=device)], 1
+            )
             positions = positions[:, -1:] + 1
         return [Completion(i, lp, f) for i, lp, f in zip(ids, logprobs, finish)]
 
