@@ -29,7 +29,10 @@ DEFAULT_CLIP = {
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # strict: "true" is not a group size and 4.0 is not a rank; no NaN/inf anywhere
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False
+    )
 
 
 class LoraConfig(Section):

@@ -83,19 +83,20 @@ def run_episodes(
     active = [lv for lv in lives if lv.episode.outcome != ENV_ERROR]
     turn = 0
     while active:
-        room = [max_episode_tokens - len(lv.episode.token_ids) for lv in active]
-        for lv, left in zip(active, room):
-            if left <= 0:
+        for lv in active:
+            if len(lv.episode.token_ids) >= max_episode_tokens:
                 lv.episode.outcome = TRUNCATED
         active = [lv for lv in active if lv.episode.outcome != TRUNCATED]
+        room = [max_episode_tokens - len(lv.episode.token_ids) for lv in active]
         if not active:
             break
         turn_params = replace(
-            params,
-            max_new_tokens=min(params.max_new_tokens, min(max(r, 1) for r in room)),
-            seed=None if params.seed is None else params.seed + 7919 * turn,
+            params, seed=None if params.seed is None else params.seed + 7919 * turn
         )
-        completions = engine.generate([_request(lv, renderer) for lv in active], turn_params)
+        requests = [_request(lv, renderer) for lv in active]
+        for request, left in zip(requests, room):
+            request.max_new_tokens = min(params.max_new_tokens, left)
+        completions = engine.generate(requests, turn_params)
         still: list[_Live] = []
         for lv, completion in zip(active, completions):
             if _advance(lv, completion, renderer, last_turn=turn + 1 >= max_turns):

@@ -34,6 +34,7 @@ class ToolConstraint:
 class GenerationRequest:
     prompt_ids: list[int]
     constraint: ToolConstraint | None = None
+    max_new_tokens: int | None = None  # a tighter limit for this request than the params'
 
 
 @dataclass

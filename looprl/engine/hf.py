@@ -57,7 +57,10 @@ class HFEngine:
         """Sample one completion per request. Requests are sorted by prompt length and
         decoded in batches of `batch_size` (left padding) to keep padding small."""
         generator = torch.Generator(device="cpu")
-        generator.manual_seed(params.seed if params.seed is not None else torch.seed() % 2**63)
+        if params.seed is not None:
+            generator.manual_seed(params.seed)
+        else:
+            generator.seed()  # fresh entropy, without touching the global torch RNG
         order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
         results: list[Completion | None] = [None] * len(requests)
         was_training = self.model.training
@@ -103,6 +106,9 @@ class HFEngine:
         ids: list[list[int]] = [[] for _ in range(batch)]
         logprobs: list[list[float]] = [[] for _ in range(batch)]
         finish = ["length"] * batch
+        limits = [
+            min(params.max_new_tokens, r.max_new_tokens or params.max_new_tokens) for r in requests
+        ]
         done = torch.zeros(batch, dtype=torch.bool)
         step_input = input_ids
         for _ in range(params.max_new_tokens):
@@ -133,6 +139,8 @@ class HFEngine:
                 if token in self.stop_token_ids or self._hit_stop_string(ids[row], params):
                     done[row] = True
                     finish[row] = "stop"
+                elif len(ids[row]) >= limits[row]:
+                    done[row] = True
             if bool(done.all()):
                 break
             step_input = tokens_B.view(batch, 1).to(device)
