@@ -62,7 +62,7 @@ class ScriptedEngine:
         out = []
         for request in requests:
             ids = list(self.script(self.tokenizer.decode(request.prompt_ids)))
-            ids = ids[: params.max_new_tokens]
+            ids = ids[: min(params.max_new_tokens, request.max_new_tokens or params.max_new_tokens)]
             finish = "stop" if ids and ids[-1] == self.tokenizer.eos_token_id else "length"
             out.append(Completion(ids, [fake_logprob(i) for i in range(len(ids))], finish))
         return out
@@ -179,7 +179,7 @@ def test_game_env_multi_turn_episode_is_the_rendered_conversation(tokenizer, ren
     # per-turn seeds differ; the token budget never cut a call short
     seeds = [p.seed for _, p in engine.calls]
     assert seeds[:3] == [11, 11 + 7919, 11 + 2 * 7919]
-    assert all(p.max_new_tokens == 64 for _, p in engine.calls)
+    assert all(r.max_new_tokens == 64 for requests, _ in engine.calls for r in requests)
 
 
 def test_game_truncated_by_turn_and_token_limits(tokenizer, renderer):
@@ -201,7 +201,7 @@ def test_game_truncated_by_turn_and_token_limits(tokenizer, renderer):
         assert ep.outcome == TRUNCATED
         check_alignment(ep)
         assert len(ep.turns) == 1
-    assert engine.calls[-1][1].max_new_tokens == 40
+    assert all(r.max_new_tokens == 40 for r in engine.calls[-1][0])
 
 
 def test_illegal_move_mid_game(tokenizer, renderer):

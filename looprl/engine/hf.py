@@ -29,11 +29,13 @@ class HFEngine:
         tokenizer: Any,
         stop_token_ids: list[int],
         batch_size: int = 64,
+        jump_forward: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.stop_token_ids = list(stop_token_ids)
         self.batch_size = batch_size
+        self.jump_forward = jump_forward
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._grammars: GrammarCache | None = None
 
@@ -110,45 +112,115 @@ class HFEngine:
             min(params.max_new_tokens, r.max_new_tokens or params.max_new_tokens) for r in requests
         ]
         done = torch.zeros(batch, dtype=torch.bool)
-        step_input = input_ids
-        for _ in range(params.max_new_tokens):
-            out = self.model(
-                input_ids=step_input,
-                attention_mask=attention,
-                position_ids=positions,
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            cache = out.cache
-            logits_BV = out.logits[:, -1, :].float()
-            if logits_BV.shape[0] != batch:  # after the shared prefill: one row per request
-                cache.batch_select_indices(expand)
-                logits_BV = logits_BV[expand]
-                attention, positions = attention[expand], positions[expand]
-            logits_BV = logits_BV.cpu()
-            tokens_B, logp_B = self._sample(logits_BV, params, matchers, bitmask, done, generator)
+        temperature = params.temperature if params.temperature > 0 else 1.0
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache = out.cache
+        cache.batch_select_indices(expand)  # one row per request from here on
+        attention, positions = attention[expand], positions[expand]
+        next_BV = out.logits[:, -1, :].float()[expand].cpu()
+        while True:
+            jump = self._jump_forward(matchers, done, [lim - len(x) for lim, x in zip(limits, ids)])
+            if jump is not None:
+                tokens_BK = torch.tensor(jump, dtype=torch.long)
+                first_B = torch.log_softmax(next_BV / temperature, -1).gather(-1, tokens_BK[:, :1])
+            else:
+                tokens_B, first_B = self._sample(
+                    next_BV, params, matchers, bitmask, done, generator
+                )
+                tokens_BK, first_B = tokens_B[:, None], first_B[:, None]
+            k = tokens_BK.shape[1]
+            finished = self._finished(tokens_BK, ids, limits, done, params)
+            logp_BK = first_B
+            if k > 1 or not finished.all():
+                out = self.model(
+                    input_ids=tokens_BK.to(device),
+                    attention_mask=torch.cat(
+                        [attention, torch.ones((batch, k), dtype=attention.dtype, device=device)], 1
+                    ),
+                    position_ids=positions[:, -1:] + 1 + torch.arange(k, device=device),
+                    cache=cache,
+                    use_cache=True,
+                    logits_to_keep=k,
+                )
+                cache = out.cache
+                attention = torch.cat(
+                    [attention, torch.ones((batch, k), dtype=attention.dtype, device=device)], 1
+                )
+                positions = positions[:, -1:] + 1 + torch.arange(k, device=device)
+                logits_BKV = out.logits.float().cpu()
+                if k > 1:  # forced tokens 2..k: their logprobs come from this pass
+                    rest_BK = torch.log_softmax(logits_BKV[:, :-1] / temperature, -1)
+                    rest_BK = rest_BK.gather(-1, tokens_BK[:, 1:, None]).squeeze(-1)
+                    logp_BK = torch.cat([first_B, rest_BK], dim=1)
+                next_BV = logits_BKV[:, -1]
             for row in range(batch):
                 if done[row]:
                     continue
-                token = int(tokens_B[row])
-                ids[row].append(token)
-                logprobs[row].append(float(logp_B[row]))
-                if matchers[row] is not None:
-                    matchers[row].accept_token(token)
-                if token in self.stop_token_ids or self._hit_stop_string(ids[row], params):
+                for token, logp in zip(tokens_BK[row].tolist(), logp_BK[row].tolist()):
+                    ids[row].append(token)
+                    logprobs[row].append(logp)
+                    if matchers[row] is not None and not matchers[row].is_terminated():
+                        matchers[row].accept_token(token)
+                if finished[row]:
                     done[row] = True
-                    finish[row] = "stop"
-                elif len(ids[row]) >= limits[row]:
-                    done[row] = True
+                    last = ids[row][-1]
+                    stopped = last in self.stop_token_ids or self._hit_stop_string(ids[row], params)
+                    finish[row] = "stop" if stopped else "length"
             if bool(done.all()):
                 break
-            step_input = tokens_B.view(batch, 1).to(device)
-            attention = torch.cat(
-                [attention, torch.ones((batch, 1), dtype=attention.dtype, device=device)], 1
-            )
-            positions = positions[:, -1:] + 1
         return [Completion(i, lp, f) for i, lp, f in zip(ids, logprobs, finish)]
+
+    def _finished(
+        self,
+        tokens_BK: torch.Tensor,
+        ids: list[list[int]],
+        limits: list[int],
+        done: torch.Tensor,
+        params: SamplingParams,
+    ) -> torch.Tensor:
+        """Which rows end once `tokens_BK` is appended (EOS, stop string or token limit)."""
+        out = done.clone()
+        for row in range(len(ids)):
+            if done[row]:
+                continue
+            new = tokens_BK[row].tolist()
+            hit_eos = new[-1] in self.stop_token_ids
+            full = len(ids[row]) + len(new) >= limits[row]
+            out[row] = hit_eos or full or self._hit_stop_string(ids[row] + new, params)
+        return out
+
+    def _jump_forward(
+        self, matchers: list[Any], done: torch.Tensor, room: list[int]
+    ) -> list[list[int]] | None:
+        """Jump-forward decoding: when the grammar allows only one continuing *string* for
+        every live row, append its tokens in one forward pass instead of sampling them one
+        by one. The string is tokenized canonically (sampling would pick that tokenization
+        almost surely); the recorded logprobs are the policy's, as for sampled tokens.
+        Returns k ≥ 2 tokens per row (pad for finished rows), or None."""
+        if not self.jump_forward:
+            return None
+        live = [row for row in range(len(matchers)) if not done[row]]
+        if not live or any(matchers[row] is None for row in live):
+            return None
+        forced: dict[int, list[int]] = {}
+        for row in live:
+            text = matchers[row].find_jump_forward_string()
+            if not text:
+                return None
+            forced[row] = self.tokenizer.encode(text, add_special_tokens=False)
+        k = min(min(len(t) for t in forced.values()), min(room[row] for row in live))
+        if k < 2:
+            return None
+        return [
+            forced[row][:k] if row in forced else [self.pad_id] * k for row in range(len(matchers))
+        ]
 
     def _bitmask(self, batch: int) -> torch.Tensor:
         import xgrammar as xgr
