@@ -98,6 +98,9 @@ class RolloutConfig(Section):
         2048, ge=16, description="Total tokens (prompt + all turns) before truncation."
     )
     batch_size: int = Field(64, ge=1, description="Sequences decoded together by the engine.")
+    jump_forward: bool = Field(
+        True, description="Append grammar-forced spans in one pass instead of token by token."
+    )
 
 
 class AlgoConfig(Section):

@@ -71,7 +71,13 @@ def load_policy(cfg: Config) -> Policy:
     renderer = ChatRenderer(
         tokenizer, cfg.model.tool_format, cfg.model.tool_prompt, model_name=cfg.model.name
     )
-    engine = HFEngine(model, tokenizer, renderer.eos_ids, batch_size=cfg.rollout.batch_size)
+    engine = HFEngine(
+        model,
+        tokenizer,
+        renderer.eos_ids,
+        batch_size=cfg.rollout.batch_size,
+        jump_forward=cfg.rollout.jump_forward,
+    )
     return Policy(model, tokenizer, renderer, engine, device)
 
 

@@ -70,11 +70,11 @@ def test_run_folder_contract(run_dir):
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
-        assert METRIC_KEYS <= row.keys(), METRIC_KEYS - row.keys()
+        assert row.keys() >= METRIC_KEYS, METRIC_KEYS - row.keys()
         assert row["perf/peak_rss_gb"] > 0 and row["perf/step_s"] > 0
     baseline = json.loads((run_dir / "eval/baseline.json").read_text())
     final = json.loads((run_dir / "eval/final.json").read_text())
-    assert EVAL_KEYS <= baseline.keys() and EVAL_KEYS <= final.keys()
+    assert baseline.keys() >= EVAL_KEYS and final.keys() >= EVAL_KEYS
     assert baseline["task_ids"] == final["task_ids"]  # retest on the same tasks
     assert baseline["n"] == 4
     assert (run_dir / "checkpoints" / "step_000002" / "trainable.safetensors").exists()
