@@ -123,19 +123,17 @@ def run_training(cfg: Config, out: Path, force: bool = False, resume: bool = Fal
                 write_samples(
                     run_dir / "samples" / "env_errors.jsonl", [e for e in episodes if e.error], step
                 )
+            # env_error episodes take no part in the group statistics or the loss
+            groups = [[e for e in g if e.trainable] for g in groups]
+            groups = [g for g in groups if g]
             rewards = [[e.reward for e in g] for g in groups]
             adv_B, zero_std_G = batch_advantages(rewards, scale=cfg.algo.scale_advantages)
-            keep_G = (
-                dynamic_sampling_keep(rewards)
-                if cfg.algo.dynamic_sampling
-                else [True] * len(groups)
-            )
+            keep_G = dynamic_sampling_keep(rewards) if cfg.algo.dynamic_sampling else None
+            flat = [(i, e) for i, g in enumerate(groups) for e in g]
             batch = [
-                (episode, float(adv_B[i * cfg.rollout.group_size + j]))
-                for i, group in enumerate(groups)
-                if keep_G[i]
-                for j, episode in enumerate(group)
-                if episode.trainable
+                (episode, float(adv_B[k]))
+                for k, (i, episode) in enumerate(flat)
+                if keep_G is None or keep_G[i]
             ]
 
             # policy update
@@ -281,8 +279,8 @@ def update_policy(
         active = [(e, a) for e, a in mb if a != 0.0 or cfg.algo.kl_coef > 0]
         optimizer.zero_grad(set_to_none=True)
         total, clip_units, clip_sum = 0.0, 0.0, 0.0
+        adv = {id(e): a for e, a in active}
         for chunk in micro_batches([e for e, _ in active], cfg.train.micro_batch_tokens):
-            adv = {id(e): a for e, a in active}
             logp_BK, mask_BK = logprobs(chunk)
             old_BK = torch.zeros_like(logp_BK)
             old_BK[mask_BK] = torch.cat([old[id(e)] for e in chunk]).to(old_BK)
