@@ -125,16 +125,15 @@ def envs_show(
     ] = None,
 ) -> None:
     """Print one task exactly as the model sees it: rendered prompt and tool schemas."""
-    import yaml
-
     from looprl.chat import ChatRenderer
+    from looprl.config import parse_yaml
     from looprl.envs import make_env
     from looprl.models import load_tokenizer
 
     args = {}
     for item in arg or []:
         key, _, value = item.partition("=")
-        args[key] = yaml.safe_load(value)
+        args[key] = parse_yaml(value)
     env = make_env(name, args)
     task = env.tasks(split, n=1, seed=seed)[0]
     obs = env.reset(task)

@@ -9,6 +9,7 @@ and what is allowed.
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -183,6 +184,21 @@ class Config(Section):
 # ---------------------------------------------------------------- loading
 
 
+class _YamlLoader(yaml.SafeLoader):
+    """YAML 1.1 reads `5e-4` as a string; read it as the float everyone means (YAML 1.2)."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text: str) -> object:
+    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults ← YAML file ← `a.b=value` overrides, validated into a `Config`."""
     data: dict[str, Any] = {}
@@ -204,7 +220,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = parse_yaml(path.read_text())
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
     if data is None:
@@ -220,7 +236,7 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
     if not sep or not key:
         raise ConfigError(f"override {item!r} must look like section.field=value")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = parse_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     parts = key.split(".")

@@ -276,3 +276,10 @@ def test_clip_defaults_per_algorithm(overrides, clip):
 def test_load_config_raises_config_error():
     with pytest.raises(ConfigError, match="unknown key"):
         load_config(overrides=["rollout.nope=1"])
+
+
+def test_exponent_floats_parse_as_numbers():
+    from looprl.config import load_config
+
+    cfg = load_config(None, ["train.lr=5e-4", "algo.eps_high=1E-3"])
+    assert cfg.train.lr == 5e-4 and cfg.algo.eps_high == 1e-3
