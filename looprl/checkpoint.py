@@ -111,3 +111,25 @@ def load_training_state(checkpoint: Path, optimizer: Any, scheduler: Any) -> Non
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
+
+
+def export_model(run_dir: Path, out: Path, checkpoint: Path | None = None) -> Path:
+    """Write a plain transformers model folder (LoRA merged into the weights) plus the
+    tokenizer, loadable with `AutoModelForCausalLM.from_pretrained(out)`."""
+    from looprl.config import load_config
+    from looprl.policy import load_policy
+
+    cfg = load_config(run_dir / "config.yaml", ["model.device=cpu"])
+    checkpoints = list_checkpoints(run_dir)
+    checkpoint = checkpoint or (checkpoints[-1] if checkpoints else None)
+    if checkpoint is None:
+        raise ValueError(f"{run_dir} has no checkpoint to export")
+    policy = load_policy(cfg)
+    load_weights(policy.model, checkpoint)
+    model = policy.model
+    if cfg.model.lora.enabled:
+        model = model.merge_and_unload()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    policy.tokenizer.save_pretrained(out)
+    return out

@@ -96,6 +96,27 @@ def eval_cmd(
     console.print_json(json.dumps(result))
 
 
+@app.command()
+@guarded
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="A run folder.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the exported model.")],
+    checkpoint: Annotated[
+        Path | None, typer.Option(help="A checkpoint folder (default: the newest).")
+    ] = None,
+) -> None:
+    """Export a run's trained model as a plain transformers folder (LoRA merged)."""
+    from looprl.checkpoint import export_model
+
+    if not (run_dir / "config.yaml").exists():
+        fail(f"{run_dir} is not a run folder (no config.yaml)")
+    try:
+        path = export_model(run_dir, out, checkpoint)
+    except ValueError as err:
+        fail(str(err))
+    console.print(f"exported to {path}")
+
+
 # ---------------------------------------------------------------- envs
 
 

@@ -139,3 +139,16 @@ def test_multi_turn_game_full_finetune_with_gradient_checkpointing(tmp_path):
     assert row["response_len"] > 0
     sample = json.loads((run / "samples" / "final.jsonl").read_text().splitlines()[0])
     assert any(m["role"] == "tool" for m in sample["messages"])
+
+
+def test_export_gives_a_plain_transformers_model(run_dir, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "exported"
+    res = looprl("export", run_dir, "--out", out)
+    assert res.returncode == 0, res.stderr[-3000:]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert not any("lora" in name for name, _ in model.named_parameters())
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
