@@ -136,8 +136,8 @@ class AlgoConfig(Section):
 
 
 class TrainConfig(Section):
-    steps: int = Field(30, ge=0, description="Training steps (one rollout batch each).")
-    lr: float = Field(1e-4, gt=0, le=1, description="Peak learning rate (AdamW).")
+    steps: int = Field(20, ge=0, description="Training steps (one rollout batch each).")
+    lr: float = Field(4e-4, gt=0, le=1, description="Peak learning rate (AdamW).")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field(
         "constant", description="Learning-rate decay after warmup."
     )
@@ -157,9 +157,11 @@ class TrainConfig(Section):
 class EvalConfig(Section):
     tasks: int = Field(64, ge=1, description="Held-out tasks for baseline and final eval.")
     temperature: float = Field(
-        0.0, ge=0, le=5, description="Eval sampling temperature; 0 = greedy."
+        1.0, ge=0, le=5, description="Eval sampling temperature: 1 = as trained, 0 = greedy."
     )
-    samples_per_task: int = Field(1, ge=1, description="Episodes per eval task.")
+    samples_per_task: int = Field(
+        4, ge=1, description="Episodes per eval task (the same seeds before and after)."
+    )
     seed: int = Field(1234, description="Seed of the eval task sample and sampling.")
 
 
