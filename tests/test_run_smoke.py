@@ -76,7 +76,7 @@ def test_run_folder_contract(run_dir):
     final = json.loads((run_dir / "eval/final.json").read_text())
     assert baseline.keys() >= EVAL_KEYS and final.keys() >= EVAL_KEYS
     assert baseline["task_ids"] == final["task_ids"]  # retest on the same tasks
-    assert baseline["n"] == 4
+    assert baseline["n"] == 4 * 4  # eval.tasks × eval.samples_per_task
     assert (run_dir / "checkpoints" / "step_000002" / "trainable.safetensors").exists()
     assert "before" in (run_dir / "report.md").read_text()
 
