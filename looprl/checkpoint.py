@@ -59,6 +59,8 @@ def save_checkpoint(
 ) -> Path:
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-*"):  # left by a writer that was killed mid-write
+        shutil.rmtree(stale, ignore_errors=True)
     final = root / f"{PREFIX}{step:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
     try:

@@ -52,7 +52,7 @@ def guarded(fn: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except LoopRLError as err:
-            fail(str(err))
+            fail(str(err), code=getattr(err, "exit_code", 2))
 
     return wrapper
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,11 @@ def _reward(r: dict) -> str:
 
 
 def write_report(
-    run_dir: Path, cfg: Config, baseline: dict, final: dict, wall_s: float, peak_rss: float
+    run_dir: Path, cfg: Config, baseline: dict, final: dict | None, wall_s: float, peak_rss: float
 ) -> Path:
+    """Write RUN/report.md. `final` is None for a run that stopped before its retest."""
+    if final is None:
+        return _write_partial(run_dir, cfg, baseline, wall_s, peak_rss)
     outcomes = sorted(set(baseline["outcomes"]) | set(final["outcomes"]))
     lines = [
         f"# looprl run: {cfg.env.name} · {cfg.model.name} · {cfg.algo.name}",
@@ -52,6 +56,29 @@ def write_report(
                 f"{baseline['outcomes'].get(o, 0):.1%}",
                 f"{final['outcomes'].get(o, 0):.1%}",
             )
+        )
+    path = run_dir / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _write_partial(
+    run_dir: Path, cfg: Config, baseline: dict, wall_s: float, peak_rss: float
+) -> Path:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    last = rows[-1] if rows else None
+    lines = [
+        f"# looprl run (stopped): {cfg.env.name} · {cfg.model.name} · {cfg.algo.name}",
+        "",
+        f"Stopped after step {last['step'] if last else 0} of {cfg.train.steps}, before the "
+        f"final evaluation · wall-clock {wall_s / 60:.1f} min · peak RSS {peak_rss:.2f} GB.",
+        "Resume with `looprl run RUN/config.yaml --out RUN --resume`.",
+        "",
+        f"Baseline (held-out, {baseline['n']} episodes): reward {_reward(baseline)}",
+    ]
+    if last:
+        lines.append(
+            f"Last training step: rollout/rewards_mean {last['rollout/rewards_mean']:+.3f}"
         )
     path = run_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")

@@ -17,10 +17,14 @@ grammar (see engine/hf.py), and groups whose rewards are all equal produce no gr
 from __future__ import annotations
 
 import json
+import os
 import random
 import resource
 import shutil
+import signal
+import threading
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -28,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from looprl.algo import LOSSES, batch_advantages, dynamic_sampling_keep
+from looprl.algo import batch_advantages, dynamic_sampling_keep
 from looprl.checkpoint import (
     list_checkpoints,
     load_training_state,
@@ -41,21 +45,24 @@ from looprl.envs import make_env
 from looprl.errors import ConfigError, LoopRLError
 from looprl.evaluate import eval_result, summarize
 from looprl.log import MetricsLogger, write_samples
-from looprl.policy import Policy, load_policy, prompt_length, sequence_logprobs
+from looprl.policy import Policy, load_policy
 from looprl.report import write_report
 from looprl.rollout import run_episodes
-from looprl.types import Episode
+from looprl.types import ENV_ERROR
+from looprl.update import UpdateState, update_policy
 
 # ============================================================================ the loop
 
 
 def run_training(cfg: Config, out: Path, force: bool = False, resume: bool = False) -> dict:
-    run_dir = prepare_run_dir(out, force=force, resume=resume)
-    probe = make_env(cfg.env.name, cfg.env.args)  # validates env name and args early
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    # ---- everything that can be wrong is checked before anything is written
+    check_run_dir(out, force=force, resume=resume)
+    probe = make_env(cfg.env.name, cfg.env.args)
     seed_everything(cfg.seed)
     started = time.time()
     policy = load_policy(cfg)
+    run_dir = prepare_run_dir(out, force=force, resume=resume)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
     play = partial(
         run_episodes,
         make_env=lambda: make_env(cfg.env.name, cfg.env.args),
@@ -76,17 +83,22 @@ def run_training(cfg: Config, out: Path, force: bool = False, resume: bool = Fal
         policy.trainable_parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg))
-    start = resume_state(run_dir, policy, optimizer, scheduler) if resume else 0
+    loop = LoopState(update=UpdateState(micro_batch_tokens=cfg.train.micro_batch_tokens))
+    start = resume_state(run_dir, policy, optimizer, scheduler, loop) if resume else 0
     logger = MetricsLogger(
         run_dir, cfg.logging.tensorboard, cfg.model_dump() if cfg.logging.wandb else None
     )
-    env_errors = 0
-    bad_steps = 0
+
+    def checkpoint(step: int) -> None:
+        save_checkpoint(
+            run_dir, step, policy.model, optimizer, scheduler,
+            {"model": cfg.model.name, **loop.to_meta()}, cfg.train.keep_checkpoints,
+        )  # fmt: skip
 
     # ---- training steps
     from rich.progress import Progress
 
-    with Progress(transient=False) as progress:
+    with Progress(transient=False) as progress, StopOnSignal() as stop:
         bar = progress.add_task("training", total=cfg.train.steps, completed=start)
         for step in range(start + 1, cfg.train.steps + 1):
             t0 = time.time()
@@ -105,26 +117,24 @@ def run_training(cfg: Config, out: Path, force: bool = False, resume: bool = Fal
             )
             rollout_s = time.time() - t0
 
-            # feedback → advantages
+            # feedback: environment bugs are counted against the budget, never trained on
+            errors = [e for e in episodes if e.outcome == ENV_ERROR]
+            loop.env_errors += len(errors)
+            if errors:
+                write_samples(run_dir / "samples" / "env_errors.jsonl", errors, step)
+            if loop.env_errors > cfg.env.error_budget:
+                logger.close()
+                raise LoopRLError(
+                    f"{loop.env_errors} episodes ended in env_error (budget "
+                    f"env.error_budget={cfg.env.error_budget}); tracebacks are in "
+                    f"{run_dir / 'samples' / 'env_errors.jsonl'}; the last checkpoint is kept"
+                )
+
+            # advantages within each task group (env_error episodes take no part)
             groups = [
-                episodes[i : i + cfg.rollout.group_size]
+                [e for e in episodes[i : i + cfg.rollout.group_size] if e.trainable]
                 for i in range(0, len(episodes), cfg.rollout.group_size)
             ]
-            errors = sum(1 for e in episodes if not e.trainable and e.outcome == "env_error")
-            env_errors += errors
-            if env_errors > cfg.env.error_budget:
-                save_now(run_dir, step - 1, policy, optimizer, scheduler, cfg)
-                raise LoopRLError(
-                    f"{env_errors} episodes ended in env_error (budget env.error_budget="
-                    f"{cfg.env.error_budget}); tracebacks are in "
-                    f"{run_dir / 'samples' / 'env_errors.jsonl'}"
-                )
-            if errors:
-                write_samples(
-                    run_dir / "samples" / "env_errors.jsonl", [e for e in episodes if e.error], step
-                )
-            # env_error episodes take no part in the group statistics or the loss
-            groups = [[e for e in g if e.trainable] for g in groups]
             groups = [g for g in groups if g]
             rewards = [[e.reward for e in g] for g in groups]
             adv_B, zero_std_G = batch_advantages(rewards, scale=cfg.algo.scale_advantages)
@@ -138,32 +148,33 @@ def run_training(cfg: Config, out: Path, force: bool = False, resume: bool = Fal
 
             # policy update
             t1 = time.time()
-            stats = update_policy(policy, optimizer, batch, cfg, step, max_turns=probe.max_turns)
+            stats = update_policy(policy, optimizer, batch, cfg, step, probe.max_turns, loop.update)
             train_s = time.time() - t1
-            bad_steps = bad_steps + 1 if stats["skipped"] else 0
+            if stats["skipped"]:
+                loop.bad_steps += 1
+            elif stats["updated"]:
+                loop.bad_steps = 0  # a step with only A = 0 groups proves nothing either way
             scheduler.step()
 
             summary = summarize(episodes)
-            generated = sum(e.response_len for e in episodes)
             metrics = {
                 "step": step,
                 "rollout/rewards_mean": summary["reward_mean"],
-                "rollout/rewards_std": float(
-                    np.std([e.reward for e in episodes if e.trainable] or [0.0])
-                ),
+                "rollout/rewards_std": float(np.std([e.reward for e, _ in batch] or [0.0])),
                 "response_len": summary["response_len"],
                 "rollout/valid_tool_call_rate": summary["valid_tool_call_rate"],
-                "rollout/env_errors": errors,
+                "rollout/env_errors": len(errors),
                 "rollout/logprob_gap": stats["logprob_gap"],
                 "train/loss": stats["loss"],
                 "train/clip_frac": stats["clip_frac"],
                 "train/grad_norm": stats["grad_norm"],
                 "train/lr": optimizer.param_groups[0]["lr"],
                 "train/zero_std_groups": int(zero_std_G.sum()),
-                "train/skipped_steps": int(stats["skipped"]),
+                "train/skipped_steps": stats["skipped"],
                 "train/ratio_max": stats["ratio_max"],
+                "train/micro_batch_tokens": loop.update.micro_batch_tokens,
                 "perf/step_s": time.time() - t0,
-                "perf/rollout_tokens_per_s": generated / max(rollout_s, 1e-9),
+                "perf/rollout_tokens_per_s": sum(e.response_len for e in episodes) / rollout_s,
                 "perf/train_tokens_per_s": stats["tokens"] / max(train_s, 1e-9),
                 "perf/peak_rss_gb": peak_rss_gb(),
             }
@@ -176,170 +187,89 @@ def run_training(cfg: Config, out: Path, force: bool = False, resume: bool = Fal
                     episodes[: cfg.logging.samples_per_log],
                     step,
                 )
-            if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
-                save_now(run_dir, step, policy, optimizer, scheduler, cfg)
+            last = step == cfg.train.steps
+            if last or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
+                checkpoint(step)
             progress.update(
                 bar,
                 advance=1,
                 description=f"step {step} reward {metrics['rollout/rewards_mean']:+.3f} "
                 f"{metrics['perf/step_s']:.1f}s/step",
             )
-            if bad_steps >= cfg.train.max_bad_steps:
-                save_now(run_dir, step, policy, optimizer, scheduler, cfg)
+            if loop.bad_steps >= cfg.train.max_bad_steps or stop.requested:
+                checkpoint(step)
+                logger.close()
+                write_report(run_dir, cfg, baseline, None, time.time() - started, peak_rss_gb())
+                if stop.requested:
+                    raise Interrupted(
+                        f"{stop.requested} after step {step}: checkpoint saved; continue with\n"
+                        f"  looprl run {run_dir / 'config.yaml'} --out {run_dir} --resume"
+                    )
                 raise LoopRLError(
-                    f"{bad_steps} steps in a row had NaN/inf loss or gradients; lower train.lr "
-                    f"or check the model's dtype (the last good weights are checkpointed)"
+                    f"{loop.bad_steps} optimizer steps in a row had NaN/inf loss or gradients "
+                    "and were skipped (train.max_bad_steps); lower train.lr or check the "
+                    "model's dtype. The weights are the last good ones, checkpointed."
                 )
     logger.close()
-    if cfg.train.steps and not (run_dir / "checkpoints" / f"step_{cfg.train.steps:06d}").exists():
-        save_now(run_dir, cfg.train.steps, policy, optimizer, scheduler, cfg)
 
     # ---- retest on exactly the same tasks and seeds, then report
     final = evaluate(policy, play, eval_tasks, cfg, run_dir, "final")
-    write_report(
-        run_dir, cfg, baseline, final, wall_s=time.time() - started, peak_rss=peak_rss_gb()
-    )
+    write_report(run_dir, cfg, baseline, final, time.time() - started, peak_rss_gb())
     return {"baseline": baseline, "final": final, "run_dir": str(run_dir)}
 
 
-# ============================================================================ the update
+@dataclass
+class LoopState:
+    """Counters that outlive a step, saved with each checkpoint."""
 
+    update: UpdateState
+    env_errors: int = 0
+    bad_steps: int = 0
 
-def update_policy(
-    policy: Policy,
-    optimizer: torch.optim.Optimizer,
-    batch: list[tuple[Episode, float]],
-    cfg: Config,
-    step: int,
-    max_turns: int,
-) -> dict[str, Any]:
-    """`num_minibatches` optimizer updates on one rollout batch (episode, advantage)."""
-    out = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "ratio_max": 1.0,
-           "logprob_gap": 0.0, "skipped": False, "tokens": 0}  # fmt: skip
-    if not batch:
-        return out
-    model, temperature = policy.model, cfg.rollout.temperature or 1.0
-    pad = policy.tokenizer.pad_token_id or 0
+    def to_meta(self) -> dict[str, int]:
+        return {
+            "env_errors": self.env_errors,
+            "bad_steps": self.bad_steps,
+            "micro_batch_tokens": self.update.micro_batch_tokens,
+        }
 
-    def logprobs(episodes: list[Episode]) -> tuple[torch.Tensor, torch.Tensor]:
-        return sequence_logprobs(
-            model, [e.token_ids for e in episodes], [e.loss_mask for e in episodes],
-            pad, policy.device, temperature,
-        )  # fmt: skip
-
-    # old logprobs from the trainer's own forward pass, before any update (no grad);
-    # stored per episode as the values at its masked tokens, in order.
-    old: dict[int, torch.Tensor] = {}
-    ref: dict[int, torch.Tensor] = {}
-    gaps = []
-    model.eval()
-    with torch.no_grad():
-        for chunk in micro_batches([e for e, _ in batch], cfg.train.micro_batch_tokens):
-            logp_BK, mask_BK = logprobs(chunk)
-            for row, episode in enumerate(chunk):
-                values = logp_BK[row][mask_BK[row]].float().cpu()
-                old[id(episode)] = values
-                engine = torch.tensor(
-                    [lp for lp, m in zip(episode.logprobs, episode.loss_mask) if m]
-                )
-                gaps.append((values - engine).abs().mean().item())
-            if cfg.algo.kl_coef > 0:
-                with model.disable_adapter():
-                    logp_BK, mask_BK = logprobs(chunk)
-                for row, episode in enumerate(chunk):
-                    ref[id(episode)] = logp_BK[row][mask_BK[row]].float().cpu()
-    out["logprob_gap"] = float(np.mean(gaps))
-    model.train()
-
-    loss_fn = LOSSES[cfg.algo.name]
-    extra = (
-        {"max_tokens": cfg.rollout.max_new_tokens * max_turns} if cfg.algo.name == "dr_grpo" else {}
-    )
-    # minibatches are made of whole groups (shuffled), so a group's episodes share one
-    # prompt pass (see sequence_logprobs)
-    by_task: dict[str, list[tuple[Episode, float]]] = {}
-    for item in batch:
-        by_task.setdefault(item[0].task.id, []).append(item)
-    groups = list(by_task.values())
-    order = torch.randperm(
-        len(groups), generator=torch.Generator().manual_seed(cfg.seed * 7 + step)
-    )
-    splits = [
-        m for m in torch.tensor_split(order, min(cfg.algo.num_minibatches, len(groups))) if len(m)
-    ]
-    losses, clips, norms, ratio_max = [], [], [], 1.0
-    for indices in splits:
-        mb = [item for i in indices.tolist() for item in groups[i]]
-        if cfg.algo.name == "grpo":
-            normalizer = float(sum(e.response_len for e, _ in mb))
-        else:
-            normalizer = float(len(mb))
-        # A = 0 sequences add nothing to the policy-gradient loss: skip their forward
-        # pass (unless the KL term needs them); they still count in the normaliser.
-        active = [(e, a) for e, a in mb if a != 0.0 or cfg.algo.kl_coef > 0]
-        optimizer.zero_grad(set_to_none=True)
-        total, clip_units, clip_sum = 0.0, 0.0, 0.0
-        adv = {id(e): a for e, a in active}
-        for chunk in micro_batches([e for e, _ in active], cfg.train.micro_batch_tokens):
-            logp_BK, mask_BK = logprobs(chunk)
-            old_BK = torch.zeros_like(logp_BK)
-            old_BK[mask_BK] = torch.cat([old[id(e)] for e in chunk]).to(old_BK)
-            ref_BK = None
-            if ref:
-                ref_BK = torch.zeros_like(logp_BK)
-                ref_BK[mask_BK] = torch.cat([ref[id(e)] for e in chunk]).to(ref_BK)
-            adv_B = torch.tensor([adv[id(e)] for e in chunk], device=logp_BK.device)
-            loss, st = loss_fn(
-                logp_BK, old_BK, adv_B, mask_BK.float(),
-                eps_low=cfg.algo.eps_low, eps_high=cfg.algo.eps_high,
-                ref_logp_BT=ref_BK, kl_coef=cfg.algo.kl_coef, normalizer=normalizer, **extra,
-            )  # fmt: skip
-            loss.backward()
-            total += float(loss.detach())
-            clip_units += st["count"]
-            clip_sum += st["clip_frac"] * st["count"]
-            ratio_max = max(ratio_max, st["ratio_max"])
-            out["tokens"] += sum(len(e.token_ids) for e in chunk)
-        norm = torch.nn.utils.clip_grad_norm_(
-            policy.trainable_parameters(), cfg.train.max_grad_norm
+    def load_meta(self, meta: dict[str, Any]) -> None:
+        self.env_errors = int(meta.get("env_errors", 0))
+        self.bad_steps = int(meta.get("bad_steps", 0))
+        self.update.micro_batch_tokens = int(
+            meta.get("micro_batch_tokens", self.update.micro_batch_tokens)
         )
-        if not (np.isfinite(total) and torch.isfinite(norm)):
-            optimizer.zero_grad(set_to_none=True)  # skip: weights and optimizer untouched
-            out["skipped"] = True
-            continue
-        optimizer.step()
-        losses.append(total)
-        clips.append(clip_sum / max(clip_units, 1))
-        norms.append(float(norm))
-    optimizer.zero_grad(set_to_none=True)
-    out.update(
-        loss=float(np.mean(losses)) if losses else float("nan"),
-        clip_frac=float(np.mean(clips)) if clips else 0.0,
-        grad_norm=float(np.mean(norms)) if norms else float("nan"),
-        ratio_max=ratio_max,
-    )
-    return out
 
 
-def micro_batches(episodes: list[Episode], token_budget: int) -> list[list[Episode]]:
-    """Greedy split, in order, so that the tokens one forward pass processes stay within
-    the budget: each distinct prompt once plus (rows × longest suffix)."""
-    chunks: list[list[Episode]] = []
-    current: list[Episode] = []
+class Interrupted(LoopRLError):
+    """SIGINT/SIGTERM: the run stopped cleanly after a step and can be resumed."""
 
-    def cost(chunk: list[Episode]) -> int:
-        prompts = {tuple(e.token_ids[: prompt_length(e.loss_mask)]) for e in chunk}
-        suffix = max(len(e.token_ids) - prompt_length(e.loss_mask) for e in chunk)
-        return sum(len(p) for p in prompts) + len(chunk) * suffix
+    exit_code = 130
 
-    for episode in episodes:
-        if current and cost(current + [episode]) > token_budget:
-            chunks.append(current)
-            current = []
-        current.append(episode)
-    if current:
-        chunks.append(current)
-    return chunks
+
+class StopOnSignal:
+    """First Ctrl-C / SIGTERM: finish the current step, checkpoint, stop. A second one
+    abandons the step at once (KeyboardInterrupt); the last checkpoint stays."""
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+        print(f"\n{self.requested}: finishing this step, then saving (again to abandon it)")
+
+    def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 # ============================================================================ plumbing
@@ -389,55 +319,55 @@ def run_eval(cfg: Config, checkpoint: Path | None = None, out: Path | None = Non
     return result
 
 
-def prepare_run_dir(out: Path, force: bool, resume: bool) -> Path:
+def check_run_dir(out: Path, force: bool, resume: bool) -> None:
+    """Refuse a run folder we must not touch, before anything is loaded or written."""
     if resume:
         if not (out / "config.yaml").exists():
             raise ConfigError(f"--resume: {out} is not a run folder (no config.yaml)")
-        return out
-    if out.exists() and any(out.iterdir()):
-        if not force:
-            hint = " (it holds an unfinished run)" if list_checkpoints(out) else ""
-            raise ConfigError(
-                f"run folder {out} is not empty{hint}; pass --resume to continue it or "
-                f"--force to overwrite it"
-            )
+        return
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} exists and is not a folder")
+    if out.exists() and any(out.iterdir()) and not force:
+        hint = " (it holds an unfinished run)" if list_checkpoints(out) else ""
+        raise ConfigError(
+            f"run folder {out} is not empty{hint}; pass --resume to continue it or "
+            f"--force to overwrite it"
+        )
+    parent = out
+    while not parent.exists():
+        parent = parent.parent
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"cannot write the run folder {out}: {parent} is not writable")
+
+
+def prepare_run_dir(out: Path, force: bool, resume: bool) -> Path:
+    check_run_dir(out, force=force, resume=resume)
+    if not resume and out.exists() and force:
         shutil.rmtree(out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ConfigError(f"cannot create run folder {out}: {err.strerror}") from None
+    out.mkdir(parents=True, exist_ok=True)
     return out
 
 
-def resume_state(run_dir: Path, policy: Policy, optimizer: Any, scheduler: Any) -> int:
+def resume_state(
+    run_dir: Path, policy: Policy, optimizer: Any, scheduler: Any, loop: LoopState
+) -> int:
+    """Load the newest checkpoint; drop metrics logged after it. Returns its step."""
     checkpoints = list_checkpoints(run_dir)
     if not checkpoints:
         return 0
     meta = load_weights(policy.model, checkpoints[-1])
     load_training_state(checkpoints[-1], optimizer, scheduler)
+    loop.load_meta(meta)
     step = int(meta["step"])
     metrics = run_dir / "metrics.jsonl"
-    if metrics.exists():  # drop steps logged after the checkpoint
+    if metrics.exists():
         kept = [
-            ln for ln in metrics.read_text().splitlines() if ln and json.loads(ln)["step"] <= step
+            line
+            for line in metrics.read_text().splitlines()
+            if line and json.loads(line)["step"] <= step
         ]
-        metrics.write_text("".join(ln + "\n" for ln in kept))
+        metrics.write_text("".join(line + "\n" for line in kept))
     return step
-
-
-def save_now(
-    run_dir: Path, step: int, policy: Policy, optimizer: Any, scheduler: Any, cfg: Config
-) -> None:
-    if step > 0:
-        save_checkpoint(
-            run_dir,
-            step,
-            policy.model,
-            optimizer,
-            scheduler,
-            {"model": cfg.model.name},
-            cfg.train.keep_checkpoints,
-        )
 
 
 def lr_factor(step: int, cfg: Config) -> float:

@@ -1,0 +1,219 @@
+"""One policy update on a rollout batch: old logprobs, then `num_minibatches` optimizer
+steps of the chosen loss, each accumulated over micro-batches under a token budget.
+
+Failures that must not kill a long run are contained here: a NaN/inf loss or gradient
+skips that optimizer step (weights and optimizer state untouched), and running out of
+memory halves the micro-batch token budget and retries the same minibatch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from looprl.algo import LOSSES
+from looprl.config import Config
+from looprl.errors import LoopRLError
+from looprl.policy import Policy, prompt_length, sequence_logprobs
+from looprl.types import Episode
+
+log = logging.getLogger("looprl")
+T = TypeVar("T")
+MIN_MICRO_BATCH_TOKENS = 64
+
+
+@dataclass
+class UpdateState:
+    """What the update carries from step to step (and across a resume)."""
+
+    micro_batch_tokens: int
+    oom_retries: int = 0
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and (
+        "out of memory" in text or "can't allocate memory" in text
+    )
+
+
+def retry_on_oom(fn: Callable[[int], T], state: UpdateState, optimizer: torch.optim.Optimizer) -> T:
+    """Run fn(micro_batch_tokens); on out-of-memory halve the budget and run it again."""
+    while True:
+        try:
+            return fn(state.micro_batch_tokens)
+        except BaseException as err:
+            if not is_out_of_memory(err):
+                raise
+            optimizer.zero_grad(set_to_none=True)
+            half = state.micro_batch_tokens // 2
+            if half < MIN_MICRO_BATCH_TOKENS:
+                raise LoopRLError(
+                    "out of memory even with micro-batches of "
+                    f"{state.micro_batch_tokens} tokens; use a smaller model, LoRA "
+                    "(model.lora.enabled=true), model.gradient_checkpointing=true, or "
+                    "shorter episodes (rollout.max_new_tokens)"
+                ) from err
+            log.warning("out of memory: micro-batch budget %d -> %d tokens", half * 2, half)
+            state.micro_batch_tokens = half
+            state.oom_retries += 1
+
+
+def update_policy(
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    batch: list[tuple[Episode, float]],
+    cfg: Config,
+    step: int,
+    max_turns: int,
+    state: UpdateState,
+) -> dict[str, Any]:
+    """`num_minibatches` optimizer updates on one rollout batch (episode, advantage)."""
+    out = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "ratio_max": 1.0,
+           "logprob_gap": 0.0, "skipped": 0, "updated": 0, "tokens": 0}  # fmt: skip
+    if not batch:
+        return out
+    model, temperature = policy.model, cfg.rollout.temperature or 1.0
+    pad = policy.tokenizer.pad_token_id or 0
+
+    def logprobs(episodes: list[Episode]) -> tuple[torch.Tensor, torch.Tensor]:
+        return sequence_logprobs(
+            model, [e.token_ids for e in episodes], [e.loss_mask for e in episodes],
+            pad, policy.device, temperature,
+        )  # fmt: skip
+
+    def masked_values(episodes: list[Episode], budget: int) -> dict[int, torch.Tensor]:
+        """Each episode's logprobs at its generated tokens, in order (no grad)."""
+        values: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for chunk in micro_batches(episodes, budget):
+                logp_BK, mask_BK = logprobs(chunk)
+                for row, episode in enumerate(chunk):
+                    values[id(episode)] = logp_BK[row][mask_BK[row]].float().cpu()
+        return values
+
+    # old logprobs from the trainer's own forward pass, before any update; the gap to
+    # the engine's sampling logprobs is the token-parity check
+    episodes = [e for e, _ in batch]
+    model.eval()
+    old = retry_on_oom(lambda budget: masked_values(episodes, budget), state, optimizer)
+    ref: dict[int, torch.Tensor] = {}
+    if cfg.algo.kl_coef > 0:
+        with model.disable_adapter():
+            ref = retry_on_oom(lambda budget: masked_values(episodes, budget), state, optimizer)
+    model.train()
+    out["logprob_gap"] = float(
+        np.mean([
+            (old[id(e)] - torch.tensor([lp for lp, m in zip(e.logprobs, e.loss_mask) if m]))
+            .abs().mean().item()
+            for e in episodes
+        ])
+    )  # fmt: skip
+
+    loss_fn = LOSSES[cfg.algo.name]
+    extra = (
+        {"max_tokens": cfg.rollout.max_new_tokens * max_turns} if cfg.algo.name == "dr_grpo" else {}
+    )
+
+    def backward(minibatch: list[tuple[Episode, float]], budget: int) -> dict[str, float]:
+        """Accumulate the gradient of one minibatch's loss over micro-batches."""
+        if cfg.algo.name == "grpo":
+            normalizer = float(sum(e.response_len for e, _ in minibatch))
+        else:
+            normalizer = float(len(minibatch))
+        # A = 0 sequences add nothing to the policy-gradient loss: skip their forward
+        # pass (unless the KL term needs them); they still count in the normaliser.
+        active = [(e, a) for e, a in minibatch if a != 0.0 or cfg.algo.kl_coef > 0]
+        adv = {id(e): a for e, a in active}
+        optimizer.zero_grad(set_to_none=True)
+        acc = {"loss": 0.0, "units": 0.0, "clipped": 0.0, "ratio_max": 1.0, "tokens": 0}
+        for chunk in micro_batches([e for e, _ in active], budget):
+            logp_BK, mask_BK = logprobs(chunk)
+            old_BK = torch.zeros_like(logp_BK)
+            old_BK[mask_BK] = torch.cat([old[id(e)] for e in chunk]).to(old_BK)
+            ref_BK = None
+            if ref:
+                ref_BK = torch.zeros_like(logp_BK)
+                ref_BK[mask_BK] = torch.cat([ref[id(e)] for e in chunk]).to(ref_BK)
+            adv_B = torch.tensor([adv[id(e)] for e in chunk], device=logp_BK.device)
+            loss, st = loss_fn(
+                logp_BK, old_BK, adv_B, mask_BK.float(),
+                eps_low=cfg.algo.eps_low, eps_high=cfg.algo.eps_high,
+                ref_logp_BT=ref_BK, kl_coef=cfg.algo.kl_coef, normalizer=normalizer, **extra,
+            )  # fmt: skip
+            loss.backward()
+            acc["loss"] += float(loss.detach())
+            acc["units"] += st["count"]
+            acc["clipped"] += st["clip_frac"] * st["count"]
+            acc["ratio_max"] = max(acc["ratio_max"], st["ratio_max"])
+            acc["tokens"] += sum(len(e.token_ids) for e in chunk)
+        return acc
+
+    losses, clips, norms = [], [], []
+    for minibatch in minibatches(batch, cfg.algo.num_minibatches, seed=cfg.seed * 7 + step):
+        acc = retry_on_oom(lambda budget, mb=minibatch: backward(mb, budget), state, optimizer)
+        if not acc["tokens"]:
+            continue  # every advantage was 0: nothing to learn from this minibatch
+        out["tokens"] += acc["tokens"]
+        out["ratio_max"] = max(out["ratio_max"], acc["ratio_max"])
+        norm = torch.nn.utils.clip_grad_norm_(
+            policy.trainable_parameters(), cfg.train.max_grad_norm
+        )
+        if not (np.isfinite(acc["loss"]) and torch.isfinite(norm)):
+            optimizer.zero_grad(set_to_none=True)  # skip: weights and optimizer untouched
+            out["skipped"] += 1
+            continue
+        optimizer.step()
+        out["updated"] += 1
+        losses.append(acc["loss"])
+        clips.append(acc["clipped"] / max(acc["units"], 1))
+        norms.append(float(norm))
+    optimizer.zero_grad(set_to_none=True)
+    out.update(
+        loss=float(np.mean(losses)) if losses else float("nan"),
+        clip_frac=float(np.mean(clips)) if clips else 0.0,
+        grad_norm=float(np.mean(norms)) if norms else float("nan"),
+    )
+    return out
+
+
+def minibatches(
+    batch: list[tuple[Episode, float]], count: int, seed: int
+) -> list[list[tuple[Episode, float]]]:
+    """Shuffle whole groups (episodes of one task) into `count` minibatches, so that a
+    group's episodes share one prompt pass (see sequence_logprobs)."""
+    by_task: dict[str, list[tuple[Episode, float]]] = {}
+    for item in batch:
+        by_task.setdefault(item[0].task.id, []).append(item)
+    groups = list(by_task.values())
+    order = torch.randperm(len(groups), generator=torch.Generator().manual_seed(seed))
+    splits = torch.tensor_split(order, min(count, len(groups)))
+    return [[item for i in split.tolist() for item in groups[i]] for split in splits if len(split)]
+
+
+def micro_batches(episodes: list[Episode], token_budget: int) -> list[list[Episode]]:
+    """Greedy split, in order, so that the tokens one forward pass processes stay within
+    the budget: each distinct prompt once plus (rows × longest suffix)."""
+    chunks: list[list[Episode]] = []
+    current: list[Episode] = []
+
+    def cost(chunk: list[Episode]) -> int:
+        prompts = {tuple(e.token_ids[: prompt_length(e.loss_mask)]) for e in chunk}
+        suffix = max(len(e.token_ids) - prompt_length(e.loss_mask) for e in chunk)
+        return sum(len(p) for p in prompts) + len(chunk) * suffix
+
+    for episode in episodes:
+        if current and cost(current + [episode]) > token_budget:
+            chunks.append(current)
+            current = []
+        current.append(episode)
+    if current:
+        chunks.append(current)
+    return chunks
