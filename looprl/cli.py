@@ -28,7 +28,7 @@ app.add_typer(envs_app, name="envs")
 app.add_typer(config_app, name="config")
 
 console = Console()
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)
 
 ConfigArg = Annotated[Path | None, typer.Argument(help="YAML config file (optional).")]
 SetOpt = Annotated[

@@ -182,6 +182,15 @@ class Config(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
     seed: int = Field(0, description="Global seed (python, numpy, torch, task order).")
 
+    @model_validator(mode="after")
+    def _check_combinations(self) -> Config:
+        if self.algo.kl_coef > 0 and not self.model.lora.enabled:
+            raise ValueError(
+                "algo.kl_coef > 0 needs model.lora.enabled=true: the KL reference is the "
+                "base model with the adapters switched off"
+            )
+        return self
+
 
 # ---------------------------------------------------------------- loading
 
@@ -257,6 +266,9 @@ def format_validation_error(err: ValidationError, data: dict[str, Any]) -> str:
         path = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
             lines.append(f"  {path}: unknown key{_suggest(e['loc'])}")
+            continue
+        if not e["loc"]:  # a rule about several fields together
+            lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
             continue
         value = e.get("input")
         lines.append(f"  {path} = {value!r}: {e['msg']}{_allowed(e['loc'])}")

@@ -140,6 +140,8 @@ def resolve(name: str) -> tuple[str, dict[str, Any]]:
         return str(_smollm2_model_dir()), {}
     if name.startswith("gguf:"):
         return str(_gguf_dir(Path(name[5:]).expanduser())), {}
+    if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().exists():
+        raise ModelError(f"model folder not found: {name}")
     return name, {}
 
 

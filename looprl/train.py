@@ -333,18 +333,21 @@ def check_run_dir(out: Path, force: bool, resume: bool) -> None:
             f"run folder {out} is not empty{hint}; pass --resume to continue it or "
             f"--force to overwrite it"
         )
-    parent = out
+    parent = out.absolute()
     while not parent.exists():
         parent = parent.parent
-    if not os.access(parent, os.W_OK):
-        raise ConfigError(f"cannot write the run folder {out}: {parent} is not writable")
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise ConfigError(f"cannot create the run folder {out}: {parent} is not a writable folder")
 
 
 def prepare_run_dir(out: Path, force: bool, resume: bool) -> Path:
     check_run_dir(out, force=force, resume=resume)
-    if not resume and out.exists() and force:
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        if not resume and out.exists() and force:
+            shutil.rmtree(out)
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"cannot create the run folder {out}: {err.strerror}") from None
     return out
 
 
