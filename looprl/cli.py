@@ -73,6 +73,8 @@ def run(
     from looprl.config import load_config
     from looprl.train import run_training
 
+    if resume and config is None and (out / "config.yaml").exists():
+        config = out / "config.yaml"  # continue with the run's own config
     cfg = load_config(config, set_)
     run_training(cfg, out, force=force, resume=resume)
 

@@ -72,7 +72,7 @@ def _write_partial(
         "",
         f"Stopped after step {last['step'] if last else 0} of {cfg.train.steps}, before the "
         f"final evaluation · wall-clock {wall_s / 60:.1f} min · peak RSS {peak_rss:.2f} GB.",
-        "Resume with `looprl run RUN/config.yaml --out RUN --resume`.",
+        "Resume with `looprl run --out RUN --resume`.",
         "",
         f"Baseline (held-out, {baseline['n']} episodes): reward {_reward(baseline)}",
     ]

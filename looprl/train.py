@@ -203,7 +203,7 @@ def run_training(cfg: Config, out: Path, force: bool = False, resume: bool = Fal
                 if stop.requested:
                     raise Interrupted(
                         f"{stop.requested} after step {step}: checkpoint saved; continue with\n"
-                        f"  looprl run {run_dir / 'config.yaml'} --out {run_dir} --resume"
+                        f"  looprl run --out {run_dir} --resume"
                     )
                 raise LoopRLError(
                     f"{loop.bad_steps} optimizer steps in a row had NaN/inf loss or gradients "

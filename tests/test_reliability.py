@@ -98,6 +98,11 @@ def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(tmp_path):
     assert step < 50
     assert list_checkpoints(run)[-1].name == f"step_{step:06d}"
     assert "Stopped after step" in (run / "report.md").read_text()
+    # resuming needs no config: the run's own config.yaml is used (+ overrides)
+    resumed = start("run", "--out", run, "--resume", "--set", f"train.steps={step + 1}")
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-3000:]
+    assert [r["step"] for r in metrics(run)] == list(range(1, step + 2))
 
 
 def test_killed_checkpoint_writer_leaves_the_previous_checkpoint(tmp_path):
