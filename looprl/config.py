@@ -165,6 +165,15 @@ class EvalConfig(Section):
     seed: int = Field(1234, description="Seed of the eval task sample and sampling.")
 
 
+class SFTConfig(Section):
+    enabled: bool = Field(
+        False, description="Warm start: train on the env's demonstrations before RL."
+    )
+    steps: int = Field(30, ge=1, description="SFT optimizer steps.")
+    batch_size: int = Field(16, ge=1, description="Demonstrations per SFT step.")
+    lr: float = Field(1e-4, gt=0, le=1, description="SFT learning rate (AdamW, constant).")
+
+
 class LoggingConfig(Section):
     tensorboard: bool = Field(True, description="Write TensorBoard event files to RUN/tb.")
     wandb: bool = Field(False, description="Also log to Weights & Biases (needs wandb).")
@@ -178,6 +187,7 @@ class Config(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollouts.")
     algo: AlgoConfig = Field(default_factory=AlgoConfig, description="The RL algorithm.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation.")
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="Optional SFT warm start.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Before/after eval.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
     seed: int = Field(0, description="Global seed (python, numpy, torch, task order).")

@@ -78,6 +78,12 @@ def run_training(cfg: Config, out: Path, force: bool = False, resume: bool = Fal
     if baseline is None:
         baseline = evaluate(policy, play, eval_tasks, cfg, run_dir, "baseline")
 
+    # ---- optional SFT warm start on the env's demonstrations, then its own eval
+    after_sft = load_json(run_dir / "eval" / "after_sft.json") if cfg.sft.enabled else None
+    if cfg.sft.enabled and after_sft is None:
+        warm_start(policy, probe, cfg, run_dir)
+        after_sft = evaluate(policy, play, eval_tasks, cfg, run_dir, "after_sft")
+
     # ---- optimizer, schedule, resume
     optimizer = torch.optim.AdamW(
         policy.trainable_parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
@@ -351,6 +357,26 @@ def prepare_run_dir(out: Path, force: bool, resume: bool) -> Path:
     return out
 
 
+def warm_start(policy: Policy, probe: Any, cfg: Config, run_dir: Path) -> None:
+    """SFT steps on demonstrations of train tasks; checkpointed as step 0 (weights only)."""
+    from looprl.sft import demo_episode, sft_step
+
+    optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=cfg.sft.lr)
+    with (run_dir / "sft_metrics.jsonl").open("w") as log:
+        for step in range(1, cfg.sft.steps + 1):
+            tasks = probe.tasks("train", n=cfg.sft.batch_size, seed=cfg.seed * 999_983 + step)
+            episodes = [
+                demo_episode(make_env(cfg.env.name, cfg.env.args), t, policy.renderer)
+                for t in tasks
+            ]
+            log.write(
+                json.dumps({"step": step, **sft_step(policy, optimizer, episodes, cfg)}) + "\n"
+            )
+            log.flush()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    save_checkpoint(run_dir, 0, policy.model, optimizer, scheduler, {"stage": "sft"}, 1_000_000)
+
+
 def resume_state(
     run_dir: Path, policy: Policy, optimizer: Any, scheduler: Any, loop: LoopState
 ) -> int:
@@ -359,6 +385,8 @@ def resume_state(
     if not checkpoints:
         return 0
     meta = load_weights(policy.model, checkpoints[-1])
+    if meta.get("stage") == "sft":  # only the warm-started weights: RL starts afresh
+        return 0
     load_training_state(checkpoints[-1], optimizer, scheduler)
     loop.load_meta(meta)
     step = int(meta["step"])

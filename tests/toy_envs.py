@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from looprl.types import PARSE_FAILURES, Message, Observation, StepResult, Task
+from looprl.types import PARSE_FAILURES, Message, Observation, StepResult, Task, ToolCall
 
 PICK_TOOL = {
     "type": "function",
@@ -41,6 +41,9 @@ class PickSeven:
             tools=[PICK_TOOL],
             tool_choice=self.tool_choice,
         )
+
+    def demonstrations(self, task: Task) -> list[Message]:
+        return [Message(role="assistant", tool_calls=[ToolCall("pick", {"n": 7})])]
 
     def step(self, message: Message) -> StepResult:
         if message.parse_failure or not message.tool_calls:
