@@ -1,0 +1,154 @@
+"""Tic-tac-toe rules and exact minimax, shared by the tic-tac-toe environments.
+
+Boards are 9-character strings of "X", "O" and "." in row-major order; squares are numbered
+1-9 row-major (1 top left, 9 bottom right). The game is small enough to solve exactly, so
+rewards come from a memoised minimax rather than from a heuristic: a move is "optimal" iff
+it keeps the best game-theoretic value.
+"""
+
+from __future__ import annotations
+
+import random
+from functools import cache
+from typing import Any, Literal
+
+Player = Literal["X", "O"]
+EMPTY_BOARD = "." * 9
+_LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
+
+# Rewards of the single-move task; an immediate win outranks a merely optimal move so the
+# policy learns to finish games instead of postponing a forced win.
+WIN_REWARD, OPTIMAL_REWARD, LEGAL_REWARD, ILLEGAL_REWARD = 1.0, 0.8, 0.0, -1.0
+
+
+def winner(board: str) -> Player | None:
+    """The player with three in a row, or None (legal boards never have two winners)."""
+    for a, b, c in _LINES:
+        if board[a] != "." and board[a] == board[b] == board[c]:
+            return board[a]  # type: ignore[return-value]
+    return None
+
+
+def legal_moves(board: str) -> list[int]:
+    """Empty squares (1-based); empty once someone has won, since the game is over."""
+    if winner(board) is not None:
+        return []
+    return [i + 1 for i, mark in enumerate(board) if mark == "."]
+
+
+def to_move(board: str) -> Player:
+    """X moves first, so X is to move exactly when both players have placed as many marks."""
+    return "X" if board.count("X") == board.count("O") else "O"
+
+
+def other(player: Player) -> Player:
+    return "O" if player == "X" else "X"
+
+
+def play(board: str, square: int, player: Player) -> str:
+    """`board` with `player`'s mark on `square` (1-based); the caller checks legality."""
+    return board[: square - 1] + player + board[square:]
+
+
+@cache
+def _value(board: str, player: Player) -> int:
+    """Game value for `player`, who is to move: +1 forced win, 0 draw, -1 forced loss.
+
+    Negamax: value(b, p) = max over moves m of -value(b + m, other(p)).
+    """
+    won = winner(board)
+    if won is not None:
+        return 1 if won == player else -1
+    moves = legal_moves(board)
+    if not moves:
+        return 0
+    return max(-_value(play(board, m, player), other(player)) for m in moves)
+
+
+@cache
+def _best_moves(board: str, player: Player) -> tuple[int, ...]:
+    values = {m: -_value(play(board, m, player), other(player)) for m in legal_moves(board)}
+    top = max(values.values(), default=0)
+    return tuple(m for m, v in values.items() if v == top)
+
+
+def best_moves(board: str, player: Player) -> list[int]:
+    """Every legal move keeping the best game value for `player` (win > draw > loss).
+
+    Only the game-theoretic value counts: a slower forced win is as good as an immediate one,
+    so a won position usually has several best moves. Empty for a finished board.
+    """
+    return list(_best_moves(board, player))
+
+
+def winning_moves(board: str, player: Player) -> list[int]:
+    """Moves that complete a line for `player` right now."""
+    return [m for m in legal_moves(board) if winner(play(board, m, player)) == player]
+
+
+def expert_move(board: str, player: Player) -> int:
+    """A deterministic perfect move: the smallest immediate win, else the smallest best move.
+
+    Taking an immediate win first keeps the expert from dawdling in won positions.
+    """
+    wins = winning_moves(board, player)
+    moves = wins or best_moves(board, player)
+    if not moves:
+        raise ValueError(f"no legal move on finished board {board!r}")
+    return moves[0]
+
+
+def as_square(value: Any) -> int | None:
+    """`value` as a square number 1-9, or None; bools are not numbers here."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return value if 1 <= value <= 9 else None
+
+
+def score_move(board: str, square: Any) -> float:
+    """Reward of X playing `square` on `board` (X to move).
+
+    -1.0 not an int in 1..9, or occupied; +1.0 wins at once; +0.8 another minimax-optimal
+    move; 0.0 any other legal move.
+    """
+    sq = as_square(square)
+    if sq is None or board[sq - 1] != ".":
+        return ILLEGAL_REWARD
+    if winner(play(board, sq, "X")) == "X":
+        return WIN_REWARD
+    return OPTIMAL_REWARD if sq in _best_moves(board, "X") else LEGAL_REWARD
+
+
+@cache
+def unfinished_x_to_move() -> tuple[str, ...]:
+    """Sorted positions reachable by legal play with X to move and the game not over."""
+    seen: set[str] = set()
+    stack = [EMPTY_BOARD]
+    while stack:
+        board = stack.pop()
+        if board in seen:
+            continue
+        seen.add(board)
+        player = to_move(board)
+        stack.extend(play(board, m, player) for m in legal_moves(board))
+    return tuple(sorted(b for b in seen if to_move(b) == "X" and winner(b) is None and "." in b))
+
+
+def positions(n: int = 2048, seed: int = 2026) -> list[str]:
+    """`n` distinct unfinished positions with X to move, in a seed-determined order.
+
+    There are 2423 such positions reachable from the empty board (the empty board included);
+    they are sorted, shuffled with random.Random(seed), and the first `n` returned.
+    """
+    pool = list(unfinished_x_to_move())
+    if not 0 <= n <= len(pool):
+        raise ValueError(f"n={n}: only {len(pool)} unfinished X-to-move positions exist")
+    random.Random(seed).shuffle(pool)
+    return pool[:n]
+
+
+def render_board(board: str) -> str:
+    """Three rows with marks shown and empty squares shown by their number."""
+    cells = [mark if mark != "." else str(i + 1) for i, mark in enumerate(board)]
+    rows = [" " + " | ".join(cells[r : r + 3]) for r in (0, 3, 6)]
+    return "\n---+---+---\n".join(rows)
