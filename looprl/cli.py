@@ -119,6 +119,16 @@ def export(
     console.print(f"exported to {path}")
 
 
+@app.command()
+@guarded
+def report(run_dir: Annotated[Path, typer.Argument(help="A run folder.")]) -> None:
+    """Regenerate a run's report.md, report.html and plots/ from its run folder."""
+    from looprl.report import regenerate_report
+
+    path = regenerate_report(run_dir)
+    console.print(f"wrote {path}, {path.with_suffix('.html')} and {path.parent / 'plots'}/")
+
+
 # ---------------------------------------------------------------- envs
 
 

@@ -1,85 +1,415 @@
-"""The before/after report of a run: `report.md` (more formats come with `looprl report`)."""
+"""The before/after report of a run: `report.md`, a self-contained `report.html` (plots
+embedded as data URIs, inline CSS, nothing fetched) and `plots/*.png`.
+
+Everything comes from the run folder contract (eval/*.json, metrics.jsonl, samples/), so
+`looprl report RUN` can rebuild the report of any run, finished or stopped. Baseline and
+final evaluation play the same episodes in the same order, so the headline number is the
+paired difference, with a bootstrap CI that resamples whole tasks: the episodes of one
+task share a board and are not independent of each other.
+
+Both formats are rendered (in looprl/plots.py) from one list of blocks, so they cannot
+disagree.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from looprl.config import Config
+import numpy as np
+
+from looprl.config import Config, load_config
+from looprl.errors import ConfigError
+from looprl.plots import finite, render_html, render_markdown
+
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0
+TRANSCRIPT_TASKS = 4
+MAX_TEXT = 1500  # characters of one message shown in a transcript
+PLOTS = ("before_after.png", "outcomes.png", "training_curves.png")
+
+# ============================================================================ statistics
 
 
-def _row(name: str, before: Any, after: Any) -> str:
-    return f"| {name} | {before} | {after} |"
+def paired_difference(
+    before: list[float],
+    after: list[float],
+    task_ids: list[str],
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = BOOTSTRAP_SEED,
+) -> tuple[float, float, float] | None:
+    """Mean of after − before over matched episodes and its 95% percentile-bootstrap CI.
+    Each resample draws task ids with replacement and takes all episodes of each drawn
+    task. Pairs with a non-finite reward are dropped; None when nothing is left."""
+    d = np.asarray(after, dtype=float) - np.asarray(before, dtype=float)
+    keep = np.isfinite(d)
+    if not keep.any():
+        return None
+    d, ids = d[keep], np.asarray(task_ids, dtype=object)[keep]
+    _, task_of = np.unique(ids.astype(str), return_inverse=True)
+    sums, counts = np.bincount(task_of, weights=d), np.bincount(task_of)
+    pick = np.random.default_rng(seed).integers(0, len(sums), size=(resamples, len(sums)))
+    boot = sums[pick].sum(axis=1) / counts[pick].sum(axis=1)
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return float(d.mean()), float(lo), float(hi)
 
 
-def _reward(r: dict) -> str:
-    lo, hi = r["reward_ci95"]
-    return f"{r['reward_mean']:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+@dataclass
+class Paired:
+    """after − before over matched episodes: mean, bootstrap CI, and how many moved."""
+
+    mean: float
+    lo: float
+    hi: float
+    episodes: int
+    tasks: int
+    better: int
+    same: int
+    worse: int
+
+
+def paired_stats(baseline: dict, final: dict) -> Paired | str:
+    """The paired comparison of two EvalResults, or the reason it cannot be made."""
+    before, after = baseline.get("rewards"), final.get("rewards")
+    ids = baseline.get("task_ids")
+    if before is None or after is None or ids is None:
+        return "the eval files hold no per-episode rewards (written by an older looprl)"
+    before, after = [finite(x) for x in before], [finite(x) for x in after]
+    if not len(before) == len(after) == len(ids) or ids != final.get("task_ids", ids):
+        return "baseline and final did not play the same episodes in the same order"
+    result = paired_difference(before, after, ids)
+    if result is None:
+        return "no episode has a finite reward on both sides"
+    d = [a - b for a, b in zip(after, before) if math.isfinite(a - b)]
+    return Paired(
+        *result,
+        episodes=len(d),
+        tasks=len(set(ids)),
+        better=sum(x > 0 for x in d),
+        same=sum(x == 0 for x in d),
+        worse=sum(x < 0 for x in d),
+    )
+
+
+# ============================================================================ run folder
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl as a list of dicts; a missing file or a torn last line is no step."""
+    return _read_jsonl(run_dir / "metrics.jsonl") or []
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]] | None:
+    if not path.is_file():
+        return None
+    rows = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a crash mid-write
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def _load_eval(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(result, dict):
+        raise ConfigError(f"{path} does not hold an EvalResult object")
+    return result
+
+
+def regenerate_report(run_dir: Path) -> Path:
+    """`looprl report RUN`: rebuild the report from the run folder. The run's wall clock
+    is not stored, so the time shown is the training time (sum of `perf/step_s`) and the
+    memory is the largest `perf/peak_rss_gb` logged."""
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"{run_dir} is not a run folder (no config.yaml)")
+    baseline = _load_eval(run_dir / "eval" / "baseline.json")
+    if baseline is None:
+        raise ConfigError(
+            f"{run_dir} has no eval/baseline.json: the run stopped before its baseline "
+            "evaluation, so there is nothing to report"
+        )
+    cfg = load_config(run_dir / "config.yaml")
+    final = _load_eval(run_dir / "eval" / "final.json")
+    rows = read_metrics(run_dir)
+    step_s = [x for x in (finite(r.get("perf/step_s")) for r in rows) if not math.isnan(x)]
+    rss = [x for x in (finite(r.get("perf/peak_rss_gb")) for r in rows) if not math.isnan(x)]
+    return write_report(
+        run_dir,
+        cfg,
+        baseline,
+        final,
+        sum(step_s) if step_s else None,
+        max(rss) if rss else None,
+        wall_label="training time (sum of perf/step_s)",
+    )
+
+
+# ============================================================================ the report
 
 
 def write_report(
-    run_dir: Path, cfg: Config, baseline: dict, final: dict | None, wall_s: float, peak_rss: float
+    run_dir: Path,
+    cfg: Config,
+    baseline: dict,
+    final: dict | None,
+    wall_s: float | None,
+    peak_rss: float | None,
+    *,
+    wall_label: str = "wall-clock",
 ) -> Path:
-    """Write RUN/report.md. `final` is None for a run that stopped before its retest."""
+    """Write RUN/report.md, RUN/report.html and RUN/plots/*.png; return report.md's path.
+    `final` is None for a run that stopped before its retest (a partial report)."""
+    from looprl.plots import plot_before_after, plot_curves, plot_outcomes
+
+    rows = read_metrics(run_dir)
+    plots = run_dir / "plots"
+    for name in PLOTS:  # a rebuilt report must not leave a stale plot from an earlier one
+        (plots / name).unlink(missing_ok=True)
+    before = _mean_ci(baseline)
+    sides = [("before", baseline.get("outcomes") or {})]
+    blocks: list[tuple] = []
     if final is None:
-        return _write_partial(run_dir, cfg, baseline, wall_s, peak_rss)
-    outcomes = sorted(set(baseline["outcomes"]) | set(final["outcomes"]))
-    lines = [
-        f"# looprl run: {cfg.env.name} · {cfg.model.name} · {cfg.algo.name}",
-        "",
-        f"{cfg.train.steps} steps · {cfg.rollout.tasks_per_step} tasks × {cfg.rollout.group_size} "
-        f"samples per step · lr {cfg.train.lr} · wall-clock {wall_s / 60:.1f} min · "
-        f"peak RSS {peak_rss:.2f} GB",
-        "",
-        f"Held-out evaluation on the same {final['n']} episodes (task seed {final['task_seed']}, "
-        f"eval temperature {cfg.eval.temperature}).",
-        "",
-        "| metric | before | after |",
-        "|---|---|---|",
-        _row("reward mean [95% CI]", _reward(baseline), _reward(final)),
-        _row(
-            "valid tool-call rate",
-            f"{baseline['valid_tool_call_rate']:.1%}",
-            f"{final['valid_tool_call_rate']:.1%}",
-        ),
-        _row(
-            "response_len (tokens)",
-            f"{baseline['response_len']:.1f}",
-            f"{final['response_len']:.1f}",
-        ),
-    ]
-    for o in outcomes:
-        lines.append(
-            _row(
-                f"outcome: {o}",
-                f"{baseline['outcomes'].get(o, 0):.1%}",
-                f"{final['outcomes'].get(o, 0):.1%}",
+        last = rows[-1] if rows else {}
+        blocks += [
+            ("h1", f"looprl run (stopped): {cfg.env.name} · {cfg.model.name} · {cfg.algo.name}"),
+            (
+                "p",
+                f"Stopped after step {last.get('step', 0)} of {cfg.train.steps}, before the "
+                f"final evaluation · {_time(wall_s, wall_label)} · {_rss(peak_rss)}.",
+            ),
+            ("p", "Resume with:"),
+            ("code", f"looprl run {run_dir}/config.yaml --out {run_dir} --resume"),
+            ("h2", f"Baseline (held-out, {baseline.get('n', '?')} episodes)"),
+            ("table", ["metric", "before"], [r[:2] for r in _summary_rows(baseline, None)]),
+        ]
+        if last:
+            reward = _fmt(last.get("rollout/rewards_mean"), "+.3f")
+            blocks.append(("p", f"Last training step: rollout/rewards_mean {reward}"))
+    else:
+        after = _mean_ci(final)
+        sides.append(("after", final.get("outcomes") or {}))
+        paired = paired_stats(baseline, final)
+        blocks += [
+            ("h1", f"looprl run: {cfg.env.name} · {cfg.model.name} · {cfg.algo.name}"),
+            ("p", _headline(cfg, wall_s, wall_label, peak_rss)),
+            ("h2", "Before / after"),
+            (
+                "p",
+                f"Held-out evaluation on the same {final.get('n', '?')} episodes (task seed "
+                f"{final.get('task_seed', '?')}, eval temperature {cfg.eval.temperature}).",
+            ),
+            ("table", ["metric", "before", "after"], _summary_rows(baseline, final)),
+            ("p", _paired_text(paired)),
+        ]
+        png = plot_before_after(
+            before,
+            after,
+            None if isinstance(paired, str) else (paired.mean, paired.lo, paired.hi),
+            plots / "before_after.png",
+        )
+        blocks.append(("img", png, "Held-out reward before and after, and the paired difference"))
+    blocks.append(("img", plot_outcomes(sides, plots / "outcomes.png"), "Outcome shares"))
+
+    blocks.append(("h2", "Training curves"))
+    curves = plot_curves(rows, plots / "training_curves.png")
+    if curves is None:
+        blocks.append(("p", "No training step was logged (metrics.jsonl is missing or empty)."))
+    else:
+        blocks.append(
+            (
+                "p",
+                f"{len(rows)} steps logged of {cfg.train.steps} configured. "
+                "Training rollouts at the training temperature on training tasks: "
+                "not comparable one-to-one with the held-out numbers.",
             )
         )
-    path = run_dir / "report.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+        blocks.append(("img", curves, "Training reward and response length per step"))
 
-
-def _write_partial(
-    run_dir: Path, cfg: Config, baseline: dict, wall_s: float, peak_rss: float
-) -> Path:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
-    last = rows[-1] if rows else None
-    lines = [
-        f"# looprl run (stopped): {cfg.env.name} · {cfg.model.name} · {cfg.algo.name}",
-        "",
-        f"Stopped after step {last['step'] if last else 0} of {cfg.train.steps}, before the "
-        f"final evaluation · wall-clock {wall_s / 60:.1f} min · peak RSS {peak_rss:.2f} GB.",
-        "Resume with `looprl run --out RUN --resume`.",
-        "",
-        f"Baseline (held-out, {baseline['n']} episodes): reward {_reward(baseline)}",
+    blocks += [
+        ("h2", "Run facts"),
+        ("table", ["fact", "value"], _facts(cfg, rows, wall_s, wall_label, peak_rss, baseline)),
     ]
-    if last:
-        lines.append(
-            f"Last training step: rollout/rewards_mean {last['rollout/rewards_mean']:+.3f}"
-        )
-    path = run_dir / "report.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    if final is not None:
+        blocks += [("h2", "Transcripts: the same tasks before and after"), *_transcripts(run_dir)]
+
+    # utf-8 whatever the locale: the pages hold ·, ×, − and model text
+    md_path = run_dir / "report.md"
+    md_path.write_text(render_markdown(blocks), encoding="utf-8")
+    page = render_html(blocks, title=blocks[0][1])
+    (run_dir / "report.html").write_text(page, encoding="utf-8")
+    return md_path
+
+
+def _mean_ci(result: dict) -> tuple[float, float, float]:
+    lo, hi = (list(result.get("reward_ci95") or []) + [math.nan, math.nan])[:2]
+    return finite(result.get("reward_mean")), finite(lo), finite(hi)
+
+
+def _fmt(value: Any, spec: str) -> str:
+    number = finite(value)
+    return "n/a" if math.isnan(number) else format(number, spec)
+
+
+def _reward(result: dict) -> str:
+    mean, lo, hi = _mean_ci(result)
+    return f"{_fmt(mean, '+.3f')} [{_fmt(lo, '+.3f')}, {_fmt(hi, '+.3f')}]"
+
+
+def _summary_rows(baseline: dict, final: dict | None) -> list[list[str]]:
+    sides = [baseline] if final is None else [baseline, final]
+    labels = sorted({label for r in sides for label in r.get("outcomes") or {}})
+    rows = [
+        ["reward mean [95% CI]", *(_reward(r) for r in sides)],
+        ["valid tool-call rate", *(_fmt(r.get("valid_tool_call_rate"), ".1%") for r in sides)],
+        ["response_len (tokens)", *(_fmt(r.get("response_len"), ".1f") for r in sides)],
+    ]
+    for label in labels:
+        shares = [_fmt((r.get("outcomes") or {}).get(label, 0.0), ".1%") for r in sides]
+        rows.append([f"outcome: {label}", *shares])
+    return rows + [["episodes", *(str(r.get("n", "?")) for r in sides)]]
+
+
+def _paired_text(paired: Paired | str) -> str:
+    if isinstance(paired, str):
+        return f"Paired difference not computed: {paired}."
+    return (
+        f"Paired difference (after − before, episode by episode): {paired.mean:+.3f} "
+        f"[95% CI {paired.lo:+.3f}, {paired.hi:+.3f}], bootstrap over {paired.tasks} tasks "
+        f"({BOOTSTRAP_RESAMPLES} resamples, seed {BOOTSTRAP_SEED}). Of {paired.episodes} "
+        f"episodes {paired.better} scored higher, {paired.same} the same, {paired.worse} lower."
+    )
+
+
+def _time(wall_s: float | None, label: str) -> str:
+    if wall_s is None:
+        return f"{label} unknown"
+    return f"{label} {wall_s:.0f} s" if wall_s < 120 else f"{label} {wall_s / 60:.1f} min"
+
+
+def _rss(peak_rss: float | None) -> str:
+    return "peak RSS unknown" if peak_rss is None else f"peak RSS {peak_rss:.2f} GB"
+
+
+def _headline(cfg: Config, wall_s: float | None, wall_label: str, peak: float | None) -> str:
+    return (
+        f"{cfg.train.steps} steps · {cfg.rollout.tasks_per_step} tasks × "
+        f"{cfg.rollout.group_size} samples per step · lr {cfg.train.lr} · "
+        f"{_time(wall_s, wall_label)} · {_rss(peak)}"
+    )
+
+
+def _facts(
+    cfg: Config, rows: list, wall_s: float | None, wall_label: str, peak: float | None, base: dict
+) -> list[list[str]]:
+    lora = cfg.model.lora
+    return [
+        [
+            "environment",
+            f"{cfg.env.name} {json.dumps(cfg.env.args) if cfg.env.args else ''}".strip(),
+        ],
+        ["model", f"{cfg.model.name} ({f'LoRA r={lora.rank}' if lora.enabled else 'full'})"],
+        ["algorithm", cfg.algo.name],
+        ["steps", f"{len(rows)} logged of {cfg.train.steps} configured"],
+        ["learning rate", f"{cfg.train.lr} ({cfg.train.lr_schedule})"],
+        ["tasks × group", f"{cfg.rollout.tasks_per_step} × {cfg.rollout.group_size}"],
+        [
+            "held-out eval",
+            f"{base.get('n', '?')} episodes: {cfg.eval.tasks} tasks × "
+            f"{cfg.eval.samples_per_task}, T = {cfg.eval.temperature}",
+        ],
+        [wall_label, "unknown" if wall_s is None else f"{wall_s:.0f} s ({wall_s / 60:.1f} min)"],
+        ["peak memory", _rss(peak)],
+        ["seed", str(cfg.seed)],
+    ]
+
+
+# ============================================================================ transcripts
+
+
+def _transcripts(run_dir: Path) -> list[tuple]:
+    """Up to TRANSCRIPT_TASKS tasks, first episode of each, before next to after. Tasks
+    whose outcome or reward changed come first (in eval order), then unchanged ones."""
+    before = _read_jsonl(run_dir / "samples" / "baseline.jsonl")
+    after = _read_jsonl(run_dir / "samples" / "final.jsonl")
+    if not before or not after:
+        return [("p", "Skipped: samples/baseline.jsonl or samples/final.jsonl is missing.")]
+    first_before, first_after = _first_by_task(before), _first_by_task(after)
+    common = [t for t in first_before if t in first_after]
+    if not common:
+        return [("p", "Skipped: the baseline and final samples share no task.")]
+
+    def changed(t: str) -> bool:
+        b, a = first_before[t], first_after[t]
+        return (b.get("outcome"), b.get("reward")) != (a.get("outcome"), a.get("reward"))
+
+    chosen = ([t for t in common if changed(t)] + [t for t in common if not changed(t)])[
+        :TRANSCRIPT_TASKS
+    ]
+    note = (
+        f"{len(chosen)} of {len(common)} tasks, the first episode of each; tasks whose "
+        "outcome or reward changed are shown first, in evaluation order."
+    )
+    pairs = [
+        (t, _prompt(first_before[t]), _side(first_before[t]), _side(first_after[t])) for t in chosen
+    ]
+    return [("p", note), ("transcripts", pairs)]
+
+
+def _first_by_task(records: list[dict]) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for r in records:
+        out.setdefault(str(r.get("task_id")), r)
+    return out
+
+
+def _prompt(record: dict) -> str:
+    """What the model was shown before its first reply, less the system prompt."""
+    parts = []
+    for m in record.get("messages") or []:
+        if m.get("role") == "assistant":
+            break
+        if m.get("role") != "system":
+            parts.append(_clip(_text(m.get("content"))))
+    return "\n\n".join(parts)
+
+
+def _side(record: dict) -> tuple[str, list[tuple[str, str]]]:
+    """'reward … · outcome', then (role, text) for everything from the first reply on."""
+    messages = record.get("messages") or []
+    start = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), None)
+    lines = []
+    for m in messages[len(messages) if start is None else start :]:
+        text = _text(m.get("content"))
+        for call in m.get("tool_calls") or []:
+            fn = call.get("function") or {}
+            args = fn.get("arguments")
+            args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+            text += f"{chr(10) if text else ''}→ {fn.get('name')}({args})"
+        if m.get("parse_failure"):
+            text += f"{chr(10) if text else ''}[no valid call: {m['parse_failure']}]"
+        lines.append((str(m.get("role")), _clip(text) or "(empty)"))
+    if record.get("error"):
+        lines.append(("error", _clip(str(record["error"]))))
+    head = f"reward {_fmt(record.get('reward'), '+.3f')} · {record.get('outcome')}"
+    return head, lines
+
+
+def _text(content: Any) -> str:
+    return content if isinstance(content, str) else "" if content is None else json.dumps(content)
+
+
+def _clip(text: str) -> str:
+    extra = len(text) - MAX_TEXT
+    return text if extra <= 0 else f"{text[:MAX_TEXT]}… ({extra} more characters)"

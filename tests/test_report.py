@@ -1,0 +1,314 @@
+"""The before/after report: paired bootstrap CI, report.md/report.html on synthetic run
+folders (edge cases) and on a real tiny run, and the HTML opened in headless Chromium."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from looprl.config import load_config, to_yaml
+from looprl.report import paired_difference, paired_stats, regenerate_report, write_report
+
+DATA_URI = '<img src="data:image/png;base64,'
+HOSTILE = "<script>document.title='PWNED'</script> ``` </pre> & |"
+
+# ============================================================================ statistics
+
+
+def test_all_improved_by_one_gives_ci_one_one():
+    ids = [f"t{i // 4}" for i in range(16)]
+    assert paired_difference([0.0] * 16, [1.0] * 16, ids) == (1.0, 1.0, 1.0)
+
+
+def test_no_change_gives_a_ci_containing_zero():
+    before = [1.0, -1.0, 0.8, 0.0] * 4
+    ids = [f"t{i // 4}" for i in range(16)]
+    mean, lo, hi = paired_difference(before, before, ids)
+    assert mean == 0 and lo <= 0 <= hi
+    # changes that cancel out across tasks: a wide interval that still straddles zero
+    after = [b + (1 if i < 8 else -1) for i, b in enumerate(before)]
+    mean, lo, hi = paired_difference(before, after, ids)
+    assert mean == 0 and lo < 0 < hi
+
+
+def test_bootstrap_resamples_whole_tasks_weighted_by_episodes():
+    # task a: 3 episodes +1, task b: 1 episode 0. Resamples are {a,a} → 1, {a,b} → 3/4
+    # (all episodes of the drawn tasks), {b,b} → 0; each pair of draws is p = 1/4, 1/2, 1/4.
+    mean, lo, hi = paired_difference([0.0] * 4, [1.0, 1.0, 1.0, 0.0], ["a", "a", "a", "b"])
+    assert mean == 0.75 and (lo, hi) == (0.0, 1.0)
+    # episodes of one task move together: resampling tasks must give a wider CI than
+    # pretending each episode is its own task
+    before = [0.0] * 40
+    after = [1.0 if i < 20 else 0.0 for i in range(40)]
+    grouped = paired_difference(before, after, [f"t{i // 10}" for i in range(40)])
+    single = paired_difference(before, after, [f"t{i}" for i in range(40)])
+    assert grouped[2] - grouped[1] > single[2] - single[1]
+
+
+def test_bootstrap_is_deterministic_and_skips_non_finite_pairs():
+    before = [0.0, 0.5, math.nan, 1.0, 0.0, 0.2]
+    after = [1.0, 0.5, 1.0, 0.0, 0.8, 0.2]
+    ids = ["a", "a", "b", "b", "c", "c"]
+    first = paired_difference(before, after, ids)
+    assert first == paired_difference(before, after, ids)
+    assert first[0] == pytest.approx((1.0 + 0.0 - 1.0 + 0.8 + 0.0) / 5)
+    assert paired_difference([math.nan], [1.0], ["a"]) is None
+
+
+def test_paired_stats_refuses_unmatched_episodes():
+    base = {"rewards": [0.0, 1.0], "task_ids": ["a", "b"]}
+    assert "same episodes" in paired_stats(base, {"rewards": [1.0], "task_ids": ["a"]})
+    assert "same episodes" in paired_stats(base, {"rewards": [1.0, 1.0], "task_ids": ["b", "a"]})
+    assert "older" in paired_stats({"reward_mean": 0.0}, base)
+    stats = paired_stats(base, {"rewards": [1.0, 0.0], "task_ids": ["a", "b"]})
+    assert (stats.better, stats.same, stats.worse, stats.tasks) == (1, 0, 1, 2)
+
+
+# ============================================================================ synthetic runs
+
+
+def eval_result(rewards: list[float], outcomes: dict[str, float]) -> dict:
+    n = len(rewards)
+    mean = sum(rewards) / n
+    return {
+        "env": "tictactoe-move", "model": "tiny-random", "n": n, "reward_mean": mean,
+        "reward_ci95": [mean - 0.1, mean + 0.1], "valid_tool_call_rate": 1.0,
+        "response_len": 30.0, "outcomes": outcomes, "task_seed": 1234,
+        "rewards": rewards, "task_ids": [f"move-{i // 2}" for i in range(n)],
+    }  # fmt: skip
+
+
+def sample(task_id: str, reward: float, outcome: str, text: str = "", square: int = 5) -> dict:
+    return {
+        "step": None, "task_id": task_id, "task": {}, "reward": reward, "outcome": outcome,
+        "response_len": 30,
+        "messages": [
+            {"role": "system", "content": "You play tic-tac-toe."},
+            {"role": "user", "content": f"Board of {task_id}"},
+            {"role": "assistant", "content": text, "tool_calls": [{"type": "function",
+             "function": {"name": "choose_square", "arguments": {"square": square}}}]},
+        ],
+        "completions": [text],
+    }  # fmt: skip
+
+
+def make_run(
+    root: Path,
+    metrics: list[dict] | None = None,
+    final: bool = True,
+    samples: bool = True,
+) -> Path:
+    """A run folder as `looprl run` leaves it: 4 tasks × 2 episodes; the 'after' side
+    never plays an illegal move and a model text is hostile HTML."""
+    run = root / "run"
+    (run / "eval").mkdir(parents=True)
+    (run / "config.yaml").write_text(to_yaml(load_config(None, ["model.name=tiny-random"])))
+    baseline = eval_result([-1.0, 0.0, 0.8, -1.0, 1.0, 0.0, 0.0, 0.8], {"illegal": 0.25,
+                           "legal": 0.375, "optimal": 0.25, "win": 0.125})  # fmt: skip
+    (run / "eval" / "baseline.json").write_text(json.dumps(baseline))
+    if final:
+        after = eval_result([0.8, 0.0, 0.8, 1.0, 1.0, 0.8, 0.0, 0.8],
+                            {"legal": 0.25, "optimal": 0.5, "win": 0.25})  # fmt: skip
+        (run / "eval" / "final.json").write_text(json.dumps(after))
+    if metrics is not None:
+        (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    if samples:
+        (run / "samples").mkdir()
+        before = [sample(f"move-{i}", -1.0, "illegal", HOSTILE) for i in range(4)]
+        after = [sample(f"move-{i}", 0.8, "optimal", square=1) for i in range(4)]
+        for name, records in (("baseline", before), ("final", after)):
+            lines = "".join(json.dumps(r) + "\n" for r in records)
+            (run / "samples" / f"{name}.jsonl").write_text(lines)
+    return run
+
+
+def step(i: int, reward: float | None = 0.1, rss: float = 1.5) -> dict:
+    return {"step": i, "rollout/rewards_mean": reward, "response_len": 30.0 + i,
+            "perf/step_s": 2.0, "perf/peak_rss_gb": rss}  # fmt: skip
+
+
+def write(run: Path, final: bool = True) -> tuple[str, str]:
+    cfg = load_config(run / "config.yaml")
+    base = json.loads((run / "eval" / "baseline.json").read_text())
+    after = json.loads((run / "eval" / "final.json").read_text()) if final else None
+    md = write_report(run, cfg, base, after, 123.0, 2.5)
+    return md.read_text("utf-8"), (run / "report.html").read_text("utf-8")
+
+
+def test_report_tables_plots_and_escaping(tmp_path):
+    run = make_run(tmp_path, [step(1), step(2, None), step(3, math.nan), step(4, 0.4)])
+    md, page = write(run)
+    assert "| metric | before | after |" in md
+    assert "| reward mean [95% CI] | +0.075 [-0.025, +0.175] | +0.650 [+0.550, +0.750] |" in md
+    assert "| outcome: illegal | 25.0% | 0.0% |" in md  # a label seen on one side only
+    assert "Paired difference (after − before, episode by episode): +0.575" in md
+    assert "4 steps logged of" in md and "wall-clock 2.0 min" in md
+    plots = sorted(p.name for p in (run / "plots").glob("*.png"))
+    assert plots == ["before_after.png", "outcomes.png", "training_curves.png"]
+    for name in plots:
+        assert f"](plots/{name})" in md
+    assert page.count(DATA_URI) == len(plots)
+    assert 'src="http' not in page and "href=" not in page  # nothing fetched
+    # model text is escaped in HTML and cannot close its Markdown fence
+    assert "<script>document" not in page and "&lt;script&gt;document.title=" in page
+    assert "&lt;/pre&gt;" in page
+    assert "\n````\n" in md and HOSTILE in md
+
+
+def test_report_without_metrics_or_samples(tmp_path):
+    md, page = write(make_run(tmp_path, metrics=None, samples=False))
+    assert "No training step was logged" in md and "0 logged of" in md
+    assert "Skipped: samples/baseline.jsonl or samples/final.jsonl is missing." in md
+    assert not (tmp_path / "run" / "plots" / "training_curves.png").exists()
+    assert page.count(DATA_URI) == 2
+
+
+def test_report_without_per_episode_rewards(tmp_path):
+    run = make_run(tmp_path, [step(1)])
+    for name in ("baseline", "final"):
+        path = run / "eval" / f"{name}.json"
+        result = json.loads(path.read_text())
+        del result["rewards"], result["task_ids"]
+        path.write_text(json.dumps(result))
+    md, page = write(run)
+    assert "Paired difference not computed" in md and page.count(DATA_URI) == 3
+
+
+def test_partial_report_of_a_stopped_run(tmp_path):
+    md, page = write(make_run(tmp_path, [step(1), step(2)], final=False), final=False)
+    assert "Stopped after step 2 of" in md and "--resume" in md
+    assert "| metric | before |" in md and "Transcripts" not in md
+    assert page.count(DATA_URI) == 2  # outcomes (before only) and training curves
+
+
+def test_regenerate_takes_time_and_memory_from_metrics(tmp_path):
+    run = make_run(tmp_path, [step(1, rss=1.5), step(2, rss=3.25), step(3, rss=2.0)])
+    md = regenerate_report(run).read_text("utf-8")
+    assert "training time (sum of perf/step_s) 6 s" in md and "peak RSS 3.25 GB" in md
+    (run / "eval" / "final.json").unlink()
+    assert "Stopped after step 3" in regenerate_report(run).read_text("utf-8")
+    assert not (run / "plots" / "before_after.png").exists()  # no stale plot left behind
+
+
+def looprl(*args: str | Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "looprl.cli", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+def test_report_command_refuses_a_folder_that_is_not_a_run(tmp_path):
+    res = looprl("report", tmp_path)
+    assert res.returncode == 2 and "is not a run folder" in res.stderr
+    (tmp_path / "config.yaml").write_text("seed: 0\n")
+    res = looprl("report", tmp_path)
+    assert res.returncode == 2 and "no eval/baseline.json" in res.stderr
+
+
+# ============================================================================ a real run
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("report") / "run"
+    res = looprl(
+        "run", "--set", "model.name=tiny-random", "--set", "train.steps=3",
+        "--set", "rollout.tasks_per_step=2", "--set", "rollout.group_size=4",
+        "--set", "eval.tasks=4", "--out", run, "--force",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    return run
+
+
+def test_real_run_report_and_regeneration(tiny_run):
+    md = (tiny_run / "report.md").read_text("utf-8")
+    assert "| metric | before | after |" in md and "3 steps logged of 3 configured" in md
+    assert "### Task move-" in md
+    page = (tiny_run / "report.html").read_text("utf-8")
+    assert page.count(DATA_URI) == 3 == len(list((tiny_run / "plots").glob("*.png")))
+    (tiny_run / "report.html").unlink()
+    shutil.rmtree(tiny_run / "plots")
+    res = looprl("report", tiny_run)
+    assert res.returncode == 0, res.stderr
+    assert (tiny_run / "report.html").read_text("utf-8").count(DATA_URI) == 3
+    assert "training time (sum of perf/step_s)" in (tiny_run / "report.md").read_text("utf-8")
+
+
+# ============================================================================ in a browser
+
+# Injected into a copy only: the report's own CSP forbids scripts. After `load` it puts
+# the result into the title, which --dump-dom prints.
+PROBE = """<script>
+window.addEventListener("load", () => {
+  const images = Array.from(document.images);
+  const loaded = images.filter((img) => img.complete && img.naturalWidth > 0).length;
+  const shown = document.body.innerText.includes("<script>document.title");
+  document.title = `PROBE images=${loaded}/${images.length} hostile_text_shown=${shown}`;
+});
+</script>"""
+# What chromium's --enable-logging=stderr prints for every console message of a page
+# (errors, uncaught exceptions, CSP violations), e.g.
+# [1:1:1129/210426.9:INFO:CONSOLE:76] "Uncaught Error: boom", source: file:///x.html (76)
+CONSOLE_LINE = re.compile(r":CONSOLE[(:]\d*\)?\] (.*)")
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    # module scope and listed first: without a browser, skip before the tiny run is made
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
+    return path
+
+
+def open_in_chromium(chromium: str, html_text: str, tmp: Path) -> tuple[str, list[str]]:
+    """Load a copy of the page with PROBE in headless Chromium; return the probe's title
+    and the page's console messages."""
+    csp = "default-src 'none';"
+    assert csp in html_text
+    page = tmp / "probe.html"
+    page.write_text(
+        html_text.replace(csp, csp + " script-src 'unsafe-inline';", 1).replace(
+            "</body>", PROBE + "</body>"
+        )
+    )
+    cmd = [
+        chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+        "--no-first-run", "--disable-background-networking", "--disable-component-update",
+        "--disable-sync", f"--user-data-dir={tmp / 'profile'}", "--enable-logging=stderr",
+        "--v=0", "--dump-dom", page.as_uri(),
+    ]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    title = re.search(r"<title>(PROBE[^<]*)</title>", res.stdout)
+    assert title, f"chromium rc={res.returncode}, no probe result:\n{res.stderr[-3000:]}"
+    return title.group(1), CONSOLE_LINE.findall(res.stderr)
+
+
+@pytest.mark.parametrize("source", ["real tiny run", "synthetic hostile text"])
+def test_report_renders_in_chromium(chromium, source, tiny_run, tmp_path):
+    run = tiny_run if source == "real tiny run" else make_run(tmp_path, [step(1), step(2)])
+    if source != "real tiny run":
+        write(run)
+    title, console = open_in_chromium(chromium, (run / "report.html").read_text("utf-8"), tmp_path)
+    assert title.startswith("PROBE images=3/3 "), title
+    assert console == [], console
+    if source != "real tiny run":
+        assert title.endswith("hostile_text_shown=true"), title  # shown as text, not run
+
+
+def test_chromium_check_sees_broken_images_and_errors(chromium, tmp_path):
+    # the detector itself: a broken image and an uncaught error must not pass unnoticed
+    page = (
+        "<!doctype html><html><head><meta http-equiv='Content-Security-Policy' "
+        "content=\"default-src 'none'; img-src data:\"><title>x</title></head><body>"
+        '<img src="data:image/png;base64,AAAA"><script>throw new Error("boom")</script>'
+        "</body></html>"
+    )
+    title, console = open_in_chromium(chromium, page, tmp_path)
+    assert title.startswith("PROBE images=0/1"), title
+    assert any("Uncaught Error: boom" in line for line in console), console
