@@ -192,13 +192,23 @@ def write_report(
             ("p", "Resume with:"),
             ("code", f"looprl run {run_dir}/config.yaml --out {run_dir} --resume"),
             ("h2", f"Baseline (held-out, {baseline.get('n', '?')} episodes)"),
-            ("table", ["metric", "before"], [r[:2] for r in _summary_rows(baseline, None)]),
+            ("table", ["metric", "before"], _summary_rows([baseline])),
         ]
         if last:
             reward = _fmt(last.get("rollout/rewards_mean"), "+.3f")
             blocks.append(("p", f"Last training step: rollout/rewards_mean {reward}"))
     else:
         after = _mean_ci(final)
+        # with an SFT warm start: baseline → after SFT → after RL, on the same episodes
+        mid = _load_eval(run_dir / "eval" / "after_sft.json")
+        columns = [baseline, final] if mid is None else [baseline, mid, final]
+        headers = (
+            ["metric", "before", "after"]
+            if mid is None
+            else ["metric", "before", "after SFT", "after"]
+        )
+        if mid is not None:
+            sides.append(("after SFT", mid.get("outcomes") or {}))
         sides.append(("after", final.get("outcomes") or {}))
         paired = paired_stats(baseline, final)
         blocks += [
@@ -210,7 +220,7 @@ def write_report(
                 f"Held-out evaluation on the same {final.get('n', '?')} episodes (task seed "
                 f"{final.get('task_seed', '?')}, eval temperature {cfg.eval.temperature}).",
             ),
-            ("table", ["metric", "before", "after"], _summary_rows(baseline, final)),
+            ("table", headers, _summary_rows(columns)),
             ("p", _paired_text(paired)),
         ]
         png = plot_before_after(
@@ -267,8 +277,7 @@ def _reward(result: dict) -> str:
     return f"{_fmt(mean, '+.3f')} [{_fmt(lo, '+.3f')}, {_fmt(hi, '+.3f')}]"
 
 
-def _summary_rows(baseline: dict, final: dict | None) -> list[list[str]]:
-    sides = [baseline] if final is None else [baseline, final]
+def _summary_rows(sides: list[dict]) -> list[list[str]]:
     labels = sorted({label for r in sides for label in r.get("outcomes") or {}})
     rows = [
         ["reward mean [95% CI]", *(_reward(r) for r in sides)],

@@ -48,3 +48,5 @@ def test_sft_teaches_a_free_form_tool_call(tmp_path):
         json.loads(x)["sft/loss"] for x in (run / "sft_metrics.jsonl").read_text().splitlines()
     ]
     assert losses[-1] < losses[0] / 2
+    report = (run / "report.md").read_text()
+    assert "| metric | before | after SFT | after |" in report
