@@ -63,14 +63,7 @@ def run_training(cfg: Config, out: Path, force: bool = False, resume: bool = Fal
     policy = load_policy(cfg)
     run_dir = prepare_run_dir(out, force=force, resume=resume)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    play = partial(
-        run_episodes,
-        make_env=lambda: make_env(cfg.env.name, cfg.env.args),
-        engine=policy.engine,
-        renderer=policy.renderer,
-        max_turns=probe.max_turns,
-        max_episode_tokens=cfg.rollout.max_episode_tokens,
-    )
+    play = player(cfg, policy, probe)
 
     # ---- baseline: fixed held-out tasks and sampling seed, reused by the final eval
     eval_tasks = probe.tasks("eval", n=cfg.eval.tasks, seed=cfg.eval.seed)
@@ -301,6 +294,18 @@ def evaluate(
     return result
 
 
+def player(cfg: Config, policy: Policy, probe: Any) -> Any:
+    """`play(tasks, params=...) -> episodes` with this policy, in fresh env instances."""
+    return partial(
+        run_episodes,
+        make_env=lambda: make_env(cfg.env.name, cfg.env.args),
+        engine=policy.engine,
+        renderer=policy.renderer,
+        max_turns=probe.max_turns,
+        max_episode_tokens=cfg.rollout.max_episode_tokens,
+    )
+
+
 def run_eval(cfg: Config, checkpoint: Path | None = None, out: Path | None = None) -> dict:
     """`looprl eval`: evaluate a model, or a run's checkpoint, on the held-out tasks."""
     policy = load_policy(cfg)
@@ -309,14 +314,7 @@ def run_eval(cfg: Config, checkpoint: Path | None = None, out: Path | None = Non
             raise ConfigError(f"{checkpoint} is not a looprl checkpoint folder")
         load_weights(policy.model, checkpoint)
     probe = make_env(cfg.env.name, cfg.env.args)
-    play = partial(
-        run_episodes,
-        make_env=lambda: make_env(cfg.env.name, cfg.env.args),
-        engine=policy.engine,
-        renderer=policy.renderer,
-        max_turns=probe.max_turns,
-        max_episode_tokens=cfg.rollout.max_episode_tokens,
-    )
+    play = player(cfg, policy, probe)
     tasks = probe.tasks("eval", n=cfg.eval.tasks, seed=cfg.eval.seed)
     result = evaluate(policy, play, tasks, cfg, None, "eval")
     if out is not None:
