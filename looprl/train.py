@@ -24,6 +24,7 @@ import shutil
 import signal
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -153,7 +154,11 @@ def run_training(cfg: Config, out: Path, force: bool = False, resume: bool = Fal
                 loop.bad_steps += 1
             elif stats["updated"]:
                 loop.bad_steps = 0  # a step with only A = 0 groups proves nothing either way
-            scheduler.step()
+            with warnings.catch_warnings():
+                # the schedule follows training steps, also those where every advantage
+                # was 0 and the optimizer had nothing to do (torch warns about that order)
+                warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
+                scheduler.step()
 
             summary = summarize(episodes)
             metrics = {
