@@ -145,7 +145,7 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     micro_batch_tokens: int = Field(
-        4096, ge=64, description="Token budget of one forward/backward micro-batch."
+        2048, ge=64, description="Token budget of one forward/backward micro-batch."
     )
     checkpoint_every: int = Field(10, ge=0, description="Save a checkpoint every K steps; 0 = off.")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk (newest).")
