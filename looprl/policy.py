@@ -11,7 +11,7 @@ import torch
 from looprl.algo import token_logprobs
 from looprl.chat import ChatRenderer
 from looprl.config import Config
-from looprl.engine.hf import HFEngine
+from looprl.engine.hf import HFEngine, shared_prefill
 from looprl.errors import ConfigError
 from looprl.models import load_causal_lm, load_tokenizer
 
@@ -105,29 +105,9 @@ def sequence_logprobs(
     Returns logp_BS (with grad if enabled) and mask_BS (bool): S covers every suffix.
     """
     starts = [prompt_length(m) for m in masks]
-    unique: dict[tuple[int, ...], int] = {}
-    rows_of = [
-        unique.setdefault(tuple(seq[:st]), len(unique)) for seq, st in zip(sequences, starts)
-    ]
-    prompts = list(unique)
-    expand = torch.tensor(rows_of, device=device)
-    longest = max(len(p) for p in prompts)
-    ids_UP = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
-    attention_UP = torch.zeros((len(prompts), longest), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids_UP[row, longest - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-        attention_UP[row, longest - len(prompt) :] = 1
-    ids_UP, attention_UP = ids_UP.to(device), attention_UP.to(device)
-    positions_UP = (attention_UP.cumsum(-1) - 1).clamp(min=0)
-    prefill = model(
-        input_ids=ids_UP,
-        attention_mask=attention_UP,
-        position_ids=positions_UP,
-        use_cache=True,
-        logits_to_keep=1,
+    prefill = shared_prefill(
+        model, [seq[:st] for seq, st in zip(sequences, starts)], pad_id, device
     )
-    cache = prefill.cache
-    cache.batch_select_indices(expand)
 
     suffixes = [seq[st:] for seq, st in zip(sequences, starts)]
     width = max(len(x) for x in suffixes)
@@ -140,15 +120,15 @@ def sequence_logprobs(
         attention_BS[row, : len(suffix)] = 1
         mask_BS[row, : len(suffix)] = torch.tensor(m[st:], dtype=torch.bool)
     ids_BS, attention_BS = ids_BS.to(device), attention_BS.to(device)
-    positions_BS = positions_UP[expand][:, -1:] + 1 + torch.arange(width, device=device)
+    positions_BS = prefill.positions_BP[:, -1:] + 1 + torch.arange(width, device=device)
     out = model(
         input_ids=ids_BS,
-        attention_mask=torch.cat([attention_UP[expand], attention_BS], dim=1),
+        attention_mask=torch.cat([prefill.attention_BP, attention_BS], dim=1),
         position_ids=positions_BS,
-        cache=cache,
+        cache=prefill.cache,
         use_cache=True,
     )
     # the prompt's last logits predict suffix token 0; suffix position t predicts t + 1
-    logits_BSV = torch.cat([prefill.logits[expand][:, -1:, :], out.logits[:, :-1, :]], dim=1)
+    logits_BSV = torch.cat([prefill.last_logits_BV[:, None, :], out.logits[:, :-1, :]], dim=1)
     logp_BS = token_logprobs(logits_BSV, ids_BS, temperature=temperature)
     return logp_BS, mask_BS.to(device)

@@ -14,12 +14,55 @@ probability towards the choices the constraint leaves open (e.g. which square).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from looprl.engine import Completion, GenerationRequest, SamplingParams
 from looprl.engine.grammar import GrammarCache
+
+
+@dataclass
+class SharedPrefill:
+    """A prefilled batch, one row per request: KV cache, the left-padded prompt's
+    attention mask and positions, and the logits that predict the first new token."""
+
+    cache: Any
+    attention_BP: torch.Tensor
+    positions_BP: torch.Tensor
+    last_logits_BV: torch.Tensor
+
+
+def shared_prefill(
+    model: Any, prompts: list[list[int]], pad_id: int, device: torch.device
+) -> SharedPrefill:
+    """Prefix sharing: the G samples of a task have the same prompt. Each distinct prompt
+    is prefilled once (left-padded, batch U) and its KV rows are then copied to every row
+    that uses it. The copy is an indexing op, so under autograd the gradients of all
+    rows flow back into the one prompt pass (the trainer relies on that)."""
+    unique: dict[tuple[int, ...], int] = {}
+    rows_of = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
+    longest = max(len(p) for p in unique)
+    ids_UP = torch.full((len(unique), longest), pad_id, dtype=torch.long)
+    attention_UP = torch.zeros((len(unique), longest), dtype=torch.long)
+    for row, prompt in enumerate(unique):
+        ids_UP[row, longest - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        attention_UP[row, longest - len(prompt) :] = 1
+    ids_UP, attention_UP = ids_UP.to(device), attention_UP.to(device)
+    positions_UP = (attention_UP.cumsum(-1) - 1).clamp(min=0)
+    out = model(
+        input_ids=ids_UP,
+        attention_mask=attention_UP,
+        position_ids=positions_UP,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    expand = torch.tensor(rows_of, device=device)
+    out.cache.batch_select_indices(expand)
+    return SharedPrefill(
+        out.cache, attention_UP[expand], positions_UP[expand], out.logits[expand, -1, :]
+    )
 
 
 class HFEngine:
@@ -82,29 +125,12 @@ class HFEngine:
     ) -> list[Completion]:
         batch = len(requests)
         device = self.device
-        # Prefix sharing: the G samples of a task have the same prompt. Prefill each
-        # distinct prompt once, then copy its KV rows to every request that uses it.
-        unique: dict[tuple[int, ...], int] = {}
-        rows_of = [unique.setdefault(tuple(r.prompt_ids), len(unique)) for r in requests]
-        prompts = list(unique)
-        longest = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), longest), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(prompts), longest), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, longest - len(prompt) :] = torch.tensor(prompt)
-            attention[row, longest - len(prompt) :] = 1
-        input_ids, attention = input_ids.to(device), attention.to(device)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        expand = torch.tensor(rows_of, device=device)
         matchers = [
             self.grammars().matcher(r.constraint) if r.constraint is not None else None
             for r in requests
         ]
         bitmask = self._bitmask(batch) if any(m is not None for m in matchers) else None
 
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
         ids: list[list[int]] = [[] for _ in range(batch)]
         logprobs: list[list[float]] = [[] for _ in range(batch)]
         finish = ["length"] * batch
@@ -113,18 +139,9 @@ class HFEngine:
         ]
         done = torch.zeros(batch, dtype=torch.bool)
         temperature = params.temperature if params.temperature > 0 else 1.0
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention,
-            position_ids=positions,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        cache = out.cache
-        cache.batch_select_indices(expand)  # one row per request from here on
-        attention, positions = attention[expand], positions[expand]
-        next_BV = out.logits[:, -1, :].float()[expand].cpu()
+        prefill = shared_prefill(self.model, [r.prompt_ids for r in requests], self.pad_id, device)
+        cache, attention, positions = prefill.cache, prefill.attention_BP, prefill.positions_BP
+        next_BV = prefill.last_logits_BV.float().cpu()
         while True:
             jump = self._jump_forward(matchers, done, [lim - len(x) for lim, x in zip(limits, ids)])
             if jump is not None:
