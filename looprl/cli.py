@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from looprl.errors import LoopRLError
+from looprl.errors import ConfigError, LoopRLError
 
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
@@ -129,6 +129,29 @@ def report(run_dir: Annotated[Path, typer.Argument(help="A run folder.")]) -> No
     console.print(f"wrote {path}, {path.with_suffix('.html')} and {path.parent / 'plots'}/")
 
 
+@app.command()
+@guarded
+def play(
+    model: Annotated[str, typer.Argument(help="A model (alias, hub id, path) or a run folder.")],
+    human: Annotated[str, typer.Option(help="Your mark: X (you move first) or O.")] = "X",
+    variant: Annotated[
+        str | None, typer.Option(help="trained or baseline, for a run (default: trained).")
+    ] = None,
+    checkpoint: Annotated[
+        Path | None, typer.Option(help="A checkpoint folder of the run (default: the newest).")
+    ] = None,
+    temperature: Annotated[float, typer.Option(help="Model temperature; 0 = greedy.")] = 0.0,
+    seed: Annotated[int | None, typer.Option(help="Sampling seed (with temperature > 0).")] = None,
+    web: Annotated[bool, typer.Option("--web", help="Play in a local web page.")] = False,
+    port: Annotated[int, typer.Option(help="Port of the --web page on 127.0.0.1.")] = 8765,
+) -> None:
+    """Play tic-tac-toe against a model, or a run's trained model, in the terminal or --web."""
+    from looprl.play import run_play
+
+    run_play(model, human=human, variant=variant, checkpoint=checkpoint, temperature=temperature,
+             seed=seed, web=web, port=port, console=console)  # fmt: skip
+
+
 # ---------------------------------------------------------------- envs
 
 
@@ -159,15 +182,10 @@ def envs_show(
 ) -> None:
     """Print one task exactly as the model sees it: rendered prompt and tool schemas."""
     from looprl.chat import ChatRenderer
-    from looprl.config import parse_yaml
     from looprl.envs import make_env
     from looprl.models import load_tokenizer
 
-    args = {}
-    for item in arg or []:
-        key, _, value = item.partition("=")
-        args[key] = parse_yaml(value)
-    env = make_env(name, args)
+    env = make_env(name, _env_args(arg))
     task = env.tasks(split, n=1, seed=seed)[0]
     obs = env.reset(task)
     renderer = ChatRenderer(load_tokenizer(model), model_name=model)
@@ -183,6 +201,57 @@ def envs_show(
     console.print(renderer.tokenizer.decode(ids), markup=False, highlight=False)
     console.rule("tool schemas")
     console.print_json(json.dumps(obs.tools))
+
+
+@envs_app.command("check")
+@guarded
+def envs_check(
+    names: Annotated[
+        list[str] | None, typer.Argument(help="Environment names (default: every one).")
+    ] = None,
+    tasks: Annotated[int, typer.Option(help="Episodes per agent.", min=1)] = 32,
+    seed: Annotated[int, typer.Option(help="Seed of tasks and random agents.")] = 0,
+    max_step_ms: Annotated[float, typer.Option(help="Slowest allowed mean step.")] = 1000.0,
+    arg: Annotated[
+        list[str] | None, typer.Option("--arg", help="Env argument key=value (repeatable).")
+    ] = None,
+) -> None:
+    """Test an environment with random, expert and perturbed-expert agents (no model)."""
+    from looprl.envs import list_envs
+    from looprl.envs.check import check_env
+
+    failed = []
+    for name in names or list(list_envs()):
+        report = check_env(name, _env_args(arg), n=tasks, seed=seed, max_step_ms=max_step_ms)
+        table = Table("check", "", "detail", title=f"looprl envs check {name}")
+        for c in report.checks:
+            table.add_row(c.name, "[green]ok[/]" if c.ok else "[bold red]FAIL[/]", c.detail)
+        console.print(table)
+        agents = Table("agent", "episodes", "reward mean", "min", "max", "outcomes")
+        for agent, s in report.agents.items():
+            if not s.episodes:
+                continue
+            outcomes = " ".join(f"{k}={v}" for k, v in sorted(s.outcomes.items()))
+            mean = sum(s.rewards) / len(s.rewards)
+            agents.add_row(agent, str(s.episodes), f"{mean:+.3f}", f"{min(s.rewards):+.2f}",
+                           f"{max(s.rewards):+.2f}", outcomes)  # fmt: skip
+        console.print(agents)
+        if not report.ok:
+            failed.append(name)
+    if failed:
+        fail(f"checks failed for: {', '.join(failed)}", code=1)
+
+
+def _env_args(items: list[str] | None) -> dict:
+    from looprl.config import parse_yaml
+
+    args = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--arg {item!r} is invalid: expected key=value")
+        args[key] = parse_yaml(value)
+    return args
 
 
 # ---------------------------------------------------------------- config

@@ -376,3 +376,18 @@ def test_tool_choice_auto_and_custom_prompt() -> None:
     env = TicTacToeGame(tool_choice="auto", system_prompt="Be brief.")
     obs = env.reset(env.tasks("eval")[0])
     assert obs.tool_choice == "auto" and obs.messages[0].content == "Be brief."
+
+
+@pytest.mark.parametrize("opponent", ["random", "minimax", "mixed:0.5"])
+def test_game_demonstrations_never_lose_and_draw_perfect_play(opponent):
+    env = TicTacToeGame(opponent=opponent)
+    outcomes = set()
+    for task in env.tasks("eval"):
+        env.reset(task)
+        for message in env.demonstrations(task):
+            result = env.step(message)
+        assert result.done
+        outcomes.add(result.outcome)
+    assert outcomes <= {"win", "draw"}
+    if opponent == "minimax":
+        assert outcomes == {"draw"}

@@ -69,3 +69,29 @@ class FlakyPickSeven(PickSeven):
         if self._task is not None and self._task.seed % self.every == 0:
             raise RuntimeError("simulated environment bug")
         return super().step(message)
+
+
+class BrokenPickSeven(PickSeven):
+    """Breaks every promise `looprl envs check` checks: tasks change between calls, the
+    splits overlap, a reward leaves its range, an outcome is undeclared, one declared
+    outcome is unreachable, and one task makes `step` raise."""
+
+    outcomes = ("hit", "miss", "never", *PARSE_FAILURES)
+    _calls = 0
+
+    def tasks(self, split: str, n: int | None = None, seed: int = 0) -> list[Task]:
+        BrokenPickSeven._calls += 1
+        return [Task(id=f"t{i}", data={"call": BrokenPickSeven._calls}, seed=i)
+                for i in range(n or 8)]  # fmt: skip
+
+    def reset(self, task: Task) -> Observation:
+        self._task = task
+        return super().reset(task)
+
+    def step(self, message: Message) -> StepResult:
+        if self._task.seed == 3:
+            raise RuntimeError("simulated environment bug")
+        result = super().step(message)
+        if result.outcome == "hit":
+            return StepResult([], done=True, reward=2.0, outcome="jackpot")
+        return result

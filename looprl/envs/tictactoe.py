@@ -336,6 +336,22 @@ class TicTacToeGame(_TicTacToeEnv):
         outcome = "draw" if won is None else "win" if won == state.agent else "loss"
         return self._reply(state, call, f"{text}\n\nGame over: {_GAME_OVER[outcome]}", outcome)
 
+    def demonstrations(self, task: Task) -> list[Message]:
+        """Expert calls for the whole game. The opponent is seeded by the task, so playing
+        the game once in a scratch env gives the exact replies the real episode will get."""
+        scratch = TicTacToeGame(self.opponent, self.agent_plays, max_turns=self.max_turns)
+        scratch.reset(task)
+        calls: list[Message] = []
+        while not scratch._state.done:
+            state = scratch._state
+            square = expert_move(state.board, state.agent)
+            call_id = f"call_{len(calls)}"
+            calls.append(
+                Message("assistant", tool_calls=[ToolCall(_TOOL_NAME, {"square": square}, call_id)])
+            )
+            scratch.step(calls[-1])
+        return calls
+
     def _reply(
         self, state: _GameState, call: ToolCall | None, text: str, outcome: str | None, **info: Any
     ) -> StepResult:

@@ -1,0 +1,287 @@
+"""The environment test kit behind `looprl envs check NAME`.
+
+It plays an environment with three scripted agents, no model involved:
+
+- `random`: each turn either a random tool call drawn from the tool schemas or random
+  text run through the real tool-call parser (so every parse-failure class occurs);
+- `expert`: the environment's `demonstrations(task)`, when it has them;
+- `perturbed`: the expert with some turns replaced by random ones (reaches the
+  in-between outcomes a pure random or a pure expert agent never does).
+
+and checks what every environment must guarantee: the same seed gives the same tasks,
+the train and eval splits share no task, rewards stay inside `reward_range`, outcomes
+are declared, every declared outcome is reachable, nothing raises, and a step is fast.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from looprl.chat.parsers import parse_tool_calls, validate_arguments
+from looprl.envs import demonstrations, make_env
+from looprl.types import Message, Task, ToolCall
+
+AGENTS = ("random", "expert", "perturbed")
+_WORDS = ["hello", "order", "refund", "the", "square", "5", "json", "Dear", "thanks", "—", "é"]
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass
+class AgentStats:
+    episodes: int = 0
+    rewards: list[float] = field(default_factory=list)
+    outcomes: dict[str, int] = field(default_factory=dict)
+    step_seconds: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CheckReport:
+    env: str
+    checks: list[Check]
+    agents: dict[str, AgentStats]
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+
+# ------------------------------------------------------------------ random actions
+
+
+def random_value(schema: dict[str, Any], rng: random.Random, depth: int = 0) -> Any:
+    """A value shaped by a JSON schema (mostly valid; the caller validates it)."""
+    if "enum" in schema:
+        return rng.choice(schema["enum"])
+    kind = schema.get("type", "string")
+    if isinstance(kind, list):
+        kind = rng.choice(kind)
+    if kind == "integer":
+        low, high = int(schema.get("minimum", -3)), int(schema.get("maximum", 12))
+        return rng.randint(low, max(low, high))
+    if kind == "number":
+        return round(rng.uniform(schema.get("minimum", 0.0), schema.get("maximum", 500.0)), 2)
+    if kind == "boolean":
+        return rng.random() < 0.5
+    if kind == "array" and depth < 3:
+        item = schema.get("items", {"type": "string"})
+        return [random_value(item, rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    if kind == "object" and depth < 3:
+        props = schema.get("properties", {})
+        keys = [k for k in props if k in schema.get("required", []) or rng.random() < 0.5]
+        return {k: random_value(props[k], rng, depth + 1) for k in keys}
+    return " ".join(rng.choice(_WORDS) for _ in range(rng.randint(0, 4)))
+
+
+def _random_call(tools: list[dict[str, Any]], rng: random.Random) -> Message:
+    """A schema-shaped call, rejected as `bad_arguments` the way the chat layer would."""
+    fn = rng.choice(tools)["function"]
+    call = ToolCall(fn["name"], random_value(fn.get("parameters", {}), rng), id="call_0")
+    problem = validate_arguments(call, tools)
+    if problem is not None:
+        return Message("assistant", parse_failure="bad_arguments", parse_detail=problem)
+    return Message("assistant", tool_calls=[call])
+
+
+def _random_text(
+    tools: list[dict[str, Any]], rng: random.Random, require_call: bool, kind: int
+) -> Message:
+    """Text of variant `kind` parsed by the real parser (hermes syntax): empty, prose,
+    broken JSON, an unknown tool, bad arguments or bare JSON."""
+    name = rng.choice(tools)["function"]["name"] if tools else "tool"
+    texts = [
+        "",
+        " ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, 40))),
+        '<tool_call>\n{"name": "' + name + '", "arguments": {',
+        '<tool_call>\n{"name": "no_such_tool", "arguments": {}}\n</tool_call>',
+        '<tool_call>\n{"name": "' + name + '", "arguments": {"zz": []}}\n</tool_call>',
+        '{"' + rng.choice(string.ascii_lowercase) + '": 1}',
+    ]
+    text = texts[kind % len(texts)]
+    result = parse_tool_calls(text, tools, "hermes", require_call=require_call)
+    return Message(
+        "assistant",
+        content=result.content,
+        tool_calls=result.calls,
+        parse_failure=result.failure,
+        parse_detail=result.detail,
+    )
+
+
+def random_action(
+    obs_tools: list[dict[str, Any]], tool_choice: str, rng: random.Random, turn: int
+) -> Message:
+    """Two thirds schema-shaped calls, one third text; the text variants take turns so
+    that a few dozen episodes cover every parse failure."""
+    require_call = bool(obs_tools) and tool_choice != "none"
+    if require_call and turn % 3 != 0:
+        return _random_call(obs_tools, rng)
+    return _random_text(obs_tools if require_call else [], rng, require_call, turn // 3)
+
+
+# ------------------------------------------------------------------ playing
+
+
+def play(
+    env: Any, task: Task, agent: str, rng: random.Random, stats: AgentStats
+) -> tuple[float, str] | None:
+    # Random actions are numbered across episodes so that their variants take turns.
+    """One episode with `agent`; None if there is nothing to play (no demonstrations)."""
+    demos = list(demonstrations(env, task) or []) if agent != "random" else []
+    if agent != "random" and not demos:
+        return None
+    obs = env.reset(task)
+    reward, outcome = 0.0, ""
+    for turn in range(max(1, int(env.max_turns))):
+        if turn < len(demos) and (agent == "expert" or rng.random() > 0.3):
+            message = demos[turn]
+        elif agent == "perturbed" and obs.tools and obs.tool_choice != "none":
+            message = _random_call(obs.tools, rng)  # a plausible mistake, not gibberish
+        else:
+            message = random_action(obs.tools, obs.tool_choice, rng, len(stats.step_seconds))
+        started = time.perf_counter()
+        result = env.step(message)
+        stats.step_seconds.append(time.perf_counter() - started)
+        reward, outcome = float(result.reward), result.outcome or ""
+        if result.done:
+            break
+    else:
+        outcome = "truncated"
+    stats.episodes += 1
+    stats.rewards.append(reward)
+    stats.outcomes[outcome] = stats.outcomes.get(outcome, 0) + 1
+    return reward, outcome
+
+
+def _task_key(task: Task) -> tuple[str, int]:
+    return json.dumps(task.data, sort_keys=True, default=str), task.seed
+
+
+def _same_tasks(a: list[Task], b: list[Task]) -> bool:
+    return [(t.id, *_task_key(t)) for t in a] == [(t.id, *_task_key(t)) for t in b]
+
+
+def _split(env: Any, split: str, n: int, seed: int) -> list[Task]:
+    """All tasks of a bounded split, or `n` of an unbounded one."""
+    try:
+        return env.tasks(split, n=None, seed=seed)
+    except Exception:
+        return env.tasks(split, n=n, seed=seed)
+
+
+# ------------------------------------------------------------------ the checks
+
+
+def check_env(
+    name: str,
+    args: dict[str, Any] | None = None,
+    n: int = 32,
+    seed: int = 0,
+    max_step_ms: float = 1000.0,
+) -> CheckReport:
+    """Run every check on `name` with `n` tasks per agent (at least 1)."""
+    checks: list[Check] = []
+    env = make_env(name, args)
+    declared = set(env.outcomes)
+    low, high = env.reward_range
+
+    # Same seed → same tasks (also across fresh instances); task data is JSON.
+    train = env.tasks("train", n=n, seed=seed)
+    evals = env.tasks("eval", n=n, seed=seed)
+    again = make_env(name, args)
+    same = _same_tasks(train, again.tasks("train", n=n, seed=seed)) and _same_tasks(
+        evals, again.tasks("eval", n=n, seed=seed)
+    )
+    checks.append(Check("deterministic tasks", same, f"{len(train)} train + {len(evals)} eval"))
+    try:
+        json.dumps([t.data for t in train + evals])
+        checks.append(Check("task data is JSON", True, "json.dumps works"))
+    except (TypeError, ValueError) as err:
+        checks.append(Check("task data is JSON", False, str(err)))
+
+    # Disjoint splits: no shared (data, seed) and no shared id.
+    all_eval = _split(env, "eval", max(n, 256), seed)
+    all_train = _split(env, "train", max(n, 1024), seed)
+    shared_keys = {_task_key(t) for t in all_eval} & {_task_key(t) for t in all_train}
+    shared_ids = {t.id for t in all_eval} & {t.id for t in all_train}
+    checks.append(
+        Check(
+            "train/eval disjoint",
+            not shared_keys and not shared_ids,
+            f"{len(all_train)} train vs {len(all_eval)} eval tasks; "
+            f"{len(shared_keys)} shared tasks, {len(shared_ids)} shared ids",
+        )
+    )
+
+    agents = {agent: AgentStats() for agent in AGENTS}
+    rng = random.Random(seed)
+    for agent, stats in agents.items():
+        for task in train[: max(1, n)]:
+            try:
+                play(make_env(name, args), task, agent, rng, stats)
+            except Exception as err:
+                stats.errors.append(f"task {task.id}: " + _last_lines(err))
+
+    # Replaying the expert gives the same result.
+    if agents["expert"].episodes:
+        checks.append(_replay_check(name, args, train[:4]))
+
+    errors = [f"{a}: {e}" for a, s in agents.items() for e in s.errors]
+    checks.append(Check("no exceptions", not errors, errors[0] if errors else "none raised"))
+    rewards = [r for s in agents.values() for r in s.rewards]
+    outside = [r for r in rewards if not low <= r <= high]
+    checks.append(
+        Check(
+            "rewards in range",
+            not outside,
+            f"{len(outside)} of {len(rewards)} outside [{low}, {high}]"
+            + (f", e.g. {outside[0]}" if outside else ""),
+        )
+    )
+    seen = {o for s in agents.values() for o in s.outcomes}
+    undeclared = sorted(seen - declared)
+    checks.append(
+        Check("outcomes declared", not undeclared, ", ".join(undeclared) or "all declared")
+    )
+    unreached = sorted(declared - seen)
+    checks.append(
+        Check("outcomes reachable", not unreached, "missing: " + ", ".join(unreached)
+              if unreached else f"all {len(declared)} reached")  # fmt: skip
+    )
+    steps = [t for s in agents.values() for t in s.step_seconds]
+    mean_ms = 1000 * sum(steps) / max(1, len(steps))
+    checks.append(
+        Check("step time", mean_ms <= max_step_ms, f"{mean_ms:.2f} ms mean over {len(steps)}")
+    )
+    if not agents["expert"].episodes:
+        checks.append(Check("expert agent", True, "skipped: no demonstrations(task)"))
+    return CheckReport(name, checks, agents)
+
+
+def _replay_check(name: str, args: dict[str, Any] | None, tasks: list[Task]) -> Check:
+    def replay() -> list[tuple[float, str] | None]:
+        return [play(make_env(name, args), t, "expert", random.Random(0), AgentStats())
+                for t in tasks]  # fmt: skip
+
+    try:
+        same = replay() == replay()
+    except Exception as err:
+        return Check("deterministic episodes", False, _last_lines(err))
+    return Check("deterministic episodes", same, f"expert replayed on {len(tasks)} tasks")
+
+
+def _last_lines(err: BaseException) -> str:
+    text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    return " | ".join(text.strip().splitlines()[-3:])

@@ -1,0 +1,71 @@
+"""The env test kit (`looprl envs check`): built-ins pass, a broken env fails loudly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from typer.testing import CliRunner
+
+from looprl.cli import app
+from looprl.envs import list_envs
+from looprl.envs.check import check_env, random_value
+
+BROKEN = "tests.toy_envs:BrokenPickSeven"
+
+
+@pytest.mark.parametrize("name", sorted(list_envs()))
+def test_every_builtin_env_passes(name):
+    report = check_env(name)
+    failed = [f"{c.name}: {c.detail}" for c in report.checks if not c.ok]
+    assert not failed, failed
+    assert report.agents["random"].episodes == 32
+
+
+def test_toy_env_passes_and_its_outcomes_are_all_reached():
+    report = check_env("tests.toy_envs:PickSeven", n=40)
+    assert report.ok, [(c.name, c.detail) for c in report.checks]
+    seen = {o for s in report.agents.values() for o in s.outcomes}
+    assert {"hit", "miss", "no_tool_call", "bad_json", "unknown_tool"} <= seen
+
+
+def test_broken_env_fails_each_check():
+    report = check_env(BROKEN, n=16)
+    status = {c.name: c for c in report.checks}
+    for name in ("deterministic tasks", "train/eval disjoint", "no exceptions",
+                 "rewards in range", "outcomes declared", "outcomes reachable"):  # fmt: skip
+        assert not status[name].ok, name
+    assert "never" in status["outcomes reachable"].detail
+    assert "jackpot" in status["outcomes declared"].detail
+    assert "simulated environment bug" in status["no exceptions"].detail
+    assert status["step time"].ok and status["task data is JSON"].ok
+
+
+def test_slow_steps_fail_the_time_check():
+    report = check_env("tests.toy_envs:PickSeven", n=4, max_step_ms=0.0)
+    assert not {c.name: c for c in report.checks}["step time"].ok
+
+
+def test_random_values_follow_the_schema():
+    rng = random.Random(0)
+    schema = {"type": "object", "required": ["a", "b"], "properties": {
+        "a": {"type": "integer", "minimum": 1, "maximum": 3},
+        "b": {"enum": ["x", "y"]}, "c": {"type": "array", "items": {"type": "number"}}}}  # fmt: skip
+    for _ in range(50):
+        value = random_value(schema, rng)
+        assert 1 <= value["a"] <= 3 and value["b"] in ("x", "y")
+        assert all(isinstance(v, float) for v in value.get("c", []))
+
+
+def test_cli_exit_codes():
+    runner = CliRunner()
+    ok = runner.invoke(app, ["envs", "check", "tictactoe-move"])
+    assert ok.exit_code == 0, ok.output
+    assert "outcomes reachable" in ok.output
+    bad = runner.invoke(app, ["envs", "check", BROKEN, "--tasks", "8"])
+    assert bad.exit_code == 1
+    assert "checks failed for: " + BROKEN in bad.output
+    unknown = runner.invoke(app, ["envs", "check", "no-such-env"])
+    assert unknown.exit_code == 2 and "unknown environment" in unknown.output
+    badarg = runner.invoke(app, ["envs", "check", "tictactoe-move", "--arg", "oops"])
+    assert badarg.exit_code == 2 and "key=value" in badarg.output
