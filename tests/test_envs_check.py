@@ -48,9 +48,12 @@ def test_slow_steps_fail_the_time_check():
 
 def test_random_values_follow_the_schema():
     rng = random.Random(0)
-    schema = {"type": "object", "required": ["a", "b"], "properties": {
+    properties = {
         "a": {"type": "integer", "minimum": 1, "maximum": 3},
-        "b": {"enum": ["x", "y"]}, "c": {"type": "array", "items": {"type": "number"}}}}  # fmt: skip
+        "b": {"enum": ["x", "y"]},
+        "c": {"type": "array", "items": {"type": "number"}},
+    }
+    schema = {"type": "object", "required": ["a", "b"], "properties": properties}
     for _ in range(50):
         value = random_value(schema, rng)
         assert 1 <= value["a"] <= 3 and value["b"] in ("x", "y")
