@@ -5,6 +5,8 @@ entry-point group."""
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -64,6 +66,8 @@ def make_env(name: str, args: dict[str, Any] | None = None) -> Any:
 
 def _import_class(spec: str) -> type:
     module_name, _, attr = spec.partition(":")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like `python -m`: modules next to you import
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:

@@ -5,8 +5,9 @@ It plays an environment with three scripted agents, no model involved:
 - `random`: each turn either a random tool call drawn from the tool schemas or random
   text run through the real tool-call parser (so every parse-failure class occurs);
 - `expert`: the environment's `demonstrations(task)`, when it has them;
-- `perturbed`: the expert with some turns replaced by random ones (reaches the
-  in-between outcomes a pure random or a pure expert agent never does).
+- `perturbed`: the expert with some turns nudged (one argument off by one, one
+  character off) or replaced by a random call: it reaches the in-between outcomes a
+  pure random or a pure expert agent never does.
 
 and checks what every environment must guarantee: the same seed gives the same tasks,
 the train and eval splits share no task, rewards stay inside `reward_range`, outcomes
@@ -131,6 +132,35 @@ def random_action(
     return _random_text(obs_tools if require_call else [], rng, require_call, turn // 3)
 
 
+def _nudge(value: Any, rng: random.Random) -> Any:
+    """A value close to `value`: ±1 for numbers, one character off for text."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int | float):
+        return value + rng.choice((-1, 1))
+    if isinstance(value, str) and value:
+        i = rng.randrange(len(value))
+        return value[:i] + value[i + 1 :] if rng.random() < 0.5 else value.upper()
+    if isinstance(value, list) and value:
+        return value[:-1]
+    if isinstance(value, dict) and value:
+        key = rng.choice(sorted(value))
+        return {**value, key: _nudge(value[key], rng)}
+    return value
+
+
+def near_miss(message: Message, rng: random.Random) -> Message:
+    """The expert's message with one argument (or its text) nudged."""
+    if not message.tool_calls:
+        return Message("assistant", content=_nudge(message.content, rng))
+    calls = [ToolCall(c.name, dict(c.arguments), c.id) for c in message.tool_calls]
+    call = rng.choice(calls)
+    if call.arguments:
+        key = rng.choice(sorted(call.arguments))
+        call.arguments[key] = _nudge(call.arguments[key], rng)
+    return Message("assistant", content=message.content, tool_calls=calls)
+
+
 # ------------------------------------------------------------------ playing
 
 
@@ -147,6 +177,8 @@ def play(
     for turn in range(max(1, int(env.max_turns))):
         if turn < len(demos) and (agent == "expert" or rng.random() > 0.3):
             message = demos[turn]
+        elif turn < len(demos) and rng.random() < 0.5:
+            message = near_miss(demos[turn], rng)  # the expert, slightly wrong
         elif agent == "perturbed" and obs.tools and obs.tool_choice != "none":
             message = _random_call(obs.tools, rng)  # a plausible mistake, not gibberish
         else:
@@ -257,8 +289,11 @@ def check_env(
     )
     unreached = sorted(declared - seen)
     checks.append(
-        Check("outcomes reachable", not unreached, "missing: " + ", ".join(unreached)
-              if unreached else f"all {len(declared)} reached")  # fmt: skip
+        Check(
+            "outcomes reachable",
+            not unreached,
+            "missing: " + ", ".join(unreached) if unreached else f"all {len(declared)} reached",
+        )  # fmt: skip
     )
     steps = [t for s in agents.values() for t in s.step_seconds]
     mean_ms = 1000 * sum(steps) / max(1, len(steps))
