@@ -131,6 +131,41 @@ def report(run_dir: Annotated[Path, typer.Argument(help="A run folder.")]) -> No
 
 @app.command()
 @guarded
+def serve(
+    model: Annotated[str, typer.Argument(help="A model (alias, hub id, path) or a run folder.")],
+    host: Annotated[
+        str, typer.Option(help="Address to bind; 0.0.0.0 opens it to your network.")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port.")] = 8000,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="LOOPRL_API_KEY", help="Require 'Authorization: Bearer KEY'."),
+    ] = None,
+    checkpoint: Annotated[
+        Path | None, typer.Option(help="A checkpoint folder of the run (default: the newest).")
+    ] = None,
+    variant: Annotated[
+        str | None,
+        typer.Option(help="What model id NAME gets for a run: trained (default) or baseline."),
+    ] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+) -> None:
+    """Serve a model, or a run's trained and baseline model, over an OpenAI-compatible API."""
+    from looprl.inference import load_chat_model
+    from looprl.serve import model_ids, run_server
+
+    if variant not in (None, "trained", "baseline", "base"):
+        fail(f"--variant {variant}: use trained or baseline (a plain model has only base)")
+    chat_model = load_chat_model(model, checkpoint=checkpoint, device=device)
+    ids = ", ".join(model_ids(chat_model, variant))
+    where = f" (checkpoint {chat_model.checkpoint})" if chat_model.checkpoint else ""
+    console.print(f"serving {chat_model.name}{where} as: {ids}", highlight=False)
+    console.print(f"OpenAI base URL: http://{host}:{port}/v1", highlight=False)
+    run_server(chat_model, host=host, port=port, api_key=api_key, default_variant=variant)
+
+
+@app.command()
+@guarded
 def play(
     model: Annotated[str, typer.Argument(help="A model (alias, hub id, path) or a run folder.")],
     human: Annotated[str, typer.Option(help="Your mark: X (you move first) or O.")] = "X",
@@ -209,7 +244,7 @@ def envs_check(
     names: Annotated[
         list[str] | None, typer.Argument(help="Environment names (default: every one).")
     ] = None,
-    tasks: Annotated[int, typer.Option(help="Episodes per agent.", min=1)] = 32,
+    tasks: Annotated[int, typer.Option(help="Episodes per agent.", min=1)] = 64,
     seed: Annotated[int, typer.Option(help="Seed of tasks and random agents.")] = 0,
     max_step_ms: Annotated[float, typer.Option(help="Slowest allowed mean step.")] = 1000.0,
     arg: Annotated[

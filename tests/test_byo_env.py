@@ -24,7 +24,7 @@ def test_example_is_short_and_in_the_docs():
 def test_example_passes_the_env_test_kit():
     report = check_env(EXAMPLE)
     assert report.ok, [(c.name, c.detail) for c in report.checks if not c.ok]
-    assert report.agents["expert"].rewards == [1.0] * 32
+    assert report.agents["expert"].rewards == [1.0] * 64
 
 
 def test_example_runs_from_its_folder(tmp_path):

@@ -19,7 +19,7 @@ def test_every_builtin_env_passes(name):
     report = check_env(name)
     failed = [f"{c.name}: {c.detail}" for c in report.checks if not c.ok]
     assert not failed, failed
-    assert report.agents["random"].episodes == 32
+    assert report.agents["random"].episodes == 64
 
 
 def test_toy_env_passes_and_its_outcomes_are_all_reached():

@@ -16,10 +16,14 @@ from looprl.errors import EnvError
 __all__ = ["Environment", "demonstrations", "env_class", "list_envs", "make_env"]
 
 
-def _builtins() -> dict[str, type]:
-    from looprl.envs.tictactoe import ENVIRONMENTS
+_BUILTIN_MODULES = ("tictactoe", "extraction", "workflow", "instructions")
 
-    return dict(ENVIRONMENTS)
+
+def _builtins() -> dict[str, type]:
+    out: dict[str, type] = {}
+    for module in _BUILTIN_MODULES:
+        out.update(importlib.import_module(f"looprl.envs.{module}").ENVIRONMENTS)
+    return out
 
 
 def _plugins() -> dict[str, Any]:

@@ -5,9 +5,10 @@ It plays an environment with three scripted agents, no model involved:
 - `random`: each turn either a random tool call drawn from the tool schemas or random
   text run through the real tool-call parser (so every parse-failure class occurs);
 - `expert`: the environment's `demonstrations(task)`, when it has them;
-- `perturbed`: the expert with some turns nudged (one argument off by one, one
-  character off) or replaced by a random call: it reaches the in-between outcomes a
-  pure random or a pure expert agent never does.
+- `perturbed`: the expert making one mistake per episode, every one in turn: each
+  turn skipped, nudged (one argument off by one, one character off) or replaced by a
+  random call. It reaches the in-between outcomes that a random or an expert agent
+  never does.
 
 and checks what every environment must guarantee: the same seed gives the same tasks,
 the train and eval splits share no task, rewards stay inside `reward_range`, outcomes
@@ -86,14 +87,21 @@ def random_value(schema: dict[str, Any], rng: random.Random, depth: int = 0) -> 
     return " ".join(rng.choice(_WORDS) for _ in range(rng.randint(0, 4)))
 
 
+def _as_parsed(message: Message, tools: list[dict[str, Any]]) -> Message:
+    """`message` as the chat layer would pass it on: a call whose arguments break the
+    tool's schema becomes a `bad_arguments` failure."""
+    for call in message.tool_calls:
+        problem = validate_arguments(call, tools)
+        if problem is not None:
+            return Message("assistant", parse_failure="bad_arguments", parse_detail=problem)
+    return message
+
+
 def _random_call(tools: list[dict[str, Any]], rng: random.Random) -> Message:
     """A schema-shaped call, rejected as `bad_arguments` the way the chat layer would."""
     fn = rng.choice(tools)["function"]
     call = ToolCall(fn["name"], random_value(fn.get("parameters", {}), rng), id="call_0")
-    problem = validate_arguments(call, tools)
-    if problem is not None:
-        return Message("assistant", parse_failure="bad_arguments", parse_detail=problem)
-    return Message("assistant", tool_calls=[call])
+    return _as_parsed(Message("assistant", tool_calls=[call]), tools)
 
 
 def _random_text(
@@ -122,14 +130,15 @@ def _random_text(
 
 
 def random_action(
-    obs_tools: list[dict[str, Any]], tool_choice: str, rng: random.Random, turn: int
+    obs_tools: list[dict[str, Any]], tool_choice: str, rng: random.Random, episode: int, turn: int
 ) -> Message:
-    """Two thirds schema-shaped calls, one third text; the text variants take turns so
-    that a few dozen episodes cover every parse failure."""
+    """Schema-shaped calls, except the first turn of every third episode: text, whose
+    variants take turns so that a few dozen episodes cover every parse failure. (Text
+    ends most episodes, so later turns stay calls and long episodes happen too.)"""
     require_call = bool(obs_tools) and tool_choice != "none"
-    if require_call and turn % 3 != 0:
+    if require_call and (turn > 0 or episode % 3 != 0):
         return _random_call(obs_tools, rng)
-    return _random_text(obs_tools if require_call else [], rng, require_call, turn // 3)
+    return _random_text(obs_tools if require_call else [], rng, require_call, episode // 3)
 
 
 def _nudge(value: Any, rng: random.Random) -> Any:
@@ -138,9 +147,11 @@ def _nudge(value: Any, rng: random.Random) -> Any:
         return not value
     if isinstance(value, int | float):
         return value + rng.choice((-1, 1))
-    if isinstance(value, str) and value:
+    if isinstance(value, str) and len(value) > 1:
         i = rng.randrange(len(value))
-        return value[:i] + value[i + 1 :] if rng.random() < 0.5 else value.upper()
+        return value[:i] + value[i + 1 :]
+    if isinstance(value, str):
+        return value + "x"
     if isinstance(value, list) and value:
         return value[:-1]
     if isinstance(value, dict) and value:
@@ -149,7 +160,7 @@ def _nudge(value: Any, rng: random.Random) -> Any:
     return value
 
 
-def near_miss(message: Message, rng: random.Random) -> Message:
+def near_miss(message: Message, rng: random.Random, tools: list[dict[str, Any]]) -> Message:
     """The expert's message with one argument (or its text) nudged."""
     if not message.tool_calls:
         return Message("assistant", content=_nudge(message.content, rng))
@@ -158,31 +169,29 @@ def near_miss(message: Message, rng: random.Random) -> Message:
     if call.arguments:
         key = rng.choice(sorted(call.arguments))
         call.arguments[key] = _nudge(call.arguments[key], rng)
-    return Message("assistant", content=message.content, tool_calls=calls)
+    return _as_parsed(Message("assistant", content=message.content, tool_calls=calls), tools)
 
 
 # ------------------------------------------------------------------ playing
 
 
 def play(
-    env: Any, task: Task, agent: str, rng: random.Random, stats: AgentStats
+    env: Any,
+    task: Task,
+    agent: str,
+    rng: random.Random,
+    stats: AgentStats,
+    mistake: tuple[int, int] | None = None,
 ) -> tuple[float, str] | None:
-    # Random actions are numbered across episodes so that their variants take turns.
-    """One episode with `agent`; None if there is nothing to play (no demonstrations)."""
+    """One episode with `agent`; None if there is nothing to play (no demonstrations).
+    The perturbed agent makes `mistake` = (turn, kind), see `_next_message`."""
     demos = list(demonstrations(env, task) or []) if agent != "random" else []
     if agent != "random" and not demos:
         return None
     obs = env.reset(task)
     reward, outcome = 0.0, ""
     for turn in range(max(1, int(env.max_turns))):
-        if turn < len(demos) and (agent == "expert" or rng.random() > 0.3):
-            message = demos[turn]
-        elif turn < len(demos) and rng.random() < 0.5:
-            message = near_miss(demos[turn], rng)  # the expert, slightly wrong
-        elif agent == "perturbed" and obs.tools and obs.tool_choice != "none":
-            message = _random_call(obs.tools, rng)  # a plausible mistake, not gibberish
-        else:
-            message = random_action(obs.tools, obs.tool_choice, rng, len(stats.step_seconds))
+        message = _next_message(agent, demos, obs, rng, stats.episodes, turn, mistake)
         started = time.perf_counter()
         result = env.step(message)
         stats.step_seconds.append(time.perf_counter() - started)
@@ -195,6 +204,32 @@ def play(
     stats.rewards.append(reward)
     stats.outcomes[outcome] = stats.outcomes.get(outcome, 0) + 1
     return reward, outcome
+
+
+def _next_message(
+    agent: str,
+    demos: list[Message],
+    obs: Any,
+    rng: random.Random,
+    episode: int,
+    turn: int,
+    mistake: tuple[int, int] | None,
+) -> Message:
+    """The expert's next message (popped from `demos`), or, on the turn of `mistake`, its
+    kind: 0 skips the expert's message, 1 nudges it, 2 plays a random call instead."""
+    wants_call = bool(obs.tools) and obs.tool_choice != "none"
+    if demos and (mistake is None or turn != mistake[0]):
+        return demos.pop(0)
+    if demos:
+        if mistake[1] == 0 and len(demos) > 1:
+            demos.pop(0)  # a forgotten step
+            return demos.pop(0)
+        if mistake[1] == 1:
+            return near_miss(demos.pop(0), rng, obs.tools)
+        demos.pop(0)
+    if agent == "perturbed" and wants_call:
+        return _random_call(obs.tools, rng)  # a plausible mistake, not gibberish
+    return random_action(obs.tools, obs.tool_choice, rng, episode, turn)
 
 
 def _task_key(task: Task) -> tuple[str, int]:
@@ -219,7 +254,7 @@ def _split(env: Any, split: str, n: int, seed: int) -> list[Task]:
 def check_env(
     name: str,
     args: dict[str, Any] | None = None,
-    n: int = 32,
+    n: int = 64,
     seed: int = 0,
     max_step_ms: float = 1000.0,
 ) -> CheckReport:
@@ -261,10 +296,14 @@ def check_env(
     rng = random.Random(seed)
     for agent, stats in agents.items():
         for task in train[: max(1, n)]:
-            try:
-                play(make_env(name, args), task, agent, rng, stats)
-            except Exception as err:
-                stats.errors.append(f"task {task.id}: " + _last_lines(err))
+            # The perturbed agent tries every single mistake: each turn, each kind.
+            turns = len(demonstrations(env, task) or []) if agent == "perturbed" else 0
+            mistakes = [(t, kind) for t in range(turns) for kind in range(3)] or [None]
+            for mistake in mistakes:
+                try:
+                    play(make_env(name, args), task, agent, rng, stats, mistake)
+                except Exception as err:
+                    stats.errors.append(f"task {task.id}: " + _last_lines(err))
 
     # Replaying the expert gives the same result.
     if agents["expert"].episodes:

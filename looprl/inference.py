@@ -1,0 +1,447 @@
+"""Chat inference on a model or a run: the layer under `looprl serve`, `looprl play`
+and the bring-your-own-agent proxy.
+
+`load_chat_model(spec)` takes a model (alias, hub id, local folder, `gguf:PATH`) or a run
+folder. A run is served as two *variants* of one model: "trained" (the base model plus
+the run's newest checkpoint) and "baseline" (the base model as it was before training).
+For a LoRA run the baseline is the same module with its adapters switched off; for a
+full fine-tune it is a second copy of the base weights, loaded on first use.
+
+`tool_choice` decides how tools are used:
+- "auto": tools are in the prompt; calls are parsed when the text has any;
+- "none": no tools are rendered and nothing is parsed;
+- "required" / a tool's name: the engine's constrained decoding forces one valid call
+  (of any tool / of that tool), so the reply always parses.
+
+Sampling is the rollout engine's, so replies come from exactly the policy the trainer
+updates. `logprobs` are the engine's sampling logprobs (at temperature T, or T=1 when
+greedy; unconstrained even when a call is forced; see engine/hf.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+
+from looprl.chat import ChatRenderer
+from looprl.checkpoint import list_checkpoints, load_weights
+from looprl.config import Config, config_from_dict, load_config
+from looprl.engine import GenerationRequest, SamplingParams, ToolConstraint
+from looprl.engine.hf import HFEngine
+from looprl.errors import ChatError, ConfigError, LoopRLError
+from looprl.policy import Policy, load_policy, pick_device, pick_dtype
+from looprl.types import Message
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class InferenceError(LoopRLError):
+    """A chat request that cannot be served as asked; `param` names the culprit field
+    (OpenAI-style, e.g. "tool_choice" or "messages[2].role") when there is one."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class ChatChoice:
+    message: Message  # parsed assistant Message (tool_calls with ids "call_…", or content)
+    text: str  # the raw decoded completion (stop strings cut off)
+    prompt_ids: list[int]  # exact prompt token ids sent to the engine
+    completion_ids: list[int]  # exact sampled ids (never re-tokenised)
+    logprobs: list[float]  # per completion token (the engine's sampling logprobs)
+    finish_reason: str  # "stop" | "length" | "tool_calls"
+    reasoning: str | None = None  # text of <think> blocks, kept out of `message.content`
+
+
+@dataclass
+class _Prepared:
+    """One validated request, rendered to prompt ids, ready for the engine."""
+
+    prompt_ids: list[int]
+    tools: list[dict[str, Any]] | None  # tools rendered and parsed (None for "none")
+    tool_choice: str
+    constraint: ToolConstraint | None
+    n: int
+    max_tokens: int
+    variant: str
+    temperature: float
+    top_p: float
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+    def batch_key(self) -> tuple:
+        """Requests with equal keys share one engine call (per-request max_tokens and
+        constraints are per-row in the engine; the rest are call-wide settings)."""
+        return (self.variant, self.temperature, self.top_p, tuple(self.stop), self.seed)
+
+
+class ChatModel:
+    """A loaded model (or run) answering chat requests. Thread-safe: one lock around
+    the engine, so concurrent callers take turns; batch them with `chat_many`."""
+
+    def __init__(
+        self,
+        name: str,
+        policy: Policy,
+        cfg: Config,
+        variants: tuple[str, ...],
+        checkpoint: Path | None = None,
+    ) -> None:
+        self.name = name  # what /v1/models lists, e.g. "smollm2-135m" or the run name
+        self.variants = variants  # ("trained", "baseline") for a trained run, else ("base",)
+        self.checkpoint = checkpoint  # the run checkpoint behind "trained", if any
+        self.policy = policy
+        self.renderer: ChatRenderer = policy.renderer
+        self.tokenizer = policy.tokenizer
+        self.engine: HFEngine = policy.engine  # the "trained" / "base" engine
+        self.context_length = getattr(policy.model.config, "max_position_embeddings", None)
+        self._cfg = cfg
+        self._baseline_engine: HFEngine | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ public
+
+    def chat(
+        self,
+        messages: list[Message],
+        tools: list[dict] | None = None,
+        tool_choice: str = "auto",
+        *,
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_tokens: int = 256,
+        stop: list[str] | None = None,
+        seed: int | None = None,
+        variant: str | None = None,
+    ) -> list[ChatChoice]:
+        """`n` sampled replies to one conversation."""
+        request = dict(
+            messages=messages, tools=tools, tool_choice=tool_choice, n=n,
+            temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=stop,
+            seed=seed, variant=variant,
+        )  # fmt: skip
+        return self.chat_many([request])[0]  # type: ignore[return-value]
+
+    def chat_many(
+        self, requests: list[dict], return_exceptions: bool = False
+    ) -> list[list[ChatChoice]]:
+        """Several chat() calls (kwargs dicts) batched into one engine call where their
+        sampling settings and variant agree. Every request is validated and rendered
+        before anything is generated. A seeded request gets an engine call of its own, so
+        its samples do not depend on what else was asked at the same time.
+
+        With `return_exceptions`, a request that fails puts its exception in its slot
+        instead of failing the others (the server relies on this)."""
+        with self._lock:  # rendering and grammar compiling share state with the engine
+            prepared: list[_Prepared | Exception] = []
+            for request in requests:
+                try:
+                    prepared.append(self._prepare(request))
+                except LoopRLError as err:
+                    if not return_exceptions:
+                        raise
+                    prepared.append(err)
+            groups: dict[tuple, list[int]] = {}
+            for i, item in enumerate(prepared):
+                if isinstance(item, _Prepared):
+                    key = item.batch_key() if item.seed is None else (item.batch_key(), i)
+                    groups.setdefault(key, []).append(i)
+            results: list[Any] = list(prepared)
+            for indices in groups.values():
+                try:
+                    outs = self._generate([prepared[i] for i in indices])  # type: ignore[misc]
+                except Exception as err:
+                    if not return_exceptions:
+                        raise
+                    outs = [err] * len(indices)
+                for i, out in zip(indices, outs):
+                    results[i] = out
+        return results
+
+    # ------------------------------------------------------------ preparing
+
+    def _prepare(self, request: dict[str, Any]) -> _Prepared:
+        """Validate one request (chat()'s keyword arguments; its defaults fill the gaps)
+        and render its prompt."""
+        try:
+            bound = inspect.signature(self.chat).bind(**request)
+        except TypeError as err:
+            raise InferenceError(f"bad chat() arguments: {err}") from None
+        bound.apply_defaults()
+        args = bound.arguments
+        messages, tools, tool_choice = args["messages"], args["tools"], args["tool_choice"]
+        n, temperature, top_p = args["n"], args["temperature"], args["top_p"]
+        max_tokens, stop, seed = args["max_tokens"], args["stop"], args["seed"]
+        variant = self.variants[0] if args["variant"] is None else args["variant"]
+        if variant not in self.variants:
+            raise InferenceError(
+                f"unknown variant {variant!r}; {self.name} has: {', '.join(self.variants)}",
+                "model",
+            )
+        _check_sampling(n, temperature, top_p, max_tokens, stop)
+        _check_messages(messages)
+        tools = list(tools or []) or None
+        _check_tool_choice(tools, tool_choice)
+        if tool_choice == "none":
+            tools = None
+        try:
+            prompt_ids = self.renderer.prompt_ids(messages, tools)
+        except ChatError as err:
+            raise InferenceError(str(err), "messages") from None
+        constraint = None
+        if tools and tool_choice != "auto":
+            constraint = ToolConstraint(tools, tool_choice, self.renderer.format)
+            self._compile(constraint)
+        if self.context_length is not None:
+            room = self.context_length - len(prompt_ids)
+            if room < 1:
+                raise InferenceError(
+                    f"the prompt has {len(prompt_ids)} tokens, and {self.name} reads at "
+                    f"most {self.context_length}; shorten the conversation",
+                    "messages",
+                )
+            max_tokens = min(max_tokens, room)
+        return _Prepared(
+            prompt_ids, tools, tool_choice, constraint, n, max_tokens, variant,
+            float(temperature), float(top_p), list(stop or []), seed,
+        )  # fmt: skip
+
+    def _compile(self, constraint: ToolConstraint) -> None:
+        """Compile the forced-call grammar now (cached for the engine), so a schema it
+        cannot express is this request's error, not a failure of a whole batch."""
+        try:
+            self.engine.grammars().matcher(constraint)
+        except ChatError as err:
+            raise InferenceError(str(err), "tool_choice") from None
+        except Exception as err:  # xgrammar rejects some schemas (RuntimeError, ...)
+            raise InferenceError(
+                f"cannot force a call with these tool schemas: {err}; "
+                "use tool_choice=auto or simplify the schema",
+                "tools",
+            ) from None
+
+    # ------------------------------------------------------------ generating
+
+    def _generate(self, batch: list[_Prepared]) -> list[list[ChatChoice]]:
+        first = batch[0]
+        params = SamplingParams(
+            temperature=first.temperature,
+            top_p=first.top_p,
+            max_new_tokens=max(p.max_tokens for p in batch),
+            seed=first.seed,
+            stop=list(first.stop),
+        )
+        requests = [
+            GenerationRequest(list(p.prompt_ids), p.constraint, p.max_tokens)
+            for p in batch
+            for _ in range(p.n)
+        ]
+        with self._engine_for(first.variant) as engine:
+            completions = engine.generate(requests, params)
+        out: list[list[ChatChoice]] = []
+        pos = 0
+        for p in batch:
+            out.append([self._choice(p, c) for c in completions[pos : pos + p.n]])
+            pos += p.n
+        return out
+
+    def _choice(self, p: _Prepared, completion: Any) -> ChatChoice:
+        text = _cut_at_stop(self.renderer.decode(completion.ids), p.stop)
+        reasoning = None
+        if p.tools:
+            parsed = self.renderer.parse(text, p.tools, require_call=p.constraint is not None)
+            for call in parsed.calls:
+                call.id = call.id or f"call_{uuid.uuid4().hex[:24]}"
+            message = Message(
+                role="assistant", content=parsed.content, tool_calls=parsed.calls,
+                parse_failure=parsed.failure, parse_detail=parsed.detail,
+            )  # fmt: skip
+            reasoning = parsed.reasoning
+        else:
+            message = Message(role="assistant", content=text)
+        finish = "tool_calls" if message.tool_calls else completion.finish_reason
+        return ChatChoice(
+            message, text, list(p.prompt_ids), list(completion.ids),
+            list(completion.logprobs), finish, reasoning,
+        )  # fmt: skip
+
+    @contextlib.contextmanager
+    def _engine_for(self, variant: str) -> Iterator[HFEngine]:
+        if variant != "baseline":
+            yield self.engine
+        elif self._cfg.model.lora.enabled:
+            with self.policy.model.disable_adapter():  # the base weights, as before training
+                yield self.engine
+        else:
+            yield self._load_baseline_engine()
+
+    def _load_baseline_engine(self) -> HFEngine:
+        """Full fine-tune: the untouched base weights, as a second model (first use only)."""
+        if self._baseline_engine is None:
+            from looprl.models import load_causal_lm
+
+            model_cfg = self._cfg.model
+            device = pick_device(model_cfg.device)
+            model = load_causal_lm(
+                model_cfg.name, pick_dtype(model_cfg.dtype, device), model_cfg.trust_remote_code
+            ).to(device)
+            model.eval()
+            self._baseline_engine = HFEngine(
+                model,
+                self.tokenizer,
+                self.renderer.eos_ids,
+                batch_size=self._cfg.rollout.batch_size,
+                jump_forward=self._cfg.rollout.jump_forward,
+            )
+        return self._baseline_engine
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_chat_model(spec: str, checkpoint: Path | None = None, device: str = "auto") -> ChatModel:
+    """spec: a model (alias like `smollm2-135m` / `tiny-random`, hub id, local path) or a
+    run folder (has config.yaml): its base model + its newest checkpoint (or `checkpoint`:
+    a checkpoint folder, or a name under RUN/checkpoints). A run without any checkpoint
+    is served as its base model (variant "base")."""
+    path = Path(spec).expanduser()
+    if (path / "config.yaml").is_file():
+        return _load_run(path, checkpoint, device)
+    if checkpoint is not None:
+        raise ConfigError(
+            f"--checkpoint needs a run folder, and {spec} is not one (no config.yaml); "
+            "pass the run folder as the model"
+        )
+    cfg = config_from_dict({"model": {"name": spec, "device": device, "lora": {"enabled": False}}})
+    policy = load_policy(cfg)
+    policy.model.eval()
+    if path.is_dir():
+        name = path.resolve().name
+    elif spec.startswith("gguf:"):
+        name = Path(spec[5:]).stem
+    else:
+        name = spec
+    return ChatModel(name, policy, cfg, ("base",))
+
+
+def _load_run(run: Path, checkpoint: Path | None, device: str) -> ChatModel:
+    cfg = load_config(
+        run / "config.yaml", [f"model.device={device}", "model.gradient_checkpointing=false"]
+    )
+    chosen = _pick_checkpoint(run, checkpoint)
+    policy = load_policy(cfg)
+    policy.model.eval()
+    name = run.resolve().name
+    if chosen is None:
+        return ChatModel(name, policy, cfg, ("base",))
+    try:
+        load_weights(policy.model, chosen)
+    except ValueError as err:
+        raise ConfigError(f"{err}; was it written by another run?") from None
+    return ChatModel(name, policy, cfg, ("trained", "baseline"), checkpoint=chosen)
+
+
+def _pick_checkpoint(run: Path, checkpoint: Path | None) -> Path | None:
+    if checkpoint is None:
+        found = list_checkpoints(run)
+        return found[-1] if found else None
+    if not checkpoint.exists() and (run / "checkpoints" / checkpoint).exists():
+        checkpoint = run / "checkpoints" / checkpoint
+    if not (checkpoint / "trainable.safetensors").is_file():
+        names = ", ".join(p.name for p in list_checkpoints(run)) or "none"
+        raise ConfigError(
+            f"{checkpoint} is not a looprl checkpoint folder; the checkpoints of {run}: {names}"
+        )
+    return checkpoint
+
+
+# ---------------------------------------------------------------- checks
+
+
+def _check_sampling(
+    n: int, temperature: float, top_p: float, max_tokens: int, stop: list[str] | None
+) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise InferenceError(f"n must be an integer >= 1, not {n!r}", "n")
+    if not isinstance(temperature, (int, float)) or not 0 <= temperature <= 5:
+        raise InferenceError(f"temperature must be in [0, 5], not {temperature!r}", "temperature")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise InferenceError(f"top_p must be in (0, 1], not {top_p!r}", "top_p")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise InferenceError(
+            f"max_tokens must be an integer >= 1, not {max_tokens!r}", "max_tokens"
+        )
+    for s in stop or []:
+        if not isinstance(s, str) or not s:
+            raise InferenceError(f"stop strings must be non-empty strings, not {s!r}", "stop")
+
+
+def _check_messages(messages: list[Message]) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise InferenceError("messages must be a non-empty list of messages", "messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Message):
+            raise InferenceError(
+                f"messages[{i}] is a {type(m).__name__}, not a Message", "messages"
+            )
+        if m.role not in ROLES:
+            raise InferenceError(
+                f"messages[{i}] has role {m.role!r}; known roles: {', '.join(ROLES)}",
+                f"messages[{i}].role",
+            )
+
+
+def tool_name(tool: dict[str, Any]) -> str | None:
+    """The name of an OpenAI function-format (or bare) tool schema."""
+    fn = tool.get("function", tool) if isinstance(tool, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def _check_tool_choice(tools: list[dict] | None, tool_choice: str) -> None:
+    names: list[str] = []
+    for i, tool in enumerate(tools or []):
+        name = tool_name(tool)
+        if not name:
+            raise InferenceError(f"tools[{i}] has no function name", f"tools[{i}]")
+        if name in names:
+            raise InferenceError(f"two tools are called {name!r}", f"tools[{i}].function.name")
+        names.append(name)
+        params = tool.get("function", tool).get("parameters")
+        if params is not None:
+            try:
+                jsonschema.validators.validator_for(params).check_schema(params)
+            except Exception as err:
+                detail = getattr(err, "message", str(err))
+                raise InferenceError(
+                    f"tools[{i}] ({name}): parameters is not a valid JSON schema: {detail}",
+                    f"tools[{i}].function.parameters",
+                ) from None
+    if not isinstance(tool_choice, str):
+        raise InferenceError("tool_choice must be a string", "tool_choice")
+    if tool_choice in ("auto", "none"):
+        return
+    if not names:
+        raise InferenceError(f"tool_choice={tool_choice!r} needs tools", "tool_choice")
+    if tool_choice != "required" and tool_choice not in names:
+        raise InferenceError(
+            f"tool_choice names {tool_choice!r}, which is not one of the tools: {', '.join(names)}",
+            "tool_choice",
+        )
+
+
+def _cut_at_stop(text: str, stop: list[str]) -> str:
+    """Text up to the first stop string (which is left out, as OpenAI does)."""
+    cuts = [text.find(s) for s in stop if s in text]
+    return text[: min(cuts)] if cuts else text

@@ -1,0 +1,372 @@
+"""The OpenAI chat-completions wire format, converted to and from looprl's types.
+
+Used by `looprl serve` and by anything else that speaks the OpenAI API in front of a
+`ChatModel` (e.g. an in-process proxy for bring-your-own agents):
+- `ChatCompletionRequest`: the request body (pydantic, strict types; unknown fields
+  are ignored, as many clients send extras);
+- `to_messages`, `chat_kwargs`: request → `ChatModel.chat` keyword arguments;
+- `completion_response`, `stream_events`: `ChatChoice`s → response body / SSE stream;
+- `APIError`, `error_body`: OpenAI-style errors `{"error": {message, type, param, code}}`.
+
+Streaming: replies are generated whole, then sent as chunks: per choice a role chunk,
+one content chunk, per tool call a chunk with its id and name and one with its
+arguments, a final chunk with `finish_reason` (and `logprobs`), then `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from looprl.inference import ChatChoice
+from looprl.types import Message, ToolCall
+
+# ---------------------------------------------------------------- errors
+
+
+class APIError(Exception):
+    """An error the client gets back as an OpenAI-style body with this HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = (
+            status, message, param, code, type,
+        )  # fmt: skip
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: Any = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# ---------------------------------------------------------------- request
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str = Field(description="The call's arguments as a JSON string.")
+
+
+class ToolCallIn(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Strict):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    n: int = Field(1, ge=1, le=128)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    response_format: dict[str, Any] | None = None
+
+
+def to_messages(messages: list[ChatMessage]) -> list[Message]:
+    """OpenAI messages → looprl Messages; assistant tool calls get their JSON-string
+    arguments decoded, tool results get the name of the call they answer."""
+    out: list[Message] = []
+    call_names: dict[str, str] = {}
+    for i, m in enumerate(messages):
+        content = _text(m.content, f"messages[{i}].content")
+        role = "system" if m.role == "developer" else m.role
+        calls: list[ToolCall] = []
+        for j, call in enumerate(m.tool_calls or []):
+            where = f"messages[{i}].tool_calls[{j}].function.arguments"
+            try:
+                arguments = json.loads(call.function.arguments or "{}")
+            except ValueError:
+                raise APIError(400, f"{where} is not valid JSON", where) from None
+            if not isinstance(arguments, dict):
+                raise APIError(400, f"{where} must be a JSON object", where)
+            calls.append(ToolCall(call.function.name, arguments, call.id))
+            if call.id:
+                call_names[call.id] = call.function.name
+        name = None
+        if role == "tool":
+            name = call_names.get(m.tool_call_id or "", m.name)
+        out.append(Message(role, content, calls, m.tool_call_id if role == "tool" else None, name))
+    return out
+
+
+def _text(content: str | list[ContentPart] | None, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise APIError(
+                400,
+                f"{where}[{j}] is a {part.type!r} part; only text parts are supported",
+                f"{where}[{j}].type",
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def chat_kwargs(request: ChatCompletionRequest, variant: str, max_tokens: int) -> dict[str, Any]:
+    """Keyword arguments of `ChatModel.chat` for this request (`max_tokens`: the default
+    when the request sets none)."""
+    if request.top_logprobs:
+        raise APIError(
+            400,
+            "top_logprobs is not supported; logprobs=true returns each sampled token's "
+            "logprob (with top_logprobs: [])",
+            "top_logprobs",
+        )
+    for penalty in ("presence_penalty", "frequency_penalty"):
+        if getattr(request, penalty):
+            raise APIError(400, f"{penalty} is not supported; leave it unset or 0", penalty)
+    if request.response_format and request.response_format.get("type") != "text":
+        raise APIError(
+            400,
+            "response_format is not supported; to get JSON, ask for a tool call "
+            "(tool_choice=required or a named tool), which is forced to match its schema",
+            "response_format",
+        )
+    tools = [t.model_dump(exclude_none=True) for t in request.tools or []] or None
+    choice = request.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        tool_choice = choice.function.name
+    else:
+        tool_choice = choice or ("auto" if tools else "none")
+    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    return dict(
+        messages=to_messages(request.messages),
+        tools=tools,
+        tool_choice=tool_choice,
+        n=request.n,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        max_tokens=request.max_completion_tokens or request.max_tokens or max_tokens,
+        stop=stop,
+        seed=request.seed,
+        variant=variant,
+    )
+
+
+def validation_error(errors: Any) -> APIError:
+    """The first pydantic error of a request as a 400 naming the field it is about
+    (`messages[0].role`; a union's branch names are left out of the path)."""
+    errors = list(errors)
+    if not errors:
+        return APIError(400, "invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {first.get('msg')}")
+    parts: list[str] = []
+    for p in first.get("loc", ()):
+        if isinstance(p, int):
+            parts.append(f"[{p}]")
+        elif p in _FIELD_NAMES:
+            parts.append(f".{p}")
+        elif p != "body":
+            break  # the name of a union's branch: the path ends at the field
+    param = "".join(parts).lstrip(".")
+    if not param:
+        return APIError(400, "the request needs a JSON object body with 'model' and 'messages'")
+    return APIError(400, f"{param}: {first.get('msg')}", param)
+
+
+_FIELD_NAMES = {
+    name
+    for model in (ChatCompletionRequest, ChatMessage, ContentPart, ToolCallIn, FunctionCall,
+                  Tool, FunctionDef, NamedToolChoice, NamedFunction, StreamOptions)
+    for name in model.model_fields
+}  # fmt: skip
+
+
+# ---------------------------------------------------------------- response
+
+
+def message_dict(message: Message, reasoning: str | None = None) -> dict[str, Any]:
+    """A looprl assistant Message as an OpenAI response message."""
+    out: dict[str, Any] = {"role": "assistant", "content": message.content or None}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {
+                    "name": call.name,
+                    "arguments": json.dumps(call.arguments, ensure_ascii=False),
+                },
+            }
+            for call in message.tool_calls
+        ]
+    if reasoning:
+        out["reasoning_content"] = reasoning
+    return out
+
+
+def logprobs_dict(choice: ChatChoice, tokenizer: Any) -> dict[str, Any]:
+    """One entry per generated token (EOS included); no alternatives (top_logprobs)."""
+    content = []
+    for token_id, logprob in zip(choice.completion_ids, choice.logprobs):
+        token = tokenizer.decode([token_id])
+        content.append(
+            {
+                "token": token,
+                "logprob": logprob,
+                "bytes": list(token.encode("utf-8")),
+                "top_logprobs": [],
+            }
+        )
+    return {"content": content, "refusal": None}
+
+
+def completion_response(
+    choices: list[ChatChoice],
+    model_id: str,
+    tokenizer: Any,
+    logprobs: bool = False,
+    fingerprint: str | None = None,
+) -> dict[str, Any]:
+    """The `chat.completion` body for the choices of one request."""
+    prompt_tokens = len(choices[0].prompt_ids) if choices else 0
+    completion_tokens = sum(len(c.completion_ids) for c in choices)
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model_id,
+        "system_fingerprint": fingerprint,
+        "choices": [
+            {
+                "index": i,
+                "message": message_dict(c.message, c.reasoning),
+                "logprobs": logprobs_dict(c, tokenizer) if logprobs else None,
+                "finish_reason": c.finish_reason,
+            }
+            for i, c in enumerate(choices)
+        ],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+def stream_events(response: dict[str, Any], include_usage: bool = False) -> Iterator[str]:
+    """A finished `chat.completion` body as server-sent `chat.completion.chunk` events."""
+    head = {
+        "id": response["id"],
+        "object": "chat.completion.chunk",
+        "created": response["created"],
+        "model": response["model"],
+        "system_fingerprint": response.get("system_fingerprint"),
+    }
+
+    def event(index: int, delta: dict, finish: str | None = None, logprobs: Any = None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        chunk = {**head, "choices": [choice]}
+        if include_usage:
+            chunk["usage"] = None
+        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+    for choice in response["choices"]:
+        index, message = choice["index"], choice["message"]
+        yield event(index, {"role": "assistant", "content": ""})
+        if message["content"]:
+            yield event(index, {"content": message["content"]})
+        if message.get("reasoning_content"):
+            yield event(index, {"reasoning_content": message["reasoning_content"]})
+        for k, call in enumerate(message.get("tool_calls", [])):
+            name = {"name": call["function"]["name"], "arguments": ""}
+            yield event(
+                index,
+                {
+                    "tool_calls": [
+                        {"index": k, "id": call["id"], "type": "function", "function": name}
+                    ]
+                },
+            )
+            arguments = {"arguments": call["function"]["arguments"]}
+            yield event(index, {"tool_calls": [{"index": k, "function": arguments}]})
+        yield event(index, {}, choice["finish_reason"], choice["logprobs"])
+    if include_usage:
+        chunk = {**head, "choices": [], "usage": response["usage"]}
+        yield f"data: {json.dumps(chunk)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def model_list(model_ids: list[str], owner: str = "looprl") -> dict[str, Any]:
+    created = int(time.time())
+    return {
+        "object": "list",
+        "data": [
+            {"id": mid, "object": "model", "created": created, "owned_by": owner}
+            for mid in model_ids
+        ],
+    }
