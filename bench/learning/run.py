@@ -2,9 +2,13 @@
 
     .venv/bin/python bench/learning/run.py move_forced     # or move_free_sft, game_random
     .venv/bin/python bench/learning/run.py move_forced --set train.steps=10
+    .venv/bin/python bench/learning/run.py --extra-only move_forced   # re-tests only
 
 Writes runs/bench-NAME/ (the usual run folder, report included) and ends with
 `RESULT name=... before=... after=... ...` (rewards on the same held-out episodes).
+Then it re-evaluates the base model and the final checkpoint greedily (temperature 0)
+and under the extra settings listed in EXTRA_EVALS (e.g. another opponent), writing
+runs/bench-NAME/eval/extra-*.json, and prints one `EXTRA ...` line per setting.
 """
 
 from __future__ import annotations
@@ -16,9 +20,41 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
+GREEDY = ["eval.temperature=0", "eval.samples_per_task=1"]
+# Extra re-tests of the same base model and final checkpoint: name -> --set overrides.
+EXTRA_EVALS: dict[str, dict[str, list[str]]] = {
+    "game_random": {
+        "vs_random_greedy": GREEDY,
+        "vs_minimax_sampled": ["env.args.opponent=minimax"],
+        "vs_minimax_greedy": ["env.args.opponent=minimax", *GREEDY],
+    },
+}
+
+
+def extra_evals(name: str, out: Path) -> None:
+    """Evaluate the base model and the final checkpoint under each extra setting."""
+    final = sorted((out / "checkpoints").glob("step_*"))[-1]
+    for label, sets in EXTRA_EVALS.get(name, {"greedy": GREEDY}).items():
+        line = [f"EXTRA name={name} eval={label}"]
+        for stage, ckpt in (("before", None), ("after", final)):
+            path = out / "eval" / f"extra-{label}-{stage}.json"
+            cmd = [sys.executable, "-m", "looprl.cli", "eval", str(out / "config.yaml")]
+            cmd += ["--out", str(path)]
+            cmd += [arg for s in sets for arg in ("--set", s)]
+            cmd += ["--checkpoint", str(ckpt)] if ckpt else []
+            subprocess.run(cmd, check=True, capture_output=True)
+            r = json.loads(path.read_text())
+            outcomes = ",".join(f"{k}:{v:.2f}" for k, v in r["outcomes"].items())
+            lo, hi = r["reward_ci95"]
+            line.append(f"{stage}={r['reward_mean']:.3f} {stage}_ci={lo:.3f}..{hi:.3f} "
+                        f"{stage}_outcomes={outcomes}")  # fmt: skip
+        print(" ".join(line), flush=True)
 
 
 def main() -> None:
+    if sys.argv[1] == "--extra-only":  # re-test a finished benchmark run
+        extra_evals(sys.argv[2], Path("runs") / f"bench-{sys.argv[2]}")
+        return
     name, extra = sys.argv[1], sys.argv[2:]
     config = HERE / f"{name}.yaml"
     out = Path("runs") / f"bench-{name}"
@@ -46,7 +82,8 @@ def main() -> None:
     }
     if "after_sft" in evals:
         fields["after_sft"] = f"{evals['after_sft']['reward_mean']:.3f}"
-    print("RESULT " + " ".join(f"{k}={v}" for k, v in fields.items()))
+    print("RESULT " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
+    extra_evals(name, out)
 
 
 if __name__ == "__main__":
