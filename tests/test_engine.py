@@ -67,3 +67,18 @@ def test_canonical_tokens_under_jump_forward(tiny_model, tokenizer, renderer, fo
     out = engine.generate(requests[:1], SamplingParams(temperature=0.0, max_new_tokens=96))[0]
     text = renderer.decode(out.ids)
     assert out.ids[:-1] == tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_forced_grammar_keeps_the_schema_property_order(tokenizer, renderer):
+    """A call written in the schema's property order (as demonstrations are) is accepted."""
+    from looprl.chat.parsers import format_tool_call
+    from looprl.engine.grammar import GrammarCache
+    from looprl.types import ToolCall
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "required": ["zeta", "alpha"], "additionalProperties": False,
+        "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "integer"}}}}}  # fmt: skip
+    cache = GrammarCache(tokenizer, len(tokenizer), renderer.eos_ids)
+    matcher = cache.matcher(ToolConstraint([tool], "required", "hermes"))
+    text = format_tool_call(ToolCall("f", {"zeta": 1, "alpha": 2}), "hermes")
+    assert all(matcher.accept_token(t) for t in tokenizer.encode(text, add_special_tokens=False))

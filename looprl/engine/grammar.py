@@ -99,8 +99,9 @@ class GrammarCache:
     def matcher(self, constraint: ToolConstraint) -> Any:
         import xgrammar as xgr
 
+        # Not sort_keys: the grammar writes arguments in the schema's property order, so
+        # two schemas that differ only in that order are two grammars.
         key = json.dumps(
-            {"tools": constraint.tools, "choice": constraint.tool_choice, "fmt": constraint.fmt},
-            sort_keys=True,
+            {"tools": constraint.tools, "choice": constraint.tool_choice, "fmt": constraint.fmt}
         )
         return xgr.GrammarMatcher(self._compile(key))
