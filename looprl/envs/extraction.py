@@ -33,8 +33,8 @@ from typing import Any, ClassVar
 
 import jsonschema
 
+from looprl.envs.common import check_choice, check_int, first_call, task_indices
 from looprl.envs.extraction_docs import KINDS, make_document
-from looprl.envs.tictactoe import _check_choice, _check_int, _sample
 from looprl.errors import EnvError
 from looprl.types import PARSE_FAILURES, Message, Observation, StepResult, Task, ToolCall
 
@@ -179,16 +179,10 @@ def grade(kind: str, submitted: dict[str, Any], truth: dict[str, Any]) -> Grade:
 
 def _submitted_call(message: Message) -> tuple[ToolCall | None, str | None]:
     """The call to grade (the first one), or else the parse-failure label."""
-    if message.parse_failure is not None:
-        if message.parse_failure not in PARSE_FAILURES:
-            raise EnvError(f"unknown parse_failure {message.parse_failure!r}")
-        return None, message.parse_failure
-    if not message.tool_calls:
-        return None, "no_tool_call"
-    call = message.tool_calls[0]
-    if call.name != TOOL_NAME:
-        return None, "unknown_tool"
-    return (call, None) if isinstance(call.arguments, dict) else (None, "bad_arguments")
+    call, failure = first_call(message, TOOL_NAME)
+    if call is not None and not isinstance(call.arguments, dict):
+        return None, "bad_arguments"
+    return call, failure
 
 
 class Extraction:
@@ -217,11 +211,11 @@ class Extraction:
     ) -> None:
         if not isinstance(kinds, list | tuple) or not kinds:
             raise EnvError(f"kinds={kinds!r} is invalid: expected a non-empty list of {KINDS}")
-        self.kinds = tuple(_check_choice("kinds", kind, KINDS) for kind in kinds)
+        self.kinds = tuple(check_choice("kinds", kind, KINDS) for kind in kinds)
         if len(set(self.kinds)) != len(self.kinds):
             raise EnvError(f"kinds={kinds!r} is invalid: a kind is listed twice")
-        self.tool_choice = _check_choice("tool_choice", tool_choice, ("auto", "required"))
-        self.eval_size = _check_int("eval_size", eval_size, 1)
+        self.tool_choice = check_choice("tool_choice", tool_choice, ("auto", "required"))
+        self.eval_size = check_int("eval_size", eval_size, 1)
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise EnvError(f"system_prompt={system_prompt!r} is invalid: expected a string")
         self.system_prompt = system_prompt or self.default_prompt
@@ -241,12 +235,12 @@ class Extraction:
     def tasks(self, split: str, n: int | None = None, seed: int = 0) -> list[Task]:
         """Eval: documents 0..eval_size-1. Train: an unbounded stream, so `n` is required;
         a train document whose text equals an eval one is skipped."""
-        _check_choice(f"{self.name}: split", split, ("train", "eval"))
-        if split == "eval":
-            return [self._task(split, i) for i in _sample(list(range(self.eval_size)), n, seed)]
-        if n is None:
-            raise EnvError(f"{self.name}: the train split is unbounded; pass n")
-        _check_int("n", n, 0)
+        if split == "eval" or n is None:
+            return [
+                self._task(split, i)
+                for i in task_indices(self.name, split, n, seed, self.eval_size)
+            ]
+        check_int("n", n, 0)
         rng, seen, out = random.Random(seed), set(), []
         while len(out) < n:
             index = rng.randrange(2**31)

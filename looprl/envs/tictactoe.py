@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from looprl.envs.common import check_choice, check_int, first_call, sample_items, task_indices
 from looprl.envs.tictactoe_board import (  # noqa: F401  (the public helpers live here too)
     EMPTY_BOARD,
     ILLEGAL_REWARD,
@@ -67,47 +68,6 @@ _MOVE_OUTCOMES = {
 }
 
 
-# ------------------------------------------------------------------------ shared env parts
-
-
-def _check_int(name: str, value: Any, low: float = -math.inf, high: float = math.inf) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        bound = "" if low == -math.inf else f" >= {low}" if high == math.inf else f" {low}..{high}"
-        raise EnvError(f"{name}={value!r} is invalid: expected an integer{bound}")
-    return value
-
-
-def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> Any:
-    if value not in allowed:
-        raise EnvError(f"{name}={value!r} is invalid: expected one of {', '.join(allowed)}")
-    return value
-
-
-def _sample(items: list[Any], n: int | None, seed: int) -> list[Any]:
-    """All `items` in order (n=None) or a seeded sample of `n`; for n > len(items) the sample
-    cycles through fresh shuffles, so every item is used before any is repeated."""
-    if n is None:
-        return list(items)
-    _check_int("n", n, 0)
-    rng = random.Random(seed)
-    out: list[Any] = []
-    while len(out) < n and items:
-        out.extend(rng.sample(items, min(n - len(out), len(items))))
-    return out
-
-
-def _first_call(message: Message) -> tuple[ToolCall | None, str | None]:
-    """The call to act on, or else the parse-failure label."""
-    if message.parse_failure is not None:
-        if message.parse_failure not in PARSE_FAILURES:
-            raise EnvError(f"unknown parse_failure {message.parse_failure!r}")
-        return None, message.parse_failure
-    if not message.tool_calls:
-        return None, "no_tool_call"
-    call = message.tool_calls[0]  # one move per turn: any further calls are ignored
-    return (call, None) if call.name == _TOOL_NAME else (None, "unknown_tool")
-
-
 class _TicTacToeEnv:
     """What both environments share: argument checks, the prompt and the episode guard."""
 
@@ -117,14 +77,14 @@ class _TicTacToeEnv:
     _state: Any
 
     def __init__(self, tool_choice: str, system_prompt: str | None) -> None:
-        self.tool_choice = _check_choice("tool_choice", tool_choice, ("auto", "required"))
+        self.tool_choice = check_choice("tool_choice", tool_choice, ("auto", "required"))
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise EnvError(f"system_prompt={system_prompt!r} is invalid: expected a string")
         self.system_prompt = system_prompt or self.default_prompt
         self._state = None
 
     def _check_split(self, split: str) -> None:
-        _check_choice(f"{self.name}: split", split, ("train", "eval"))
+        check_choice(f"{self.name}: split", split, ("train", "eval"))
 
     def _observation(self, user_text: str) -> Observation:
         messages = [Message("system", self.system_prompt), Message("user", user_text)]
@@ -167,10 +127,10 @@ class TicTacToeMove(_TicTacToeEnv):
         system_prompt: str | None = None,
     ) -> None:
         super().__init__(tool_choice, system_prompt)
-        self.pool_size = _check_int("pool_size", pool_size, 2, len(unfinished_x_to_move()))
+        self.pool_size = check_int("pool_size", pool_size, 2, len(unfinished_x_to_move()))
         # Both splits must be non-empty.
-        self.eval_size = _check_int("eval_size", eval_size, 1, pool_size - 1)
-        self.pool_seed = _check_int("pool_seed", pool_seed)
+        self.eval_size = check_int("eval_size", eval_size, 1, pool_size - 1)
+        self.pool_seed = check_int("pool_seed", pool_seed)
         self.max_turns = 1
         self._pool = positions(pool_size, pool_seed)
 
@@ -180,7 +140,7 @@ class TicTacToeMove(_TicTacToeEnv):
         first, end = (0, self.eval_size) if split == "eval" else (self.eval_size, self.pool_size)
         return [
             Task(id=f"move-{self._pool[i]}", data={"board": self._pool[i]}, seed=i)
-            for i in _sample(list(range(first, end)), n, seed)
+            for i in sample_items(list(range(first, end)), n, seed)
         ]
 
     def reset(self, task: Task) -> Observation:
@@ -194,7 +154,7 @@ class TicTacToeMove(_TicTacToeEnv):
         state: _MoveState = self._live_state()
         state.done = True
         info: dict[str, Any] = {"board": state.board, "best_moves": best_moves(state.board, "X")}
-        call, failure = _first_call(message)
+        call, failure = first_call(message, _TOOL_NAME)
         info["square"] = call.arguments.get("square") if call else None
         if call is None:
             return StepResult([], done=True, reward=ILLEGAL_REWARD, outcome=failure, info=info)
@@ -264,11 +224,11 @@ class TicTacToeGame(_TicTacToeEnv):
         super().__init__(tool_choice, system_prompt)
         parse_opponent(opponent)
         self.opponent = opponent
-        self.agent_plays = _check_choice("agent_plays", agent_plays, ("X", "O", "alternate"))
-        self.eval_size = _check_int("eval_size", eval_size, 1)
+        self.agent_plays = check_choice("agent_plays", agent_plays, ("X", "O", "alternate"))
+        self.eval_size = check_int("eval_size", eval_size, 1)
         # X places at most 5 marks, so 5 agent turns always finish the game: the env never
         # truncates, and a smaller limit would cut games short.
-        self.max_turns = _check_int("max_turns", max_turns, 5)
+        self.max_turns = check_int("max_turns", max_turns, 5)
 
     def _task(self, split: str, index: int) -> Task:
         # Eval seeds are even and train seeds odd: the two streams can never share a game.
@@ -279,16 +239,11 @@ class TicTacToeGame(_TicTacToeEnv):
 
     def tasks(self, split: str, n: int | None = None, seed: int = 0) -> list[Task]:
         """Eval: game indices 0..eval_size-1. Train: an unbounded stream, so `n` is required."""
-        self._check_split(split)
-        if split == "eval":
-            return [self._task(split, i) for i in _sample(list(range(self.eval_size)), n, seed)]
-        if n is None:
-            raise EnvError(f"{self.name}: the train split is unbounded; pass n")
-        _check_int("n", n, 0)
-        return [self._task(split, i) for i in random.Random(seed).sample(range(2**31), n)]
+        indices = task_indices(self.name, split, n, seed, self.eval_size)
+        return [self._task(split, i) for i in indices]
 
     def reset(self, task: Task) -> Observation:
-        agent = _check_choice(f"task {task.id!r}: agent", task.data.get("agent"), ("X", "O"))
+        agent = check_choice(f"task {task.id!r}: agent", task.data.get("agent"), ("X", "O"))
         p = parse_opponent(task.data.get("opponent"))
         state = self._state = _GameState(EMPTY_BOARD, agent, p, random.Random(task.seed))
         if agent == "O":
@@ -310,7 +265,7 @@ class TicTacToeGame(_TicTacToeEnv):
 
     def step(self, message: Message) -> StepResult:
         state: _GameState = self._live_state()
-        call, failure = _first_call(message)
+        call, failure = first_call(message, _TOOL_NAME)
         square = as_square(call.arguments.get("square")) if call else None
         if call is not None and square is None:
             raw = call.arguments.get("square")

@@ -41,7 +41,7 @@ import sqlite3
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from looprl.envs.tictactoe import _check_choice, _check_int, _sample
+from looprl.envs.common import check_choice, check_int, task_indices
 from looprl.envs.workflow_db import (
     TOOL_FUNCTIONS,
     UNDELIVERED,
@@ -245,14 +245,14 @@ class WorkflowEnv:
         templates: list[str] | None = None,
         system_prompt: str | None = None,
     ) -> None:
-        self.tool_choice = _check_choice("tool_choice", tool_choice, ("auto", "required"))
-        self.eval_size = _check_int("eval_size", eval_size, 1)
+        self.tool_choice = check_choice("tool_choice", tool_choice, ("auto", "required"))
+        self.eval_size = check_int("eval_size", eval_size, 1)
         # Fewer turns than the longest expert plan would make some tasks unwinnable.
-        self.max_turns = _check_int("max_turns", max_turns, LONGEST_PLAN, 50)
+        self.max_turns = check_int("max_turns", max_turns, LONGEST_PLAN, 50)
         chosen = list(TEMPLATES) if templates is None else templates
         if not isinstance(chosen, list | tuple) or not chosen:
             raise EnvError(f"templates={templates!r} is invalid: expected a non-empty list")
-        self.templates = tuple(_check_choice("templates item", t, TEMPLATES) for t in chosen)
+        self.templates = tuple(check_choice("templates item", t, TEMPLATES) for t in chosen)
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise EnvError(f"system_prompt={system_prompt!r} is invalid: expected a string")
         self.system_prompt = system_prompt or DEFAULT_PROMPT
@@ -275,13 +275,8 @@ class WorkflowEnv:
 
     def tasks(self, split: str, n: int | None = None, seed: int = 0) -> list[Task]:
         """Eval: indices 0..eval_size-1. Train: an unbounded stream, so `n` is required."""
-        _check_choice(f"{self.name}: split", split, ("train", "eval"))
-        if split == "eval":
-            return [self._task(split, i) for i in _sample(list(range(self.eval_size)), n, seed)]
-        if n is None:
-            raise EnvError(f"{self.name}: the train split is unbounded; pass n")
-        _check_int("n", n, 0)
-        return [self._task(split, i) for i in random.Random(seed).sample(range(2**30), n)]
+        indices = task_indices(self.name, split, n, seed, self.eval_size)
+        return [self._task(split, i) for i in indices]
 
     # ------------------------------------------------------------------------ episode
 

@@ -1,0 +1,64 @@
+"""Small parts the built-in environments share: argument checks, seeded task indices and
+picking the tool call to act on."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+from looprl.errors import EnvError
+from looprl.types import PARSE_FAILURES, Message, ToolCall
+
+
+def check_int(name: str, value: Any, low: float = -math.inf, high: float = math.inf) -> int:
+    """`value` if it is an integer (not a bool) in [low, high], else a clear EnvError."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        bound = "" if low == -math.inf else f" >= {low}" if high == math.inf else f" {low}..{high}"
+        raise EnvError(f"{name}={value!r} is invalid: expected an integer{bound}")
+    return value
+
+
+def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> Any:
+    """`value` if it is one of `allowed`, else a clear EnvError."""
+    if value not in allowed:
+        raise EnvError(f"{name}={value!r} is invalid: expected one of {', '.join(allowed)}")
+    return value
+
+
+def sample_items(items: list[Any], n: int | None, seed: int) -> list[Any]:
+    """All `items` in order (n=None) or a seeded sample of `n`; for n > len(items) the sample
+    cycles through fresh shuffles, so every item is used before any is repeated."""
+    if n is None:
+        return list(items)
+    check_int("n", n, 0)
+    rng = random.Random(seed)
+    out: list[Any] = []
+    while len(out) < n and items:
+        out.extend(rng.sample(items, min(n - len(out), len(items))))
+    return out
+
+
+def task_indices(env_name: str, split: str, n: int | None, seed: int, eval_size: int) -> list[int]:
+    """Eval: indices 0..eval_size-1 (all, or a seeded sample of `n`). Train: `n` indices of
+    an unbounded stream, so `n` is required. The env maps (split, index) to disjoint seeds."""
+    check_choice(f"{env_name}: split", split, ("train", "eval"))
+    if split == "eval":
+        return sample_items(list(range(eval_size)), n, seed)
+    if n is None:
+        raise EnvError(f"{env_name}: the train split is unbounded; pass n")
+    check_int("n", n, 0)
+    return random.Random(seed).sample(range(2**31), n)
+
+
+def first_call(message: Message, tool_name: str) -> tuple[ToolCall | None, str | None]:
+    """The call to act on (the first; any further calls are ignored), or else the
+    parse-failure label."""
+    if message.parse_failure is not None:
+        if message.parse_failure not in PARSE_FAILURES:
+            raise EnvError(f"unknown parse_failure {message.parse_failure!r}")
+        return None, message.parse_failure
+    if not message.tool_calls:
+        return None, "no_tool_call"
+    call = message.tool_calls[0]
+    return (call, None) if call.name == tool_name else (None, "unknown_tool")
