@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from looprl.errors import ConfigError, LoopRLError
+from looprl.errors import ConfigError, EnvError, LoopRLError
 
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
@@ -221,6 +221,8 @@ def envs_show(
     from looprl.models import load_tokenizer
 
     env = make_env(name, _env_args(arg))
+    if not callable(getattr(env, "reset", None)):
+        raise EnvError(f"{name} is an agent environment: its prompts are written by its agent")
     task = env.tasks(split, n=1, seed=seed)[0]
     obs = env.reset(task)
     renderer = ChatRenderer(load_tokenizer(model), model_name=model)

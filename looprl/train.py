@@ -59,6 +59,11 @@ def run_training(cfg: Config, out: Path, force: bool = False, resume: bool = Fal
     # ---- everything that can be wrong is checked before anything is written
     check_run_dir(out, force=force, resume=resume)
     probe = make_env(cfg.env.name, cfg.env.args)
+    if cfg.sft.enabled and not callable(getattr(probe, "demonstrations", None)):
+        raise ConfigError(
+            f"sft.enabled needs demonstrations, and environment {cfg.env.name!r} has no "
+            "demonstrations(task) method (agent environments never do); set sft.enabled=false"
+        )
     seed_everything(cfg.seed)
     started = time.time()
     policy = load_policy(cfg)
@@ -168,6 +173,7 @@ def run_training(cfg: Config, out: Path, force: bool = False, resume: bool = Fal
                 "response_len": summary["response_len"],
                 "rollout/valid_tool_call_rate": summary["valid_tool_call_rate"],
                 "rollout/env_errors": len(errors),
+                "rollout/token_mismatch": sum("token_mismatch" in e.info for e in episodes),
                 "rollout/logprob_gap": stats["logprob_gap"],
                 "train/loss": stats["loss"],
                 "train/clip_frac": stats["clip_frac"],
@@ -300,9 +306,12 @@ def evaluate(
 
 
 def player(cfg: Config, policy: Policy, probe: Any) -> Any:
-    """`play(tasks, params=...) -> episodes` with this policy, in fresh env instances."""
+    """`play(tasks, params=...) -> episodes` with this policy, in fresh env instances
+    (agent environments, which have `run_agent`, are played by looprl.agents)."""
+    from looprl.agents import is_agent_env, run_agents
+
     return partial(
-        run_episodes,
+        run_agents if is_agent_env(probe) else run_episodes,
         make_env=lambda: make_env(cfg.env.name, cfg.env.args),
         engine=policy.engine,
         renderer=policy.renderer,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+
+from looprl.agents import AgentResult
 from looprl.types import PARSE_FAILURES, Message, Observation, StepResult, Task, ToolCall
 
 PICK_TOOL = {
@@ -95,3 +98,32 @@ class BrokenPickSeven(PickSeven):
         if result.outcome == "hit":
             return StepResult([], done=True, reward=2.0, outcome="jackpot")
         return result
+
+
+class PickSevenAgent:
+    """PickSeven as a bring-your-own agent: one OpenAI-client call per episode."""
+
+    name = "pick-seven-agent"
+    description = "Pick the number 7, asked through the OpenAI client (agent env test)."
+    outcomes = ("hit", "miss", "no_tool_call")
+    reward_range = (-1.0, 1.0)
+    max_turns = 1
+
+    def __init__(self, tool_choice: str = "required") -> None:
+        self.tool_choice = tool_choice
+
+    def tasks(self, split: str, n: int | None = None, seed: int = 0) -> list[Task]:
+        return PickSeven().tasks(split, n, seed)
+
+    async def run_agent(self, client, task: Task) -> AgentResult:
+        response = await client.chat.completions.create(
+            model="policy",
+            messages=[{"role": "user", "content": "Pick a number from 1 to 9."}],
+            tools=[PICK_TOOL],
+            tool_choice=self.tool_choice,
+        )
+        calls = response.choices[0].message.tool_calls
+        if not calls:
+            return AgentResult(-1.0, "no_tool_call")
+        hit = json.loads(calls[0].function.arguments).get("n") == 7
+        return AgentResult(1.0, "hit") if hit else AgentResult(0.0, "miss")

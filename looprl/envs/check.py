@@ -292,6 +292,10 @@ def check_env(
         )
     )
 
+    if callable(getattr(env, "run_agent", None)):  # an agent env (looprl.agents)
+        detail = "run_agent needs a model: play it with `looprl eval` or `looprl run`"
+        return CheckReport(name, [*checks, Check("agent env: tasks only", True, detail)], {})
+
     agents = {agent: AgentStats() for agent in AGENTS}
     rng = random.Random(seed)
     for agent, stats in agents.items():

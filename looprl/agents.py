@@ -1,0 +1,289 @@
+"""Bring your own agent: train an agent written with the official OpenAI client, unchanged.
+
+An agent environment is a class with `name`, `description`, `outcomes`, `reward_range`,
+`max_turns` (model calls per episode), `tasks(split, n, seed)` and
+
+    async def run_agent(self, client, task) -> AgentResult(reward, outcome, info)
+
+where `client` is an `openai.AsyncOpenAI` answered in-process by the policy being trained
+(see looprl/proxy.py for what a call may ask and how calls become one token trajectory).
+`run_agents` plays a rollout of such episodes with the same signature as
+`rollout.run_episodes`, so training, evaluation, reports and resume work unchanged.
+
+Batching. All episodes of a rollout run concurrently in one asyncio event loop. A
+scheduler collects the pending model calls and sends them to `engine.generate` as one
+batch as soon as every live agent is waiting for the model or finished; an agent busy
+elsewhere (slow I/O) holds a batch back at most `BATCH_WAIT_S`. Generation runs on the
+loop's thread (the tokenizer is shared with rendering), so agents pause meanwhile.
+Batch k samples with seed `params.seed + 7919 * k`, as run_episodes seeds turn k: agents
+that call in lock-step get the very tokens the built-in rollout would give them.
+
+Errors. An agent that raises (an openai error it does not handle included), returns
+something other than a valid `AgentResult` (reward outside `reward_range`, undeclared
+outcome) or runs longer than `EPISODE_TIMEOUT_S` ends its episode as `env_error` with the
+explanation in `episode.error`: counted, shown in the samples, left out of the loss.
+After a refused call for a limit (`max_turns`, `rollout.max_episode_tokens`) the episode
+is `truncated`, whatever the agent does next; its reward is the agent's if it still
+returns a valid result, else 0 (clipped into `reward_range`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from looprl.chat import ChatRenderer
+from looprl.engine import Completion, GenerationRequest, RolloutEngine, SamplingParams
+from looprl.types import ENV_ERROR, TRUNCATED, Episode, Task, Turn
+
+BATCH_WAIT_S = 0.25  # longest a batch waits for an agent that is neither calling nor done
+EPISODE_TIMEOUT_S = 600.0  # an agent still running after this is an env_error
+
+
+@dataclass
+class AgentResult:
+    """What `run_agent` returns: the episode's reward, its outcome label (one of the
+    env's `outcomes`) and free-form JSON-able details for the transcripts."""
+
+    reward: float
+    outcome: str
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def is_agent_env(env: Any) -> bool:
+    """Agent environments are recognised by their `run_agent` method."""
+    return callable(getattr(env, "run_agent", None))
+
+
+# ============================================================================ batching
+
+
+@dataclass
+class _Pending:
+    episode: int
+    request: GenerationRequest
+    future: asyncio.Future
+
+
+class _Batcher:
+    """Gathers the model calls of concurrent agents into `engine.generate` batches."""
+
+    def __init__(self, engine: RolloutEngine, params: SamplingParams, live: int) -> None:
+        self.engine, self.params, self.live = engine, params, live
+        self.pending: list[_Pending] = []
+        self.batches = 0
+        self.oldest = 0.0  # when the oldest pending call arrived (monotonic seconds)
+        self._wake = asyncio.Event()
+
+    def caller(self, episode: int) -> Callable[[GenerationRequest], Any]:
+        async def generate(request: GenerationRequest) -> Completion:
+            future = asyncio.get_running_loop().create_future()
+            if not self.pending:
+                self.oldest = time.monotonic()
+            self.pending.append(_Pending(episode, request, future))
+            self._wake.set()
+            return await future
+
+        return generate
+
+    def finished(self) -> None:
+        self.live -= 1
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Until every agent has finished: flush when all live agents wait (or on timeout)."""
+        while self.live > 0:
+            self.pending = [p for p in self.pending if not p.future.done()]  # timed out
+            waiting = {p.episode for p in self.pending}
+            if not self.pending:
+                await self._sleep(None)
+            elif len(waiting) < self.live and time.monotonic() - self.oldest < BATCH_WAIT_S:
+                await self._sleep(BATCH_WAIT_S - (time.monotonic() - self.oldest))
+            else:
+                self._flush()
+
+    async def _sleep(self, timeout: float | None) -> None:
+        """Until something happens (a call, an agent finishing), or `timeout` passes."""
+        self._wake.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout)
+
+    def _flush(self) -> None:
+        batch = sorted(self.pending, key=lambda p: p.episode)  # the order run_episodes uses
+        self.pending = []
+        seed = self.params.seed
+        params = replace(self.params, seed=None if seed is None else seed + 7919 * self.batches)
+        self.batches += 1
+        completions = self.engine.generate([p.request for p in batch], params)
+        for p, completion in zip(batch, completions):
+            if not p.future.done():
+                p.future.set_result(completion)
+
+
+# ============================================================================ episodes
+
+
+def run_agents(
+    tasks: list[Task],
+    make_env: Callable[[], Any],
+    engine: RolloutEngine,
+    renderer: ChatRenderer,
+    params: SamplingParams,
+    max_turns: int,
+    max_episode_tokens: int,
+) -> list[Episode]:
+    """Play one agent episode per entry of `tasks` (repeat a task for a group), all
+    concurrently, and return them in the same order (see the module doc)."""
+    play = _play(tasks, make_env, engine, renderer, params, max_turns, max_episode_tokens)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(play)
+    with ThreadPoolExecutor(1) as pool:  # called from inside an event loop (a notebook)
+        return pool.submit(asyncio.run, play).result()
+
+
+async def _play(
+    tasks: list[Task],
+    make_env: Callable[[], Any],
+    engine: RolloutEngine,
+    renderer: ChatRenderer,
+    params: SamplingParams,
+    max_turns: int,
+    max_episode_tokens: int,
+) -> list[Episode]:
+    from looprl.proxy import AgentSession
+
+    batcher = _Batcher(engine, params, live=len(tasks))
+    sessions = [
+        AgentSession(
+            renderer,
+            batcher.caller(i),
+            max_turns,
+            max_episode_tokens,
+            params.max_new_tokens,
+            engine=engine,
+        )  # fmt: skip
+        for i in range(len(tasks))
+    ]
+    agents = [
+        asyncio.create_task(_episode(task, make_env, session, batcher))
+        for task, session in zip(tasks, sessions)
+    ]
+    try:
+        await batcher.run()  # an engine failure propagates: it is no agent's fault
+    finally:
+        for agent in agents:
+            agent.cancel()
+        await asyncio.gather(*agents, return_exceptions=True)
+    return [agent.result() for agent in agents]
+
+
+async def _episode(
+    task: Task, make_env: Callable[[], Any], session: Any, batcher: _Batcher
+) -> Episode:
+    """Run one agent and turn its session into an Episode."""
+    from looprl.proxy import openai_client
+
+    episode = Episode(task=task, messages=[], token_ids=[], loss_mask=[], logprobs=[])
+    result: AgentResult | None = None
+    reward_range = (0.0, 0.0)
+    try:
+        env = make_env()
+        reward_range = env.reward_range
+        client = openai_client(session)
+        try:
+            result = _check_result(await _with_timeout(env.run_agent(client, task)), env)
+        finally:
+            await client.close()
+    except Exception as err:
+        if session.truncated is None:
+            episode.outcome = ENV_ERROR
+            episode.error = _traceback(err)
+    finally:
+        session.closed = True
+        batcher.finished()
+    _fill(episode, session, result, reward_range)
+    return episode
+
+
+async def _with_timeout(agent: Any) -> Any:
+    running = asyncio.ensure_future(agent)
+    done, _ = await asyncio.wait({running}, timeout=EPISODE_TIMEOUT_S)
+    if not done:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        raise AgentResultError(
+            f"the agent was still running after {EPISODE_TIMEOUT_S:.0f} s "
+            "(looprl.agents.EPISODE_TIMEOUT_S)"
+        )
+    return running.result()
+
+
+class AgentResultError(Exception):
+    """`run_agent` returned no valid AgentResult for its env (or never returned)."""
+
+
+def _check_result(result: Any, env: Any) -> AgentResult:
+    if not isinstance(result, AgentResult):
+        raise AgentResultError(
+            f"run_agent returned {type(result).__name__} {result!r:.80}; it must return "
+            "looprl.agents.AgentResult(reward, outcome, info)"
+        )
+    reward, outcome = result.reward, result.outcome
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+        raise AgentResultError(f"AgentResult.reward={reward!r} is not a finite number")
+    low, high = env.reward_range
+    if not low <= reward <= high:
+        raise AgentResultError(
+            f"AgentResult.reward={reward} is outside the env's reward_range [{low}, {high}]"
+        )
+    if outcome not in env.outcomes:
+        raise AgentResultError(
+            f"AgentResult.outcome={outcome!r} is not one of the env's outcomes: "
+            f"{', '.join(map(str, env.outcomes))}"
+        )
+    if not isinstance(result.info, dict):
+        raise AgentResultError(f"AgentResult.info must be a dict, not {type(result.info).__name__}")
+    return result
+
+
+def _fill(episode: Episode, session: Any, result: AgentResult | None, reward_range: tuple) -> None:
+    """The session's trajectory, calls and mismatch report, and the agent's verdict."""
+    episode.token_ids = list(session.token_ids)
+    episode.loss_mask = list(session.loss_mask)
+    episode.logprobs = list(session.logprobs)
+    episode.messages = session.trajectory_messages()
+    episode.turns = [
+        Turn(c.prompt_ids, c.completion_ids, c.logprobs, c.text, c.finish_reason)
+        for c in session.calls
+    ]
+    info: dict[str, Any] = dict(result.info) if result is not None else {}
+    info["calls"] = len(session.calls)
+    info["trajectory_calls"] = session.trajectory_calls
+    if session.mismatch is not None:
+        info["token_mismatch"] = session.mismatch
+    if episode.outcome == ENV_ERROR:
+        episode.reward = 0.0
+    elif session.truncated is not None:
+        info["truncated"] = session.truncated
+        episode.outcome = TRUNCATED
+        low, high = reward_range
+        episode.reward = float(result.reward) if result is not None else min(max(0.0, low), high)
+    else:
+        assert result is not None
+        episode.outcome, episode.reward = result.outcome, float(result.reward)
+    episode.info = info
+
+
+def _traceback(err: BaseException) -> str:
+    if isinstance(err, AgentResultError):
+        return f"AgentResultError: {err}"
+    return "".join(traceback.format_exception(type(err), err, err.__traceback__))[-4000:]

@@ -1,0 +1,401 @@
+"""The in-process OpenAI endpoint that bring-your-own agents talk to during rollouts.
+
+An agent gets a real `openai.AsyncOpenAI` client whose HTTP layer is a `ProxyTransport`:
+no port and no server, but every call goes through the client's own JSON encoding and
+response parsing, so the agent runs exactly as it would against a real endpoint. Each
+episode has its own transport and `AgentSession`, which serves the calls and turns them
+into one token trajectory.
+
+Stitching (token-in/token-out, as in rollout.py). For a new call we look for an earlier
+call of the episode whose messages plus the reply we returned are a prefix of the new
+request's messages (tools unchanged). Its prompt ids + its sampled completion ids +
+`renderer.continuation_ids(...)` of the new messages are the new prompt, so the model's
+own tokens are never re-tokenised. The trajectory grows while each call extends the
+previous one; its token ids are then exactly `prompt_ids + completion_ids` of the last
+call, and the loss mask marks exactly the sampled ids.
+
+Token mismatch. When the agent edits its history (rewrites, drops or reorders earlier
+messages, changes the tools), or the template cannot render the new messages as a
+continuation, the call does not extend the trajectory. It is served from a prompt
+rendered afresh (or stitched onto another earlier call it does extend), the episode's
+`info["token_mismatch"]` explains the first such call, and the trajectory stops there:
+we train on its consistent prefix only, since the later calls' tokens are no
+continuation of it and the trainer scores one token sequence per episode.
+
+What the request decides and what it does not, while looprl trains:
+- sampling is the rollout's (`SamplingParams` from the config): the request's
+  `temperature`, `top_p` and `seed` are ignored, so the recorded logprobs are those the
+  trainer recomputes; `n` must be 1 and `stop` unset (a cut completion would not be the
+  sampled tokens);
+- `tool_choice` "required" or a named tool is honoured (constrained decoding);
+- `max_tokens` is capped by `rollout.max_new_tokens` and the episode's token room;
+- a call beyond `max_turns`, or with no token room left (`rollout.max_episode_tokens`),
+  gets HTTP 400 with code `looprl_episode_limit` (`openai.BadRequestError`), and the
+  episode ends `truncated` whatever the agent does next.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pydantic
+
+from looprl.chat import ChatRenderer
+from looprl.engine import Completion, GenerationRequest, ToolConstraint
+from looprl.errors import ChatError
+from looprl.inference import ChatChoice, InferenceError, _check_tool_choice
+from looprl.openai_api import (
+    APIError,
+    ChatCompletionRequest,
+    chat_kwargs,
+    completion_response,
+    error_body,
+    model_list,
+    stream_events,
+    validation_error,
+)
+from looprl.types import Message
+
+try:  # the HTTP library the installed openai client is built on
+    import httpx2 as httpx
+except ImportError:  # pragma: no cover - openai < 3 uses httpx
+    try:
+        import httpx  # type: ignore[no-redef]
+    except ImportError:
+        raise ImportError("agent environments need the openai client: pip install openai") from None
+
+PROXY_URL = "http://looprl-proxy/v1"
+LIMIT_CODE = "looprl_episode_limit"
+MODEL_ID = "looprl-policy"  # what /v1/models lists; any model name is accepted
+
+
+@dataclass
+class ModelCall:
+    """One served call: the request as the agent sent it and the exact tokens."""
+
+    messages: list[Message]
+    tools: list[dict[str, Any]] | None
+    reply: Message  # the assistant message we returned (tool call ids included)
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+
+
+@dataclass
+class _Prepared:
+    request: ChatCompletionRequest
+    messages: list[Message]
+    tools: list[dict[str, Any]] | None
+    generation: GenerationRequest
+    extends: bool  # the call continues the trajectory
+    mismatch: dict[str, Any] | None  # why it does not, when it is the first to break it
+    tip: int  # trajectory length (in calls) it was stitched onto
+
+
+@dataclass
+class AgentSession:
+    """The calls of one episode, and the trajectory they stitch into."""
+
+    renderer: ChatRenderer
+    generate: Callable[[GenerationRequest], Awaitable[Completion]]
+    max_turns: int
+    max_episode_tokens: int
+    max_new_tokens: int
+    engine: Any = None  # to compile forced-call grammars up front, when it has them
+    calls: list[ModelCall] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    trajectory_calls: int = 0
+    mismatch: dict[str, Any] | None = None
+    truncated: str | None = None  # why the episode was cut off
+    accepted: int = 0  # calls accepted so far, those still being generated included
+    closed: bool = False  # the agent has returned: later calls are refused
+
+    # ------------------------------------------------------------ serving
+
+    async def chat(self, body: bytes) -> tuple[int, dict[str, Any], ChatCompletionRequest | None]:
+        """Answer one `/v1/chat/completions` body: (HTTP status, JSON body, request)."""
+        try:
+            request = ChatCompletionRequest.model_validate_json(body)
+        except pydantic.ValidationError as err:
+            return 400, validation_error(err.errors()).body(), None
+        try:
+            prepared = self._prepare(request)
+        except APIError as err:
+            return err.status, err.body(), request
+        completion = await self.generate(prepared.generation)
+        choice = self._record(prepared, completion)
+        fingerprint = "looprl-rollout"
+        tokenizer = self.renderer.tokenizer
+        response = completion_response(
+            [choice], request.model, tokenizer, bool(request.logprobs), fingerprint
+        )
+        return 200, response, request
+
+    def _prepare(self, request: ChatCompletionRequest) -> _Prepared:
+        """Validate, apply the limits and build the prompt; nothing is recorded yet."""
+        if self.closed:
+            raise APIError(400, "this episode is over: its agent has returned", code=LIMIT_CODE)
+        if self.truncated:
+            raise APIError(400, self.truncated, code=LIMIT_CODE)
+        kwargs = chat_kwargs(request, "policy", self.max_new_tokens)
+        if request.n != 1:
+            raise APIError(400, "n must be 1 while looprl plays the agent (one sample)", "n")
+        if kwargs["stop"]:
+            raise APIError(
+                400,
+                "stop strings are not supported while looprl trains: the trainer needs the "
+                "sampled tokens whole; stop in your agent's code instead",
+                "stop",
+            )
+        tools, tool_choice = kwargs["tools"], kwargs["tool_choice"]
+        try:
+            _check_tool_choice(tools, tool_choice)
+        except InferenceError as err:
+            raise APIError(400, str(err), err.param) from None
+        if tool_choice == "none":
+            tools = None
+        if self.accepted >= self.max_turns:
+            self._truncate(f"the episode reached max_turns={self.max_turns} model calls")
+        messages = kwargs["messages"]
+        prompt_ids, extends, mismatch = self._prompt(messages, tools)
+        room = self.max_episode_tokens - len(prompt_ids)
+        if room < 1:
+            self._truncate(
+                f"the prompt has {len(prompt_ids)} tokens, the episode's limit is "
+                f"rollout.max_episode_tokens={self.max_episode_tokens}"
+            )
+        constraint = None
+        if tools and tool_choice not in ("auto", "none"):
+            constraint = ToolConstraint(tools, tool_choice, self.renderer.format)
+            self._compile(constraint)
+        limit = min(kwargs["max_tokens"], self.max_new_tokens, room)
+        generation = GenerationRequest(prompt_ids, constraint, limit)
+        self.accepted += 1
+        return _Prepared(
+            request, messages, tools, generation, extends, mismatch, self.trajectory_calls
+        )
+
+    def _truncate(self, why: str) -> None:
+        self.truncated = f"{why}; looprl ends this episode as truncated"
+        raise APIError(400, self.truncated, code=LIMIT_CODE)
+
+    def _compile(self, constraint: ToolConstraint) -> None:
+        """A schema the grammar compiler rejects is this request's 400, not a failed batch."""
+        grammars = getattr(self.engine, "grammars", None)
+        if grammars is None:
+            return
+        try:
+            grammars().matcher(constraint)
+        except Exception as err:
+            raise APIError(
+                400, f"cannot force a call with these tool schemas: {err}", "tool_choice"
+            ) from None
+
+    # ------------------------------------------------------------ stitching
+
+    def _prompt(
+        self, messages: list[Message], tools: list[dict[str, Any]] | None
+    ) -> tuple[list[int], bool, dict[str, Any] | None]:
+        """(prompt ids, extends the trajectory, mismatch explanation or None)."""
+        base, problem = None, None
+        for previous in reversed(self.calls):
+            if previous.tools != tools or not _is_prefix(_history(previous), messages):
+                continue
+            try:
+                ids = previous.prompt_ids + previous.completion_ids
+                ids += self.renderer.continuation_ids(
+                    _history(previous), messages[len(previous.messages) + 1 :], tools,
+                    previous.completion_ids,
+                )  # fmt: skip
+            except ChatError as err:
+                problem = str(err)
+                break
+            base = previous
+            break
+        if base is None:
+            try:
+                ids = self.renderer.prompt_ids(messages, tools)
+            except ChatError as err:
+                raise APIError(400, str(err), "messages") from None
+        tip = self.calls[self.trajectory_calls - 1] if self.trajectory_calls else None
+        consistent = self.mismatch is None
+        if not self.calls:
+            return ids, True, None
+        if consistent and base is tip:
+            return ids, True, None
+        mismatch = None
+        if consistent:
+            assert tip is not None
+            mismatch = self._explain(tip, messages, tools, problem)
+        return ids, False, mismatch
+
+    def _explain(
+        self,
+        tip: ModelCall,
+        messages: list[Message],
+        tools: list[dict[str, Any]] | None,
+        problem: str | None,
+    ) -> dict[str, Any]:
+        """Which call broke the trajectory, where, and the decoded tokens around it."""
+        call = len(self.calls)
+        expected = _history(tip)
+        out: dict[str, Any] = {"call": call}
+        if problem is not None:
+            out["reason"] = f"call {call}: the chat template cannot continue: {problem}"
+        elif tip.tools != tools:
+            out["reason"] = f"call {call} changed the tools of the conversation"
+        else:
+            i = next(
+                (k for k, (a, b) in enumerate(zip(expected, messages)) if _key(a) != _key(b)),
+                min(len(expected), len(messages)),
+            )
+            out["message"] = i
+            if i < min(len(expected), len(messages)):
+                out["reason"] = (
+                    f"call {call}: message {i} ({messages[i].role}) differs from the "
+                    f"conversation so far: expected {_short(expected[i])}, got "
+                    f"{_short(messages[i])}"
+                )
+            else:
+                out["reason"] = (
+                    f"call {call} sent {len(messages)} messages, but the conversation so far "
+                    f"has {len(expected)}: it goes back to an earlier point (a retry or a "
+                    "branch) instead of continuing the conversation"
+                )
+        try:
+            fresh = self.renderer.prompt_ids(messages, tools)
+        except ChatError:
+            return out
+        recorded = tip.prompt_ids + tip.completion_ids
+        pos = next(
+            (k for k, (a, b) in enumerate(zip(recorded, fresh)) if a != b),
+            min(len(recorded), len(fresh)),
+        )
+        decode = self.renderer.tokenizer.decode
+        out["token"] = pos
+        out["expected"] = decode(recorded[max(0, pos - 8) : pos + 8])
+        out["got"] = decode(fresh[max(0, pos - 8) : pos + 8])
+        return out
+
+    def _record(self, prepared: _Prepared, completion: Completion) -> ChatChoice:
+        """Keep the call, grow the trajectory, and build the reply the agent sees."""
+        renderer, tools = self.renderer, prepared.tools
+        text = renderer.decode(completion.ids)
+        reasoning = None
+        if tools:
+            parsed = renderer.parse(
+                text, tools, require_call=prepared.generation.constraint is not None
+            )
+            for j, call in enumerate(parsed.calls):
+                call.id = f"call_{len(self.calls)}_{j}"
+            reply = Message(
+                role="assistant", content=parsed.content, tool_calls=parsed.calls,
+                parse_failure=parsed.failure, parse_detail=parsed.detail,
+            )  # fmt: skip
+            reasoning = parsed.reasoning
+        else:
+            reply = Message(role="assistant", content=text)
+        prompt_ids = prepared.generation.prompt_ids
+        self.calls.append(
+            ModelCall(
+                prepared.messages,
+                tools,
+                reply,
+                list(prompt_ids),
+                list(completion.ids),
+                list(completion.logprobs),
+                text,
+                completion.finish_reason,
+            )  # fmt: skip
+        )
+        extends = prepared.extends and self.mismatch is None
+        if extends and prepared.tip != self.trajectory_calls:
+            # Two concurrent calls continued the same conversation: keep the first.
+            extends = False
+            prepared.mismatch = {
+                "call": len(self.calls) - 1,
+                "reason": f"call {len(self.calls) - 1} ran concurrently with another call "
+                "continuing the same conversation; the trajectory keeps the one answered first",
+            }
+        if prepared.mismatch is not None and self.mismatch is None:
+            self.mismatch = prepared.mismatch
+        if extends:
+            assert prompt_ids[: len(self.token_ids)] == self.token_ids, "stitching bug"
+            new = prompt_ids[len(self.token_ids) :]
+            self.token_ids += new + list(completion.ids)
+            self.loss_mask += [0] * len(new) + [1] * len(completion.ids)
+            self.logprobs += [0.0] * len(new) + list(completion.logprobs)
+            self.trajectory_calls = len(self.calls)
+        finish = "tool_calls" if reply.tool_calls else completion.finish_reason
+        return ChatChoice(
+            reply, text, list(prompt_ids), list(completion.ids), list(completion.logprobs),
+            finish, reasoning,
+        )  # fmt: skip
+
+    def trajectory_messages(self) -> list[Message]:
+        """The conversation the trajectory's tokens spell: its last call plus the reply."""
+        if not self.trajectory_calls:
+            return []
+        return _history(self.calls[self.trajectory_calls - 1])
+
+
+def _history(call: ModelCall) -> list[Message]:
+    return [*call.messages, call.reply]
+
+
+def _key(m: Message) -> tuple:
+    """What makes two messages the same turn (tool call ids and parse details aside)."""
+    calls = [(c.name, json.dumps(c.arguments, sort_keys=True)) for c in m.tool_calls]
+    return (m.role, m.content or "", calls, m.tool_call_id, m.name)
+
+
+def _is_prefix(head: list[Message], messages: list[Message]) -> bool:
+    return len(head) <= len(messages) and all(_key(a) == _key(b) for a, b in zip(head, messages))
+
+
+def _short(m: Message, limit: int = 80) -> str:
+    calls = ", ".join(f"{c.name}({json.dumps(c.arguments)})" for c in m.tool_calls)
+    text = (m.content or "") + (f" [calls: {calls}]" if calls else "")
+    return repr(text if len(text) <= limit else text[: limit - 1] + "…")
+
+
+class ProxyTransport(httpx.AsyncBaseTransport):
+    """httpx transport answering the OpenAI routes from an `AgentSession`, in-process."""
+
+    def __init__(self, session: AgentSession) -> None:
+        self.session = session
+
+    async def handle_async_request(self, request: Any) -> Any:
+        path = request.url.path.rstrip("/")
+        if request.method == "POST" and path.endswith("/chat/completions"):
+            status, body, parsed = await self.session.chat(await request.aread())
+            if status == 200 and parsed is not None and parsed.stream:
+                usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+                events = "".join(stream_events(body, usage)).encode()
+                headers = {"content-type": "text/event-stream"}
+                return httpx.Response(200, content=events, headers=headers)
+            return httpx.Response(status, json=body)
+        if request.method == "GET" and path.endswith("/models"):
+            return httpx.Response(200, json=model_list([MODEL_ID]))
+        message = (
+            f"looprl's agent proxy serves POST /v1/chat/completions, not {request.method} {path}"
+        )
+        return httpx.Response(404, json=error_body(message, code="not_found"))
+
+
+def openai_client(session: AgentSession) -> Any:
+    """An `openai.AsyncOpenAI` whose requests are answered by `session`, in-process."""
+    import openai
+
+    http = httpx.AsyncClient(transport=ProxyTransport(session), base_url=PROXY_URL)
+    # No retries: a refused call (limits, bad request) is an answer, not a network fault.
+    return openai.AsyncOpenAI(
+        base_url=PROXY_URL, api_key="looprl", http_client=http, max_retries=0, timeout=None
+    )
