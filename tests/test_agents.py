@@ -282,8 +282,14 @@ def test_a_hung_agent_times_out_and_an_engine_failure_is_raised(tokenizer, rende
         def generate(self, requests, params):
             raise RuntimeError("engine bug")
 
+    async def asks(client, task):
+        await ask(client)
+        return AgentResult(1.0, "hit")
+
+    # A generous timeout, so that a loaded machine cannot time the agents out first.
+    monkeypatch.setattr(agents, "EPISODE_TIMEOUT_S", 60)
     with pytest.raises(RuntimeError, match="engine bug"):  # no agent's fault: not env_error
-        play(hangs, tokenizer, renderer, n=2, engine=Broken(tokenizer, None))
+        play(asks, tokenizer, renderer, n=2, engine=Broken(tokenizer, None))
 
 
 # ------------------------------------------------------------------ the client's view
