@@ -23,10 +23,11 @@ HERE = Path(__file__).parent
 GREEDY = ["eval.temperature=0", "eval.samples_per_task=1"]
 # Extra re-tests of the same base model and final checkpoint: name -> --set overrides.
 EXTRA_EVALS: dict[str, dict[str, list[str]]] = {
+    "move_forced": {"greedy": GREEDY},
+    "move_free_sft": {"greedy": GREEDY},
     "game_random": {
         "vs_random_greedy": GREEDY,
         "vs_minimax_sampled": ["env.args.opponent=minimax"],
-        "vs_minimax_greedy": ["env.args.opponent=minimax", *GREEDY],
     },
 }
 
@@ -34,7 +35,7 @@ EXTRA_EVALS: dict[str, dict[str, list[str]]] = {
 def extra_evals(name: str, out: Path) -> None:
     """Evaluate the base model and the final checkpoint under each extra setting."""
     final = sorted((out / "checkpoints").glob("step_*"))[-1]
-    for label, sets in EXTRA_EVALS.get(name, {"greedy": GREEDY}).items():
+    for label, sets in EXTRA_EVALS.get(name, {}).items():
         line = [f"EXTRA name={name} eval={label}"]
         for stage, ckpt in (("before", None), ("after", final)):
             path = out / "eval" / f"extra-{label}-{stage}.json"
