@@ -82,3 +82,24 @@ def test_forced_grammar_keeps_the_schema_property_order(tokenizer, renderer):
     matcher = cache.matcher(ToolConstraint([tool], "required", "hermes"))
     text = format_tool_call(ToolCall("f", {"zeta": 1, "alpha": 2}), "hermes")
     assert all(matcher.accept_token(t) for t in tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_forced_length_limited_strings_stay_valid_json(tokenizer, renderer):
+    """xgrammar lets raw control characters into maxLength strings; the rewritten
+    pattern keeps the limit and keeps the JSON valid."""
+    from looprl.engine.grammar import GrammarCache
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "required": ["s"], "additionalProperties": False,
+        "properties": {"s": {"type": "string", "maxLength": 5}}}}}  # fmt: skip
+    cache = GrammarCache(tokenizer, len(tokenizer), renderer.eos_ids)
+
+    def accepted(text: str) -> bool:
+        matcher = cache.matcher(ToolConstraint([tool], "required", "llama3"))
+        return all(
+            matcher.accept_token(t) for t in tokenizer.encode(text, add_special_tokens=False)
+        )
+
+    assert accepted('{"name": "f", "parameters": {"s": "ab"}}')
+    assert not accepted('{"name": "f", "parameters": {"s": "a\tb"}}')
+    assert not accepted('{"name": "f", "parameters": {"s": "abcdefg"}}')

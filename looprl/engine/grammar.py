@@ -20,6 +20,25 @@ def _function(tool: dict[str, Any]) -> dict[str, Any]:
     return tool.get("function", tool)
 
 
+def _safe_lengths(schema: Any) -> Any:
+    """The schema with every length-limited string (`minLength`/`maxLength`, no
+    `pattern`) rewritten as a pattern of plain characters. xgrammar compiles length
+    limits into a rule that lets raw control characters through, which is invalid JSON;
+    the pattern keeps the limit and excludes them (and quotes and backslashes, so such a
+    string cannot hold escapes when a call is forced)."""
+    if isinstance(schema, list):
+        return [_safe_lengths(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _safe_lengths(value) for key, value in schema.items()}
+    limited = "minLength" in out or "maxLength" in out
+    if out.get("type") == "string" and limited and "pattern" not in out:
+        low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
+        upper = "" if high is None else str(int(high))
+        out["pattern"] = '^[^\\x00-\\x1f"\\\\]{' + f"{low},{upper}" + "}$"
+    return out
+
+
 def call_schema(constraint: ToolConstraint, args_key: str = "arguments") -> dict[str, Any]:
     """JSON schema of one call object {"name": ..., args_key: {...}} of an allowed tool."""
     options = []
@@ -32,7 +51,7 @@ def call_schema(constraint: ToolConstraint, args_key: str = "arguments") -> dict
                 "type": "object",
                 "properties": {
                     "name": {"const": fn["name"]},
-                    args_key: fn.get("parameters") or {"type": "object"},
+                    args_key: _safe_lengths(fn.get("parameters") or {"type": "object"}),
                 },
                 "required": ["name", args_key],
                 "additionalProperties": False,
