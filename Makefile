@@ -25,12 +25,12 @@ test: setup
 	$(BIN)/python -m pytest
 
 lint: setup
-	$(BIN)/ruff check looprl tests bench
-	$(BIN)/ruff format --check looprl tests bench
+	$(BIN)/ruff check looprl tests bench examples
+	$(BIN)/ruff format --check looprl tests bench examples
 
 format: setup
-	$(BIN)/ruff format looprl tests bench
-	$(BIN)/ruff check --fix looprl tests bench
+	$(BIN)/ruff format looprl tests bench examples
+	$(BIN)/ruff check --fix looprl tests bench examples
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
