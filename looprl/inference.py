@@ -24,7 +24,7 @@ import contextlib
 import inspect
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,6 +83,28 @@ class _Prepared:
         """Requests with equal keys share one engine call (per-request max_tokens and
         constraints are per-row in the engine; the rest are call-wide settings)."""
         return (self.variant, self.temperature, self.top_p, tuple(self.stop), self.seed)
+
+
+def parse_reply(
+    renderer: ChatRenderer,
+    text: str,
+    tools: list[dict[str, Any]] | None,
+    forced: bool,
+    call_id: Callable[[int, Any], str],
+) -> tuple[Message, str | None]:
+    """The assistant Message a completion's text stands for, and its <think> text: with
+    tools, calls are parsed (a forced call that is missing is a parse failure) and call j
+    gets the id `call_id(j, call)`; without tools the text is the content."""
+    if not tools:
+        return Message(role="assistant", content=text), None
+    parsed = renderer.parse(text, tools, require_call=forced)
+    for j, call in enumerate(parsed.calls):
+        call.id = call_id(j, call)
+    message = Message(
+        role="assistant", content=parsed.content, tool_calls=parsed.calls,
+        parse_failure=parsed.failure, parse_detail=parsed.detail,
+    )  # fmt: skip
+    return message, parsed.reasoning
 
 
 class ChatModel:
@@ -258,18 +280,10 @@ class ChatModel:
 
     def _choice(self, p: _Prepared, completion: Any) -> ChatChoice:
         text = _cut_at_stop(self.renderer.decode(completion.ids), p.stop)
-        reasoning = None
-        if p.tools:
-            parsed = self.renderer.parse(text, p.tools, require_call=p.constraint is not None)
-            for call in parsed.calls:
-                call.id = call.id or f"call_{uuid.uuid4().hex[:24]}"
-            message = Message(
-                role="assistant", content=parsed.content, tool_calls=parsed.calls,
-                parse_failure=parsed.failure, parse_detail=parsed.detail,
-            )  # fmt: skip
-            reasoning = parsed.reasoning
-        else:
-            message = Message(role="assistant", content=text)
+        message, reasoning = parse_reply(
+            self.renderer, text, p.tools, p.constraint is not None,
+            lambda j, call: call.id or f"call_{uuid.uuid4().hex[:24]}",
+        )  # fmt: skip
         finish = "tool_calls" if message.tool_calls else completion.finish_reason
         return ChatChoice(
             message, text, list(p.prompt_ids), list(completion.ids),

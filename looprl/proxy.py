@@ -46,7 +46,7 @@ import pydantic
 from looprl.chat import ChatRenderer
 from looprl.engine import Completion, GenerationRequest, ToolConstraint
 from looprl.errors import ChatError
-from looprl.inference import ChatChoice, InferenceError, _check_tool_choice
+from looprl.inference import ChatChoice, InferenceError, _check_tool_choice, parse_reply
 from looprl.openai_api import (
     APIError,
     ChatCompletionRequest,
@@ -288,20 +288,11 @@ class AgentSession:
         """Keep the call, grow the trajectory, and build the reply the agent sees."""
         renderer, tools = self.renderer, prepared.tools
         text = renderer.decode(completion.ids)
-        reasoning = None
-        if tools:
-            parsed = renderer.parse(
-                text, tools, require_call=prepared.generation.constraint is not None
-            )
-            for j, call in enumerate(parsed.calls):
-                call.id = f"call_{len(self.calls)}_{j}"
-            reply = Message(
-                role="assistant", content=parsed.content, tool_calls=parsed.calls,
-                parse_failure=parsed.failure, parse_detail=parsed.detail,
-            )  # fmt: skip
-            reasoning = parsed.reasoning
-        else:
-            reply = Message(role="assistant", content=text)
+        k = len(self.calls)
+        reply, reasoning = parse_reply(
+            renderer, text, tools, prepared.generation.constraint is not None,
+            lambda j, _call: f"call_{k}_{j}",
+        )  # fmt: skip
         prompt_ids = prepared.generation.prompt_ids
         self.calls.append(
             ModelCall(
