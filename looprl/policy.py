@@ -107,7 +107,7 @@ def sequence_logprobs(
     starts = [prompt_length(m) for m in masks]
     prefill = shared_prefill(
         model, [seq[:st] for seq, st in zip(sequences, starts)], pad_id, device
-    )
+    ).expand()
 
     suffixes = [seq[st:] for seq, st in zip(sequences, starts)]
     width = max(len(x) for x in suffixes)
@@ -120,15 +120,15 @@ def sequence_logprobs(
         attention_BS[row, : len(suffix)] = 1
         mask_BS[row, : len(suffix)] = torch.tensor(m[st:], dtype=torch.bool)
     ids_BS, attention_BS = ids_BS.to(device), attention_BS.to(device)
-    positions_BS = prefill.positions_BP[:, -1:] + 1 + torch.arange(width, device=device)
+    positions_BS = prefill.next_pos_C[:, None] + torch.arange(width, device=device)
     out = model(
         input_ids=ids_BS,
-        attention_mask=torch.cat([prefill.attention_BP, attention_BS], dim=1),
+        attention_mask=torch.cat([prefill.attention_CL, attention_BS], dim=1),
         position_ids=positions_BS,
         cache=prefill.cache,
         use_cache=True,
     )
     # the prompt's last logits predict suffix token 0; suffix position t predicts t + 1
-    logits_BSV = torch.cat([prefill.last_logits_BV[:, None, :], out.logits[:, :-1, :]], dim=1)
+    logits_BSV = torch.cat([prefill.logits_CV[:, None, :], out.logits[:, :-1, :]], dim=1)
     logp_BS = token_logprobs(logits_BSV, ids_BS, temperature=temperature)
     return logp_BS, mask_BS.to(device)

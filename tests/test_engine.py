@@ -3,6 +3,8 @@ record the policy's own logprobs, and forced calls are always valid."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -103,3 +105,135 @@ def test_forced_length_limited_strings_stay_valid_json(tokenizer, renderer):
     assert accepted('{"name": "f", "parameters": {"s": "ab"}}')
     assert not accepted('{"name": "f", "parameters": {"s": "a\tb"}}')
     assert not accepted('{"name": "f", "parameters": {"s": "abcdefg"}}')
+
+
+# ---- the decoding loop: static KV buffer, shared prefixes, continuous batching
+
+
+def reference_generate(engine, request, params, index) -> list[int]:
+    """The plain path: no cache, no batch, a full forward of the whole sequence for every
+    token, and the engine's sampler on one row with the stream of request `index`."""
+    from looprl.engine.hf import _Row
+
+    row = engine._row(index, request, params, params.seed)
+    while True:
+        with torch.no_grad():
+            logits = engine.model(torch.tensor([request.prompt_ids + row.ids])).logits[:, -1]
+        token, _ = engine._sample(logits.float(), params, [row])
+        row.ids.append(int(token[0]))
+        if row.ids[-1] in engine.stop_token_ids or len(row.ids) >= row.limit:
+            return row.ids
+    assert isinstance(row, _Row)
+
+
+@pytest.fixture()
+def free_requests(renderer):
+    """Tic-tac-toe prompts (a long shared head, distinct tails), some repeated (groups),
+    with different token limits so that rows finish at different times."""
+    env = TicTacToeMove(tool_choice="auto")
+    requests = []
+    for n, task in enumerate(env.tasks("train", n=5, seed=11)):
+        obs = env.reset(task)
+        prompt = renderer.prompt_ids(obs.messages, obs.tools)
+        for g in range(2):
+            requests.append(GenerationRequest(prompt, max_new_tokens=6 + 7 * ((n + g) % 3)))
+    return requests
+
+
+@pytest.mark.parametrize("batch_size", [64, 3])
+def test_fast_path_matches_the_plain_path(
+    tiny_model, tokenizer, renderer, free_requests, batch_size
+):
+    """Same seed, same tokens as one-request-at-a-time full forwards; logprobs within
+    float tolerance of a full forward. batch_size 3 < 10 requests: rows leave and join."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=32, seed=5)
+    engine = HFEngine(tiny_model, tokenizer, renderer.eos_ids, batch_size=batch_size)
+    outs = engine.generate(free_requests, params)
+    for index, (request, out) in enumerate(zip(free_requests, outs)):
+        assert out.ids == reference_generate(engine, request, params, index)
+        ref = full_forward_logprobs(tiny_model, request.prompt_ids, out.ids)
+        assert max(abs(a - b) for a, b in zip(ref, out.logprobs)) < 1e-4
+
+
+def test_seeded_results_do_not_depend_on_the_batch(tiny_model, tokenizer, renderer, free_requests):
+    params = SamplingParams(temperature=1.0, max_new_tokens=32, seed=9)
+    results = []
+    for batch_size in (1, 4, 64):
+        engine = HFEngine(tiny_model, tokenizer, renderer.eos_ids, batch_size=batch_size)
+        results.append([o.ids for o in engine.generate(free_requests, params)])
+    assert results[0] == results[1] == results[2]
+    again = HFEngine(tiny_model, tokenizer, renderer.eos_ids).generate(free_requests[:3], params)
+    assert [o.ids for o in again] == results[0][:3]  # fewer requests alongside: same tokens
+    other = HFEngine(tiny_model, tokenizer, renderer.eos_ids).generate(
+        free_requests, SamplingParams(temperature=1.0, max_new_tokens=32, seed=10)
+    )
+    assert [o.ids for o in other] != results[0]
+
+
+def test_finished_rows_leave_and_waiting_ones_join(tiny_model, tokenizer, renderer, free_requests):
+    """With 4 slots, a row that stops early frees its slot for a waiting request: no
+    pass is ever wider than 4 rows, and there are fewer passes than fixed batches of 4
+    (each as long as its longest request) would need."""
+    engine = HFEngine(tiny_model, tokenizer, renderer.eos_ids, batch_size=4)
+    stops = SamplingParams(temperature=1.0, max_new_tokens=32, seed=5)
+    widths: list[int] = []
+
+    def record(module, args, kwargs, output):
+        widths.append(kwargs["input_ids"].shape[0])
+
+    hook = tiny_model.register_forward_hook(record, with_kwargs=True)
+    try:
+        outs = engine.generate(free_requests, stops)
+    finally:
+        hook.remove()
+    assert max(widths) <= 4
+    by_length = sorted(range(len(free_requests)), key=lambda i: len(free_requests[i].prompt_ids))
+    fixed = sum(
+        max(len(outs[i].ids) for i in by_length[s : s + 4]) for s in range(0, len(by_length), 4)
+    )
+    decode_passes = sum(1 for w in widths) - 2 * 3  # minus the prefill passes, <= 2 per join
+    assert decode_passes < fixed, (decode_passes, fixed)
+
+
+def test_shared_prefix_runs_once(tiny_model, tokenizer, renderer, free_requests):
+    """The tic-tac-toe prompts share their system prompt and tool schema: prefill runs it
+    once at batch 1, then only the distinct tails (5 of them)."""
+    from looprl.engine.hf import shared_prefill
+
+    shapes: list[tuple[int, ...]] = []
+    hook = tiny_model.register_forward_hook(
+        lambda m, a, kw, out: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    prompts = [r.prompt_ids for r in free_requests]
+    try:
+        with torch.no_grad():
+            part = shared_prefill(tiny_model, prompts, tokenizer.pad_token_id, torch.device("cpu"))
+    finally:
+        hook.remove()
+    head = len(os.path.commonprefix(prompts))
+    assert shapes[0] == (1, head)
+    assert shapes[1][0] == 5 and shapes[1][1] == max(len(p) for p in prompts) - head
+    assert len(part) == len(prompts) and part.cache_rows.tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+
+
+def test_models_with_other_cache_layers_keep_working(tokenizer, renderer, free_requests):
+    """A sliding-window model's cache cannot move into buffers: the loop falls back to
+    transformers' own layers (no joining while rows run) and stays exact. (The window is
+    wider than the sequences: transformers counts a window in cache columns, so with
+    left padding any batched decoding shifts a window shorter than the sequence.)"""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=4096,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    model = MistralForCausalLM(config).eval()
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=2)
+    engine = HFEngine(model, tokenizer, renderer.eos_ids, batch_size=3)
+    outs = engine.generate(free_requests[:6], params)
+    for index, (request, out) in enumerate(zip(free_requests[:6], outs)):
+        assert out.ids == reference_generate(engine, request, params, index)
+        ref = full_forward_logprobs(model, request.prompt_ids, out.ids)
+        assert max(abs(a - b) for a, b in zip(ref, out.logprobs)) < 1e-4

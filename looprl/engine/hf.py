@@ -14,55 +14,80 @@ probability towards the choices the constraint leaves open (e.g. which square).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from looprl.engine import Completion, GenerationRequest, SamplingParams
 from looprl.engine.grammar import GrammarCache
+from looprl.engine.kv import Part, bufferable, merge, select
 
-
-@dataclass
-class SharedPrefill:
-    """A prefilled batch, one row per request: KV cache, the left-padded prompt's
-    attention mask and positions, and the logits that predict the first new token."""
-
-    cache: Any
-    attention_BP: torch.Tensor
-    positions_BP: torch.Tensor
-    last_logits_BV: torch.Tensor
+MIN_SHARED_PREFIX = 16  # shorter common prefixes are not worth a pass of their own
 
 
 def shared_prefill(
-    model: Any, prompts: list[list[int]], pad_id: int, device: torch.device
-) -> SharedPrefill:
-    """Prefix sharing: the G samples of a task have the same prompt. Each distinct prompt
-    is prefilled once (left-padded, batch U) and its KV rows are then copied to every row
-    that uses it. The copy is an indexing op, so under autograd the gradients of all
-    rows flow back into the one prompt pass (the trainer relies on that)."""
+    model: Any,
+    prompts: list[list[int]],
+    pad_id: int,
+    device: torch.device,
+    min_shared: int = MIN_SHARED_PREFIX,
+) -> Part:
+    """Prefill with prefix sharing at two levels.
+
+    1. The G samples of a task have the same prompt: each distinct prompt is prefilled
+       once (cache row), and its rows point at it (`Part.cache_rows`).
+    2. The distinct prompts of one env usually share a long head (system prompt, tool
+       schemas): that common prefix is run once, at batch 1, and each distinct prompt
+       runs only its own tail on top of it (left-padded after the shared columns, the
+       gap masked). Positions count real tokens, so every token sees exactly the
+       positions and keys a plain forward of its own prompt would give it.
+    Only the last position's logits are computed. Under autograd the shared passes
+    receive the gradients of every row that uses them (the trainer relies on that)."""
     unique: dict[tuple[int, ...], int] = {}
     rows_of = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
-    longest = max(len(p) for p in unique)
-    ids_UP = torch.full((len(unique), longest), pad_id, dtype=torch.long)
-    attention_UP = torch.zeros((len(unique), longest), dtype=torch.long)
-    for row, prompt in enumerate(unique):
-        ids_UP[row, longest - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-        attention_UP[row, longest - len(prompt) :] = 1
-    ids_UP, attention_UP = ids_UP.to(device), attention_UP.to(device)
-    positions_UP = (attention_UP.cumsum(-1) - 1).clamp(min=0)
+    distinct = list(unique)
+    shared = 0
+    if len(distinct) > 1:
+        # keep >= 1 own token per prompt: its last logits come from the tail pass
+        shared = min(len(_common_prefix(distinct)), min(len(p) for p in distinct) - 1)
+        shared = shared if shared >= min_shared else 0
+    cache = None
+    if shared:
+        head = torch.tensor([distinct[0][:shared]], dtype=torch.long, device=device)
+        cache = model(input_ids=head, use_cache=True, logits_to_keep=1).cache
+        cache.batch_select_indices(torch.zeros(len(distinct), dtype=torch.long, device=device))
+    tails = [p[shared:] for p in distinct]
+    longest = max(len(t) for t in tails)
+    ids_CT = torch.full((len(tails), longest), pad_id, dtype=torch.long)
+    attention_CT = torch.zeros((len(tails), longest), dtype=torch.long)
+    for row, tail in enumerate(tails):
+        ids_CT[row, longest - len(tail) :] = torch.tensor(tail, dtype=torch.long)
+        attention_CT[row, longest - len(tail) :] = 1
+    ids_CT, attention_CT = ids_CT.to(device), attention_CT.to(device)
+    positions_CT = shared + (attention_CT.cumsum(-1) - 1).clamp(min=0)
+    attention_CL = torch.cat(
+        [torch.ones((len(tails), shared), dtype=torch.long, device=device), attention_CT], 1
+    )
     out = model(
-        input_ids=ids_UP,
-        attention_mask=attention_UP,
-        position_ids=positions_UP,
+        input_ids=ids_CT,
+        attention_mask=attention_CL,
+        position_ids=positions_CT,
+        cache=cache,
         use_cache=True,
         logits_to_keep=1,
     )
-    expand = torch.tensor(rows_of, device=device)
-    out.cache.batch_select_indices(expand)
-    return SharedPrefill(
-        out.cache, attention_UP[expand], positions_UP[expand], out.logits[expand, -1, :]
-    )
+    rows = torch.tensor(rows_of, dtype=torch.long, device=device)
+    return Part(out.cache, rows, attention_CL, positions_CT[:, -1] + 1, out.logits[:, -1, :])
+
+
+def _common_prefix(seqs: list[tuple[int, ...]]) -> tuple[int, ...]:
+    first, last = min(seqs), max(seqs)  # lexicographic extremes bound every common prefix
+    n = 0
+    while n < min(len(first), len(last)) and first[n] == last[n]:
+        n += 1
+    return first[:n]
 
 
 class HFEngine:
@@ -81,6 +106,7 @@ class HFEngine:
         self.jump_forward = jump_forward
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._grammars: GrammarCache | None = None
+        self._bitmask_rows: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -99,191 +125,256 @@ class HFEngine:
     def generate(
         self, requests: list[GenerationRequest], params: SamplingParams
     ) -> list[Completion]:
-        """Sample one completion per request. Requests are sorted by prompt length and
-        decoded in batches of `batch_size` (left padding) to keep padding small."""
-        generator = torch.Generator(device="cpu")
-        if params.seed is not None:
-            generator.manual_seed(params.seed)
-        else:
-            generator.seed()  # fresh entropy, without touching the global torch RNG
+        """Sample one completion per request.
+
+        Continuous batching: requests wait in order of prompt length; up to
+        `batch_size` decode together. Finished rows leave the batch once a quarter of
+        it has finished, and waiting requests join when a quarter of the slots are
+        free (their prompts prefilled together, sharing prefixes). Every request
+        samples from its own random stream, seeded from `params.seed` and its index, so
+        a seeded result does not depend on the batch size or on which requests run
+        alongside it."""
+        if not requests:
+            return []
+        base_seed = params.seed
+        if base_seed is None:
+            base_seed = torch.Generator().seed()  # fresh entropy, global RNG untouched
         order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
+        waiting = deque(order)
         results: list[Completion | None] = [None] * len(requests)
+        running: Part | None = None
+        rows: list[_Row] = []
         was_training = self.model.training
         self.model.eval()
         try:
-            for start in range(0, len(order), self.batch_size):
-                chunk = order[start : start + self.batch_size]
-                outs = self._generate_batch([requests[i] for i in chunk], params, generator)
-                for i, out in zip(chunk, outs):
-                    results[i] = out
+            while True:
+                running, rows = self._schedule(requests, params, base_seed, waiting, running, rows)
+                if not rows:
+                    break
+                for row in self._step(running, rows, params):
+                    results[row.index] = Completion(row.ids, row.logprobs, row.finish)
         finally:
             self.model.train(was_training)
         return [r for r in results if r is not None]
 
-    def _generate_batch(
-        self, requests: list[GenerationRequest], params: SamplingParams, generator: torch.Generator
-    ) -> list[Completion]:
-        batch = len(requests)
-        device = self.device
-        matchers = [
-            self.grammars().matcher(r.constraint) if r.constraint is not None else None
-            for r in requests
-        ]
-        bitmask = self._bitmask(batch) if any(m is not None for m in matchers) else None
+    def _schedule(
+        self,
+        requests: list[GenerationRequest],
+        params: SamplingParams,
+        base_seed: int,
+        waiting: deque[int],
+        running: Part | None,
+        rows: list[_Row],
+    ) -> tuple[Part | None, list[_Row]]:
+        """Drop finished rows and admit waiting requests, when it pays."""
+        live = [j for j, row in enumerate(rows) if not row.done]
+        free = self.batch_size - len(live)
+        can_join = not live or (running is not None and bufferable(running.cache))
+        join = bool(waiting) and free > 0 and can_join
+        if join and live and free < max(1, self.batch_size // 4):
+            join = False  # a merge copies the running rows' cache: wait for more room
+        finished = len(rows) - len(live)
+        if not join and not (finished and (not live or 4 * finished >= len(rows))):
+            return running, rows
+        new = [waiting.popleft() for _ in range(min(free, len(waiting)))] if join else []
+        parts, keep = [], []
+        if live:
+            parts.append(running)
+            keep.append(torch.tensor(live, dtype=torch.long, device=self.device))
+        if new:
+            prompts = [requests[i].prompt_ids for i in new]
+            parts.append(shared_prefill(self.model, prompts, self.pad_id, self.device))
+            keep.append(torch.arange(len(new), device=self.device))
+        rows = [rows[j] for j in live] + [self._row(i, requests[i], params, base_seed) for i in new]
+        if not rows:
+            return None, []
+        room = max(row.limit - len(row.ids) for row in rows)
+        if all(bufferable(part.cache) for part in parts):
+            return merge(parts, keep, room), rows
+        return select(parts[0], keep[0]), rows  # only one part: see can_join
 
-        ids: list[list[int]] = [[] for _ in range(batch)]
-        logprobs: list[list[float]] = [[] for _ in range(batch)]
-        finish = ["length"] * batch
-        limits = [
-            min(params.max_new_tokens, r.max_new_tokens or params.max_new_tokens) for r in requests
-        ]
-        done = torch.zeros(batch, dtype=torch.bool)
+    def _row(
+        self, index: int, request: GenerationRequest, params: SamplingParams, base_seed: int
+    ) -> _Row:
+        matcher = None
+        if request.constraint is not None:
+            matcher = self.grammars().matcher(request.constraint)
+        limit = min(params.max_new_tokens, request.max_new_tokens or params.max_new_tokens)
+        generator = torch.Generator().manual_seed((base_seed * 1_000_003 + index) % 2**63)
+        return _Row(index, limit, matcher, generator)
+
+    def _step(self, running: Part, rows: list[_Row], params: SamplingParams) -> list[_Row]:
+        """Choose the next token(s) of every live row, run them through the model, and
+        return the rows that finished."""
         temperature = params.temperature if params.temperature > 0 else 1.0
-        prefill = shared_prefill(self.model, [r.prompt_ids for r in requests], self.pad_id, device)
-        cache, attention, positions = prefill.cache, prefill.attention_BP, prefill.positions_BP
-        next_BV = prefill.last_logits_BV.float().cpu()
-        while True:
-            jump = self._jump_forward(matchers, done, [lim - len(x) for lim, x in zip(limits, ids)])
-            if jump is not None:
-                tokens_BK = torch.tensor(jump, dtype=torch.long)
-                first_B = torch.log_softmax(next_BV / temperature, -1).gather(-1, tokens_BK[:, :1])
-            else:
-                tokens_B, first_B = self._sample(
-                    next_BV, params, matchers, bitmask, done, generator
+        next_CV = running.logits_CV.float()
+        jump = self._jump_forward(rows)
+        if jump is not None:
+            tokens_CK = torch.tensor(jump, dtype=torch.long)
+            first_C = torch.log_softmax(next_CV / temperature, -1).gather(-1, tokens_CK[:, :1])
+            logp_CK = first_C
+        else:
+            tokens_C, first_C = self._sample(next_CV, params, rows)
+            tokens_CK, logp_CK = tokens_C[:, None], first_C[:, None]
+        k = tokens_CK.shape[1]
+        finished = self._finished(tokens_CK, rows, params)
+        if k > 1 or not all(finished[j] or row.done for j, row in enumerate(rows)):
+            logits_CKV = self._forward(running, tokens_CK)
+            if k > 1:  # forced tokens 2..k: their logprobs come from this pass
+                rest_CK = torch.log_softmax(logits_CKV[:, :-1] / temperature, -1)
+                rest_CK = rest_CK.gather(-1, tokens_CK[:, 1:, None]).squeeze(-1)
+                logp_CK = torch.cat([logp_CK, rest_CK], dim=1)
+        ended = []
+        for j, row in enumerate(rows):
+            if row.done:
+                continue
+            for token, logp in zip(tokens_CK[j].tolist(), logp_CK[j].tolist()):
+                row.ids.append(token)
+                row.logprobs.append(logp)
+                if row.matcher is not None and not row.matcher.is_terminated():
+                    row.matcher.accept_token(token)
+            if finished[j]:
+                row.done = True
+                stopped = row.ids[-1] in self.stop_token_ids or self._hit_stop_string(
+                    row.ids, params
                 )
-                tokens_BK, first_B = tokens_B[:, None], first_B[:, None]
-            k = tokens_BK.shape[1]
-            finished = self._finished(tokens_BK, ids, limits, done, params)
-            logp_BK = first_B
-            if k > 1 or not finished.all():
-                out = self.model(
-                    input_ids=tokens_BK.to(device),
-                    attention_mask=torch.cat(
-                        [attention, torch.ones((batch, k), dtype=attention.dtype, device=device)], 1
-                    ),
-                    position_ids=positions[:, -1:] + 1 + torch.arange(k, device=device),
-                    cache=cache,
-                    use_cache=True,
-                    logits_to_keep=k,
-                )
-                cache = out.cache
-                attention = torch.cat(
-                    [attention, torch.ones((batch, k), dtype=attention.dtype, device=device)], 1
-                )
-                positions = positions[:, -1:] + 1 + torch.arange(k, device=device)
-                logits_BKV = out.logits.float().cpu()
-                if k > 1:  # forced tokens 2..k: their logprobs come from this pass
-                    rest_BK = torch.log_softmax(logits_BKV[:, :-1] / temperature, -1)
-                    rest_BK = rest_BK.gather(-1, tokens_BK[:, 1:, None]).squeeze(-1)
-                    logp_BK = torch.cat([first_B, rest_BK], dim=1)
-                next_BV = logits_BKV[:, -1]
-            for row in range(batch):
-                if done[row]:
-                    continue
-                for token, logp in zip(tokens_BK[row].tolist(), logp_BK[row].tolist()):
-                    ids[row].append(token)
-                    logprobs[row].append(logp)
-                    if matchers[row] is not None and not matchers[row].is_terminated():
-                        matchers[row].accept_token(token)
-                if finished[row]:
-                    done[row] = True
-                    last = ids[row][-1]
-                    stopped = last in self.stop_token_ids or self._hit_stop_string(ids[row], params)
-                    finish[row] = "stop" if stopped else "length"
-            if bool(done.all()):
-                break
-        return [Completion(i, lp, f) for i, lp, f in zip(ids, logprobs, finish)]
+                row.finish = "stop" if stopped else "length"
+                ended.append(row)
+        return ended
+
+    def _forward(self, running: Part, tokens_CK: torch.Tensor) -> torch.Tensor:
+        """Append k tokens to every row of the running batch; logits of those k."""
+        k = tokens_CK.shape[1]
+        width = running.width
+        if running.attention_CL.shape[1] < width + k:  # transformers' growing cache
+            grow = width + k - running.attention_CL.shape[1]
+            running.attention_CL = torch.nn.functional.pad(running.attention_CL, (0, grow))
+        running.attention_CL[:, width : width + k] = 1
+        steps = torch.arange(k, device=running.next_pos_C.device)
+        out = self.model(
+            input_ids=tokens_CK.to(self.device),
+            attention_mask=running.attention_CL[:, : width + k],
+            position_ids=running.next_pos_C[:, None] + steps,
+            cache=running.cache,
+            use_cache=True,
+            logits_to_keep=k,
+        )
+        running.cache = out.cache
+        running.width += k
+        running.next_pos_C = running.next_pos_C + k
+        logits_CKV = out.logits.float().cpu()
+        running.logits_CV = logits_CKV[:, -1]
+        return logits_CKV
 
     def _finished(
-        self,
-        tokens_BK: torch.Tensor,
-        ids: list[list[int]],
-        limits: list[int],
-        done: torch.Tensor,
-        params: SamplingParams,
-    ) -> torch.Tensor:
-        """Which rows end once `tokens_BK` is appended (EOS, stop string or token limit)."""
-        out = done.clone()
-        for row in range(len(ids)):
-            if done[row]:
+        self, tokens_CK: torch.Tensor, rows: list[_Row], params: SamplingParams
+    ) -> list[bool]:
+        """Which live rows end once `tokens_CK` is appended (EOS, stop string, limit)."""
+        out = []
+        for j, row in enumerate(rows):
+            if row.done:
+                out.append(False)
                 continue
-            new = tokens_BK[row].tolist()
-            hit_eos = new[-1] in self.stop_token_ids
-            full = len(ids[row]) + len(new) >= limits[row]
-            out[row] = hit_eos or full or self._hit_stop_string(ids[row] + new, params)
+            new = tokens_CK[j].tolist()
+            out.append(
+                new[-1] in self.stop_token_ids
+                or len(row.ids) + len(new) >= row.limit
+                or self._hit_stop_string(row.ids + new, params)
+            )
         return out
 
-    def _jump_forward(
-        self, matchers: list[Any], done: torch.Tensor, room: list[int]
-    ) -> list[list[int]] | None:
+    def _jump_forward(self, rows: list[_Row]) -> list[list[int]] | None:
         """Jump-forward decoding: when the grammar allows only one continuing *string* for
         every live row, append its tokens in one forward pass instead of sampling them one
         by one. The string is tokenized canonically (sampling would pick that tokenization
         almost surely); the recorded logprobs are the policy's, as for sampled tokens.
-        Returns k ≥ 2 tokens per row (pad for finished rows), or None."""
+        Returns k >= 2 tokens per row (pad for finished rows), or None."""
         if not self.jump_forward:
             return None
-        live = [row for row in range(len(matchers)) if not done[row]]
-        if not live or any(matchers[row] is None for row in live):
+        live = [row for row in rows if not row.done]
+        if not live or any(row.matcher is None for row in live):
             return None
         forced: dict[int, list[int]] = {}
         for row in live:
-            text = matchers[row].find_jump_forward_string()
+            text = row.matcher.find_jump_forward_string()
             if not text:
                 return None
-            forced[row] = self.tokenizer.encode(text, add_special_tokens=False)
-        k = min(min(len(t) for t in forced.values()), min(room[row] for row in live))
+            forced[row.index] = self.tokenizer.encode(text, add_special_tokens=False)
+        k = min(min(len(t) for t in forced.values()), min(r.limit - len(r.ids) for r in live))
         if k < 2:
             return None
-        return [
-            forced[row][:k] if row in forced else [self.pad_id] * k for row in range(len(matchers))
-        ]
-
-    def _bitmask(self, batch: int) -> torch.Tensor:
-        import xgrammar as xgr
-
-        return xgr.allocate_token_bitmask(batch, self.grammars().info.vocab_size)
+        return [forced[r.index][:k] if r.index in forced else [self.pad_id] * k for r in rows]
 
     def _sample(
-        self,
-        logits_BV: torch.Tensor,
-        params: SamplingParams,
-        matchers: list[Any],
-        bitmask: torch.Tensor | None,
-        done_B: torch.Tensor,
-        generator: torch.Generator,
+        self, logits_CV: torch.Tensor, params: SamplingParams, rows: list[_Row]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Next token of every row and its unconstrained logprob at temperature T."""
+        """Next token of every live row (pad for finished ones) and its unconstrained
+        logprob at temperature T. Sampling is an exponential race, argmax(p / E) with
+        E ~ Exp(1) drawn from the row's own generator: the same draw as a multinomial,
+        independent of the other rows."""
         temperature = params.temperature if params.temperature > 0 else 1.0
-        scaled_BV = logits_BV / temperature
-        logp_BV = torch.log_softmax(scaled_BV, dim=-1)
-        candidates_BV = scaled_BV.clone()
-        if bitmask is not None:
-            import xgrammar as xgr
-
-            constrained = []
-            for row, matcher in enumerate(matchers):
-                if matcher is not None and not done_B[row] and not matcher.is_terminated():
-                    matcher.fill_next_token_bitmask(bitmask, row)
-                    constrained.append(row)
+        scaled_CV = logits_CV / temperature
+        logp_CV = torch.log_softmax(scaled_CV, dim=-1)
+        tokens_C = torch.full((len(rows),), self.pad_id, dtype=torch.long)
+        live = [j for j, row in enumerate(rows) if not row.done]
+        if live:
+            candidates_LV = scaled_CV[live]  # a copy: the mask below must not touch logp
+            constrained = [
+                n
+                for n, j in enumerate(live)
+                if rows[j].matcher is not None and not rows[j].matcher.is_terminated()
+            ]
             if constrained:
-                rows = torch.tensor(constrained)
-                sub = candidates_BV[rows]
-                xgr.apply_token_bitmask_inplace(sub, bitmask[rows])
-                candidates_BV[rows] = sub
-        if params.temperature <= 0:
-            tokens_B = candidates_BV.argmax(dim=-1)
-        else:
-            candidates_BV = _filter_top_k_top_p(candidates_BV, params.top_k, params.top_p)
-            probs_BV = torch.softmax(candidates_BV, dim=-1)
-            tokens_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
-        return tokens_B, logp_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
+                import xgrammar as xgr
+
+                bitmask = self._bitmask(len(constrained))
+                for slot, n in enumerate(constrained):
+                    rows[live[n]].matcher.fill_next_token_bitmask(bitmask, slot)
+                picked = torch.tensor(constrained)
+                sub = candidates_LV[picked]
+                xgr.apply_token_bitmask_inplace(sub, bitmask[: len(constrained)])
+                candidates_LV[picked] = sub
+            if params.temperature <= 0:
+                chosen_L = candidates_LV.argmax(dim=-1)
+            else:
+                candidates_LV = _filter_top_k_top_p(candidates_LV, params.top_k, params.top_p)
+                probs_LV = torch.softmax(candidates_LV, dim=-1)
+                race_LV = torch.empty_like(probs_LV)
+                for n, j in enumerate(live):
+                    race_LV[n].exponential_(generator=rows[j].generator)
+                chosen_L = (probs_LV / race_LV).argmax(dim=-1)
+            tokens_C[torch.tensor(live)] = chosen_L
+        return tokens_C, logp_CV.gather(-1, tokens_C[:, None]).squeeze(-1)
+
+    def _bitmask(self, rows: int) -> torch.Tensor:
+        import xgrammar as xgr
+
+        if self._bitmask_rows is None or self._bitmask_rows.shape[0] < rows:
+            self._bitmask_rows = xgr.allocate_token_bitmask(
+                max(rows, 8), self.grammars().info.vocab_size
+            )
+        return self._bitmask_rows
 
     def _hit_stop_string(self, ids: list[int], params: SamplingParams) -> bool:
         if not params.stop:
             return False
         tail = self.tokenizer.decode(ids[-16:])
         return any(s in tail for s in params.stop)
+
+
+@dataclass
+class _Row:
+    """A request being decoded: its index in the request list, token limit, grammar
+    matcher (forced calls), own random stream, and what it has produced so far."""
+
+    index: int
+    limit: int
+    matcher: Any
+    generator: torch.Generator
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    done: bool = False
+    finish: str = "length"
 
 
 def _filter_top_k_top_p(logits_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
