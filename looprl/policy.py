@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from looprl.algo import token_logprobs
+from looprl.algo import head_logprobs, token_logprobs
 from looprl.chat import ChatRenderer
 from looprl.config import Config
 from looprl.engine.hf import HFEngine, shared_prefill
@@ -96,39 +96,123 @@ def sequence_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token logprobs of the tokens after each sequence's initial prompt.
 
-    Prefix sharing, exact gradients included: the G episodes of a task share their
-    prompt, so each distinct prompt is run once (left-padded, batch U) and its KV cache
-    rows are copied to every episode that uses it (an indexing op, so gradients from all
-    G episodes flow back into the one prompt pass). Then the episodes' suffixes (all
-    turns after the prompt, right-padded) run on top of that cache. Positions follow the
-    engine's convention, so trainer and engine logprobs agree.
-    Returns logp_BS (with grad if enabled) and mask_BS (bool): S covers every suffix.
+    Prefix sharing, exact gradients included: the prompts run through `shared_prefill`
+    (each distinct prompt once, their common head once), and its KV rows are copied to
+    every episode that uses them (an indexing op, so gradients from all G episodes flow
+    back into the one prompt pass). Then the episodes' suffixes (all turns after the
+    prompt, right-padded) run on top of that cache. Positions follow the engine's
+    convention, so trainer and engine logprobs agree. A model training under gradient
+    checkpointing cannot use a cache (transformers drops it): it runs whole sequences.
+
+    Logits are computed only where the loss needs them: at the loss-masked positions,
+    in chunks (`head_logprobs`), never as a [B, S, vocab] tensor, when the model's logits
+    are a plain projection of its last hidden state (checked once per model).
+    Returns logp_BS (with grad if enabled; 0 off the mask) and mask_BS (bool); callers
+    use only the masked entries, in order.
     """
+    if _cache_dropped(model):
+        return _whole_sequence_logprobs(model, sequences, masks, pad_id, device, temperature)
     starts = [prompt_length(m) for m in masks]
     prefill = shared_prefill(
         model, [seq[:st] for seq, st in zip(sequences, starts)], pad_id, device
     ).expand()
-
-    suffixes = [seq[st:] for seq, st in zip(sequences, starts)]
-    width = max(len(x) for x in suffixes)
-    batch = len(sequences)
-    ids_BS = torch.full((batch, width), pad_id, dtype=torch.long)
-    attention_BS = torch.zeros((batch, width), dtype=torch.long)
-    mask_BS = torch.zeros((batch, width), dtype=torch.bool)
-    for row, (suffix, m, st) in enumerate(zip(suffixes, masks, starts)):
-        ids_BS[row, : len(suffix)] = torch.tensor(suffix, dtype=torch.long)
-        attention_BS[row, : len(suffix)] = 1
-        mask_BS[row, : len(suffix)] = torch.tensor(m[st:], dtype=torch.bool)
-    ids_BS, attention_BS = ids_BS.to(device), attention_BS.to(device)
-    positions_BS = prefill.next_pos_C[:, None] + torch.arange(width, device=device)
-    out = model(
+    ids_BS, attention_BS, mask_BS = _right_padded(
+        [seq[st:] for seq, st in zip(sequences, starts)],
+        [m[st:] for m, st in zip(masks, starts)],
+        pad_id,
+        device,
+    )
+    width = ids_BS.shape[1]
+    inputs = dict(
         input_ids=ids_BS,
         attention_mask=torch.cat([prefill.attention_CL, attention_BS], dim=1),
-        position_ids=positions_BS,
+        position_ids=prefill.next_pos_C[:, None] + torch.arange(width, device=device),
         cache=prefill.cache,
         use_cache=True,
     )
     # the prompt's last logits predict suffix token 0; suffix position t predicts t + 1
-    logits_BSV = torch.cat([prefill.logits_CV[:, None, :], out.logits[:, :-1, :]], dim=1)
-    logp_BS = token_logprobs(logits_BSV, ids_BS, temperature=temperature)
-    return logp_BS, mask_BS.to(device)
+    first_B = token_logprobs(prefill.logits_CV[:, None, :], ids_BS[:, :1], temperature)[:, 0]
+    rest_BS = _next_token_logprobs(model, inputs, ids_BS, mask_BS, temperature)
+    return torch.cat([first_B[:, None], rest_BS], dim=1), mask_BS
+
+
+def _whole_sequence_logprobs(
+    model: Any,
+    sequences: list[list[int]],
+    masks: list[list[int]],
+    pad_id: int,
+    device: torch.device,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """No cache: each sequence in full (right-padded); position t predicts token t + 1."""
+    ids_BT, attention_BT, mask_BT = _right_padded(sequences, masks, pad_id, device)
+    positions_BT = torch.arange(ids_BT.shape[1], device=device).expand_as(ids_BT)
+    inputs = dict(input_ids=ids_BT, attention_mask=attention_BT, position_ids=positions_BT)
+    logp_BT = _next_token_logprobs(model, inputs, ids_BT, mask_BT, temperature)
+    return logp_BT, mask_BT[:, 1:]
+
+
+def _next_token_logprobs(
+    model: Any,
+    inputs: dict[str, Any],
+    ids_BS: torch.Tensor,
+    mask_BS: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    """logprobs of ids_BS[:, 1:] from the model's outputs at positions 0..S-2."""
+    split = decoder_and_head(model)
+    if split is None:
+        logits_BSV = model(**inputs).logits[:, :-1, :]
+        return token_logprobs(logits_BSV, ids_BS[:, 1:], temperature=temperature)
+    decoder, head = split
+    hidden_BSH = decoder(**inputs).last_hidden_state[:, :-1, :]
+    needed_BS = mask_BS[:, 1:]
+    picked_N = head_logprobs(hidden_BSH[needed_BS], head, ids_BS[:, 1:][needed_BS], temperature)
+    rest_BS = torch.zeros(needed_BS.shape, dtype=picked_N.dtype, device=ids_BS.device)
+    return rest_BS.masked_scatter(needed_BS, picked_N)
+
+
+def _right_padded(
+    seqs: list[list[int]], masks: list[list[int]], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    width = max(len(x) for x in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(seqs), width), dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for row, (seq, m) in enumerate(zip(seqs, masks)):
+        ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attention[row, : len(seq)] = 1
+        mask[row, : len(seq)] = torch.tensor(m, dtype=torch.bool)
+    return ids.to(device), attention.to(device), mask.to(device)
+
+
+def _cache_dropped(model: Any) -> bool:
+    """transformers drops the KV cache of a model training under gradient checkpointing."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    checkpointing = getattr(base, "is_gradient_checkpointing", False)
+    return bool(checkpointing) and model.training and torch.is_grad_enabled()
+
+
+def decoder_and_head(model: Any) -> tuple[Any, Any] | None:
+    """The model's body (returning its final hidden states) and output projection, if
+    its logits are exactly `head(hidden)`: checked once per model on a short input, so a
+    model that scales or soft-caps its logits keeps the plain path."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    verdict = getattr(base, "_looprl_split_head", None)
+    if verdict is None:
+        verdict = False
+        decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+        head = base.get_output_embeddings()
+        if decoder is not None and head is not None and decoder is not base:
+            device = next(base.parameters()).device
+            ids = torch.tensor([[1, 2, 3, 4]], device=device)
+            was_training = model.training
+            model.eval()  # no dropout in the comparison
+            with torch.no_grad():
+                want = model(input_ids=ids).logits.float()
+                got = head(decoder(input_ids=ids).last_hidden_state).float()
+            model.train(was_training)
+            if got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+                verdict = (decoder, head)
+        base._looprl_split_head = verdict
+    return verdict or None

@@ -113,8 +113,6 @@ def test_forced_length_limited_strings_stay_valid_json(tokenizer, renderer):
 def reference_generate(engine, request, params, index) -> list[int]:
     """The plain path: no cache, no batch, a full forward of the whole sequence for every
     token, and the engine's sampler on one row with the stream of request `index`."""
-    from looprl.engine.hf import _Row
-
     row = engine._row(index, request, params, params.seed)
     while True:
         with torch.no_grad():
@@ -123,7 +121,6 @@ def reference_generate(engine, request, params, index) -> list[int]:
         row.ids.append(int(token[0]))
         if row.ids[-1] in engine.stop_token_ids or len(row.ids) >= row.limit:
             return row.ids
-    assert isinstance(row, _Row)
 
 
 @pytest.fixture()
@@ -237,3 +234,68 @@ def test_models_with_other_cache_layers_keep_working(tokenizer, renderer, free_r
         assert out.ids == reference_generate(engine, request, params, index)
         ref = full_forward_logprobs(model, request.prompt_ids, out.ids)
         assert max(abs(a - b) for a, b in zip(ref, out.logprobs)) < 1e-4
+
+
+def test_trainer_logprobs_only_at_masked_positions(tiny_model, tokenizer, renderer, free_requests):
+    """The trainer's masked-position path (hidden states, then the output projection
+    in chunks) gives the plain full-logits path's values and gradients."""
+    from peft import LoraConfig, get_peft_model
+
+    from looprl.policy import decoder_and_head, sequence_logprobs
+
+    torch.manual_seed(0)
+    model = get_peft_model(
+        load_causal_lm_fresh(), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    )
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.05)  # non-zero adapters: a real gradient path
+    engine = HFEngine(model, tokenizer, renderer.eos_ids)
+    outs = engine.generate(free_requests[:4], SamplingParams(max_new_tokens=12, seed=1))
+    sequences, masks = [], []
+    for request, out in zip(free_requests[:4], outs):
+        sequences.append(request.prompt_ids + out.ids + [7, 8] + out.ids[:3])  # a 2nd turn
+        masks.append([0] * len(request.prompt_ids) + [1] * len(out.ids) + [0, 0] + [1] * 3)
+    assert decoder_and_head(model) is not None
+    results = []
+    for split in (True, False):
+        if not split:
+            model.get_base_model()._looprl_split_head = False  # force the plain path
+        model.zero_grad()
+        logp_BS, mask_BS = sequence_logprobs(model, sequences, masks, 0, torch.device("cpu"), 0.7)
+        (logp_BS * mask_BS).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        results.append((logp_BS[mask_BS].detach(), grads))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def load_causal_lm_fresh():
+    from looprl.models import load_causal_lm
+
+    return load_causal_lm("tiny-random", torch.float32)
+
+
+def test_trainer_logprobs_under_gradient_checkpointing(tokenizer, renderer, free_requests):
+    """transformers drops the KV cache of a model training under gradient checkpointing;
+    the trainer then scores whole sequences, with the same values and gradients."""
+    from looprl.policy import sequence_logprobs
+
+    model = load_causal_lm_fresh()
+    engine = HFEngine(model, tokenizer, renderer.eos_ids)
+    outs = engine.generate(free_requests[:3], SamplingParams(max_new_tokens=10, seed=4))
+    sequences = [r.prompt_ids + o.ids for r, o in zip(free_requests[:3], outs)]
+    masks = [[0] * len(r.prompt_ids) + [1] * len(o.ids) for r, o in zip(free_requests[:3], outs)]
+    results = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model.train()
+        model.zero_grad()
+        logp_BS, mask_BS = sequence_logprobs(model, sequences, masks, 0, torch.device("cpu"), 1.0)
+        (logp_BS * mask_BS).sum().backward()
+        results.append((logp_BS[mask_BS].detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

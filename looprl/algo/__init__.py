@@ -1,7 +1,7 @@
 """Pure RL algorithm functions: advantages, per-token log-probs, policy-gradient losses."""
 
 from looprl.algo.advantages import batch_advantages, dynamic_sampling_keep, group_advantages
-from looprl.algo.logprobs import masked_mean, masked_sum, token_logprobs
+from looprl.algo.logprobs import head_logprobs, masked_mean, masked_sum, token_logprobs
 from looprl.algo.losses import (
     LOSSES,
     dr_grpo_loss,
@@ -17,6 +17,7 @@ __all__ = [
     "dr_grpo_loss",
     "dynamic_sampling_keep",
     "group_advantages",
+    "head_logprobs",
     "grpo_loss",
     "gspo_loss",
     "gspo_token_loss",

@@ -66,6 +66,39 @@ def token_logprobs(
     return torch.cat(parts, dim=0)
 
 
+def head_logprobs(
+    hidden_NH: Tensor,
+    head: torch.nn.Module,
+    target_ids_N: Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int = 256,
+) -> Tensor:
+    """log pi(y_n | ...) from the final hidden states of the N positions that predict the
+    targets: the output projection runs `chunk_tokens` rows at a time, so no [N, V] logits
+    tensor exists beyond one chunk, neither in the forward pass nor (recomputed under
+    checkpointing) in the backward pass. Equal to `token_logprobs(head(hidden), ...)`."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    recompute = torch.is_grad_enabled() and (
+        hidden_NH.requires_grad or any(p.requires_grad for p in head.parameters())
+    )
+
+    def chunk(h_CH: Tensor, targets_C: Tensor) -> Tensor:
+        return _chunk_logprobs(head(h_CH), targets_C, temperature)
+
+    parts: list[Tensor] = []
+    for h_CH, targets_C in zip(
+        hidden_NH.split(chunk_tokens), target_ids_N.long().split(chunk_tokens), strict=True
+    ):
+        if recompute:
+            parts.append(checkpoint(chunk, h_CH, targets_C, use_reentrant=False))
+        else:
+            parts.append(chunk(h_CH, targets_C))
+    if not parts:
+        return hidden_NH.new_zeros(0, dtype=torch.float32)
+    return torch.cat(parts)
+
+
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """sum(x * mask) over `dim` (all dims if None). mask is 0/1 (bool or float).
 
