@@ -339,9 +339,10 @@ class HFEngine:
             else:
                 candidates_LV = _filter_top_k_top_p(candidates_LV, params.top_k, params.top_p)
                 probs_LV = torch.softmax(candidates_LV, dim=-1)
-                race_LV = torch.empty_like(probs_LV)
+                uniform_LV = torch.empty_like(probs_LV)
                 for n, j in enumerate(live):
-                    race_LV[n].exponential_(generator=rows[j].generator)
+                    torch.rand(uniform_LV.shape[1], generator=rows[j].generator, out=uniform_LV[n])
+                race_LV = uniform_LV.log_().neg_()  # E = -log U ~ Exp(1); U < 1, so E > 0
                 chosen_L = (probs_LV / race_LV).argmax(dim=-1)
             tokens_C[torch.tensor(live)] = chosen_L
         return tokens_C, logp_CV.gather(-1, tokens_C[:, None]).squeeze(-1)

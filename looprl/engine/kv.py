@@ -136,11 +136,12 @@ def merge(parts: list[Part], keep: list[torch.Tensor], room: int) -> Part:
         values = torch.zeros_like(keys)
         start = 0
         for part, source in chosen:
-            end = start + len(source)
             src = part.cache.layers[index]
-            keys[start:end, :, width - part.width : width] = src.keys[source, :, : part.width]
-            values[start:end, :, width - part.width : width] = src.values[source, :, : part.width]
-            start = end
+            columns = slice(width - part.width, width)
+            for n, row in enumerate(source.tolist()):  # row by row: no gathered temporary
+                keys[start + n, :, columns] = src.keys[row, :, : part.width]
+                values[start + n, :, columns] = src.values[row, :, : part.width]
+            start += len(source)
         layers.append(BufferLayer(keys, values, width))
     cache = DynamicCache()
     cache.layers = layers

@@ -1,0 +1,581 @@
+"""One full RL step (rollouts + GSPO update): looprl vs TRL's `GRPOTrainer`, side by side.
+
+    .venv/bin/pip install -e ".[bench]" "torch==2.13.0" "transformers==5.24.0"   # TRL, once
+    .venv/bin/python bench/step.py                  # the default benchmark (8 x 8, 64 tokens)
+    .venv/bin/python bench/step.py --steps 1 --tasks 2 --group 2 --max-new-tokens 8  # smoke
+
+Each side runs in its own child process (same interpreter, same CPU threads), one after
+the other, so neither inherits the other's warm caches or memory: first looprl, then TRL.
+Each plays `--warmup` (1) + `--steps` (3) RL steps; a step is 8 tasks x group 8 = 64
+completions followed by the GSPO update over them (4 optimizer updates of 16). The
+warm-up step is dropped and the medians of the rest are compared. The last line is
+
+    RESULT step_time_ratio_vs_trl=X looprl_step_s=Y trl_step_s=Z
+
+with X = looprl seconds per step / TRL seconds per step (below 1: looprl is faster).
+This is a benchmark, not a test: run it on a quiet machine (with 2 threads, a core
+taken by anything else slows a step several-fold). The default size takes tens of
+minutes on a 2-core CPU, most of it on the TRL side.
+
+What is timed
+-------------
+- looprl: `looprl.train.run_training` itself (the code `looprl run` runs), into a temp
+  folder; the per-step time is its own `perf/step_s` from RUN/metrics.jsonl: from
+  sampling the step's tasks to after `update_policy` and the scheduler step. The
+  baseline and final eval (set to 1 episode each), checkpointing and the report are
+  outside `perf/step_s`. The rollout share is derived exactly from the logged
+  `perf/rollout_tokens_per_s` and the episodes' response lengths.
+- TRL: `GRPOTrainer.train()`; a `TrainerCallback` takes the time from `on_step_begin` of
+  the first optimizer step of a generation round to `on_step_end` of its last one. One
+  round = one generation of all completions (inside the first optimizer step, in
+  `_prepare_inputs`) + the old-logprob pass + the rewards + its optimizer updates, i.e.
+  exactly one RL step. Model loading, PEFT wrapping and optimizer creation are outside,
+  as they are for looprl. The rollout share is the time spent in `GRPOTrainer._generate`
+  (tokenize, `model.generate`, decode) plus the reward function.
+
+Settings, and how each maps onto both sides (all are flags; defaults shown)
+--------------------------------------------------------------------------
+- model smollm2-135m, float32, CPU: looprl `model.name/dtype/device`; TRL gets the model
+  and tokenizer that `looprl.models.load_causal_lm` / `load_tokenizer` load (same weights).
+- LoRA r=16, alpha=32, dropout 0, all linear layers: looprl `model.lora.*` with
+  `target_modules="all-linear"`; TRL `peft_config=LoraConfig(..., target_modules="all-linear")`.
+- 8 tasks x group 8 = 64 completions per step: looprl `rollout.tasks_per_step/group_size`
+  (and `rollout.batch_size`=64 so all decode together, as TRL's single `generate` call
+  does); TRL `num_generations=8` and a generation batch of 64 (below).
+- max 64 new tokens, temperature 1, top_p 1, top_k off: `rollout.*`; TRL
+  `max_completion_length`, `temperature`, `top_p`, `top_k=0`. Both stop at `<|im_end|>`.
+- lr 4e-4 constant, AdamW, weight decay 0, grad-norm clip 1.0: looprl `train.*`; TRL
+  `learning_rate`, `lr_scheduler_type="constant"`, `optim="adamw_torch"` (the plain
+  `torch.optim.AdamW` looprl uses), `weight_decay=0`, `max_grad_norm=1.0`.
+- 4 optimizer updates per rollout batch: looprl `algo.num_minibatches=4`. TRL:
+  `per_device_train_batch_size=16`, `gradient_accumulation_steps=1`,
+  `steps_per_generation=4`, `num_iterations=1`. TRL's `generation_batch_size` is then
+  per_device_train_batch_size x steps_per_generation = 64 = 8 prompts x 8 generations;
+  `_prepare_inputs` generates once every steps_per_generation x num_iterations = 4
+  optimizer steps, shuffles the 64 completions and hands 16 to each of the 4 optimizer
+  steps (one micro-batch each, since gradient_accumulation_steps=1). Because
+  gradient_accumulation_steps (1) is not a multiple of 4, TRL recomputes the old
+  logprobs of all 64 completions once before the updates, as looprl does. looprl splits
+  whole task groups into minibatches (`looprl.update.minibatches`), so it makes
+  min(updates, tasks) updates; TRL is given that same number.
+- GSPO: looprl `algo.name=gspo` with its defaults eps_low=3e-4, eps_high=4e-4
+  (`looprl.config.DEFAULT_CLIP`); TRL `importance_sampling_level="sequence"`,
+  `loss_type="grpo"` (per-sequence mean, then mean over sequences: with a sequence ratio
+  this is GSPO's sum over sequences / their count, looprl's normaliser),
+  `epsilon=3e-4`, `epsilon_high=4e-4`, `scale_rewards="group"`. No KL: looprl
+  `algo.kl_coef=0`, TRL `beta=0` (no reference model on either side).
+- No gradient checkpointing (TRL's default is on: set off), no mixed precision
+  (`bf16=False`), no vLLM, `use_cpu=True`, dropout disabled, no logging/saving.
+- Task: `tictactoe-move` with `tool_choice="auto"` on both sides. With the env default
+  "required", looprl would force the tool call with a grammar (and jump-forward decoding)
+  that TRL has no counterpart for; "auto" makes both sides sample freely.
+
+Same prompts, same scoring
+--------------------------
+The TRL dataset is built from the env: step k takes `env.tasks("train", n=8,
+seed=seed*1_000_003 + k)` (the formula of `run_training`), in order (`shuffle_dataset=
+False`), and each prompt is the text looprl's `ChatRenderer` renders for
+`env.reset(task)` (SmolLM2's template ignores `tools`, so looprl puts the tool schemas in
+the system prompt; TRL gets that text as a plain, non-conversational prompt, and no
+`tools=`, which would start TRL's own tool loop). The script checks, and prints, that
+TRL's own prompt tokenization (`GRPOTrainer._tokenize_prompts`) gives exactly the ids of
+`ChatRenderer.prompt_ids`, that TRL stops on the same EOS ids, and that both sides saw the
+same tasks at every step (looprl's transcripts vs the TRL reward calls). The TRL reward
+function scores a completion as `looprl.rollout._advance` does: decode the completion
+ids with the renderer, parse them into an assistant message (`require_call=True`), and
+`env.step(message).reward` in a fresh env reset to the same task.
+
+Not the same, by design of each library (so part of what is measured)
+---------------------------------------------------------------------
+Sampling is random on both sides, so completions (and their lengths and rewards)
+differ; the table shows the mean completion length, reward and number of all-equal
+reward groups per side. looprl shares each prompt's prefill across its group (rollout
+and trainer), skips the forward/backward of advantage-0 sequences (a group whose rewards
+are all equal: common while the untrained model misses the tool call) and micro-batches
+by a token budget (`train.micro_batch_tokens`); TRL trains on every sequence and also
+computes the per-token entropy in its loss pass. The advantages differ slightly (looprl:
+population std + 1e-6; TRL: Bessel-corrected std + 1e-4), which does not change the
+amount of work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from looprl.config import DEFAULT_CLIP
+
+ENV_NAME = "tictactoe-move"
+ENV_ARGS: dict[str, Any] = {"tool_choice": "auto"}  # no grammar: see the module docstring
+EPS_LOW, EPS_HIGH = DEFAULT_CLIP["gspo"]
+
+
+# ============================================================================ settings
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything both sides must share; each field is a command-line flag."""
+
+    model: str = "smollm2-135m"
+    tasks: int = 8
+    group: int = 8
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    lr: float = 4e-4
+    updates: int = 4
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    eps_low: float = EPS_LOW
+    eps_high: float = EPS_HIGH
+    steps: int = 3
+    warmup: int = 1
+    seed: int = 0
+
+    @property
+    def rounds(self) -> int:
+        """RL steps each side plays: the warm-up ones, then the measured ones."""
+        return self.warmup + self.steps
+
+    @property
+    def completions(self) -> int:
+        return self.tasks * self.group
+
+    @property
+    def effective_updates(self) -> int:
+        """looprl never splits a task group across minibatches, so with fewer tasks than
+        updates it makes one update per task; TRL is given the same number."""
+        return min(self.updates, self.tasks)
+
+    @property
+    def minibatch(self) -> int:
+        return self.completions // self.effective_updates
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
+    defaults = Settings()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    for name, value in asdict(defaults).items():
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, type=type(value), default=value, help=f"default {value}")
+    parser.add_argument(
+        "--side",
+        choices=("both", "looprl", "trl"),
+        default="both",
+        help="both (default): run each side in a child process and compare; looprl/trl: "
+        "run that side in this process and write --result-json (what the children do)",
+    )
+    parser.add_argument("--result-json", type=Path, help="where a single side writes its result")
+    args = parser.parse_args(argv)
+    settings = Settings(**{k: getattr(args, k) for k in asdict(defaults)})
+    check_settings(settings, parser)
+    if args.side != "both" and args.result_json is None:
+        parser.error("--side looprl/trl needs --result-json")
+    return settings, args
+
+
+def check_settings(s: Settings, parser: argparse.ArgumentParser) -> None:
+    """Reject settings for which the two sides could not do the same work."""
+    if s.group < 2:
+        parser.error("--group must be >= 2 (TRL needs two completions per prompt)")
+    if min(s.tasks, s.updates, s.steps, s.max_new_tokens) < 1 or s.warmup < 0:
+        parser.error("--tasks, --updates, --steps and --max-new-tokens must be >= 1")
+    if s.tasks % s.effective_updates:
+        parser.error(
+            f"--tasks {s.tasks} must be a multiple of the updates ({s.effective_updates}): "
+            "looprl splits whole task groups, TRL needs equal minibatches"
+        )
+
+
+def settings_argv(s: Settings) -> list[str]:
+    """The flags that rebuild `s` in a child process."""
+    out: list[str] = []
+    for name, value in asdict(s).items():
+        out += [
+            "--" + name.replace("_", "-"),
+            repr(value) if isinstance(value, float) else str(value),
+        ]
+    return out
+
+
+def step_seed(s: Settings, step: int) -> int:
+    """The task (and sampling) seed `looprl.train.run_training` uses at `step` (from 1)."""
+    return s.seed * 1_000_003 + step
+
+
+# ============================================================================ looprl side
+
+
+def looprl_config(s: Settings) -> Any:
+    """The run config: the shared settings, plus a 1-episode eval and no periodic
+    checkpoints or TensorBoard (none of which is inside `perf/step_s` anyway), and every
+    episode's transcript kept so the parent can check which tasks each step used."""
+    from looprl.config import config_from_dict
+
+    return config_from_dict({
+        "model": {
+            "name": s.model, "dtype": "float32", "device": "cpu", "gradient_checkpointing": False,
+            "lora": {"enabled": True, "rank": s.lora_rank, "alpha": float(s.lora_alpha),
+                     "dropout": float(s.lora_dropout), "target_modules": "all-linear"},
+        },
+        "env": {"name": ENV_NAME, "args": dict(ENV_ARGS)},
+        "rollout": {
+            "tasks_per_step": s.tasks, "group_size": s.group, "max_new_tokens": s.max_new_tokens,
+            "temperature": float(s.temperature), "top_p": float(s.top_p), "top_k": 0,
+            "batch_size": s.completions,
+        },
+        "algo": {
+            "name": "gspo", "eps_low": s.eps_low, "eps_high": s.eps_high,
+            "num_minibatches": s.updates, "kl_coef": 0.0, "dynamic_sampling": False,
+            "scale_advantages": True,
+        },
+        "train": {
+            "steps": s.rounds, "lr": s.lr, "lr_schedule": "constant", "warmup_steps": 0,
+            "weight_decay": 0.0, "max_grad_norm": 1.0, "checkpoint_every": 0,
+        },
+        "eval": {"tasks": 1, "samples_per_task": 1},
+        "logging": {"tensorboard": False, "sample_every": 1, "samples_per_log": s.completions},
+        "seed": s.seed,
+    })  # fmt: skip
+
+
+def run_looprl(s: Settings) -> dict[str, Any]:
+    """`run_training` into a temp folder; per-step numbers from its metrics and samples."""
+    from looprl.train import run_training
+
+    with tempfile.TemporaryDirectory(prefix="looprl-bench-") as tmp:
+        run = Path(tmp) / "run"
+        run_training(looprl_config(s), run, force=True)
+        metrics = read_jsonl(run / "metrics.jsonl")
+        samples = read_jsonl(run / "samples" / "train.jsonl")
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for record in samples:
+        by_step.setdefault(int(record["step"]), []).append(record)
+    steps = []
+    for m in metrics:
+        episodes = by_step.get(int(m["step"]), [])
+        tokens = sum(e["response_len"] for e in episodes)
+        rollout_s = tokens / m["perf/rollout_tokens_per_s"] if tokens else float("nan")
+        steps.append({
+            "step_s": m["perf/step_s"],
+            "rollout_s": rollout_s,
+            "reward_mean": m["rollout/rewards_mean"],
+            "completion_tokens": m["response_len"],
+            "zero_std_groups": m["train/zero_std_groups"],
+            "tasks": ordered_unique(e["task_id"] for e in episodes),
+        })  # fmt: skip
+    return {"steps": steps, "updates": s.effective_updates}
+
+
+# ============================================================================ TRL side
+
+
+def task_prompts(s: Settings, renderer: Any) -> list[dict[str, Any]]:
+    """One dataset row per task per RL step, in looprl's order: the prompt text looprl
+    renders, its ids, and the task itself (for the reward function)."""
+    from looprl.envs import make_env
+
+    probe = make_env(ENV_NAME, ENV_ARGS)
+    rows = []
+    for step in range(1, s.rounds + 1):
+        for task in probe.tasks("train", n=s.tasks, seed=step_seed(s, step)):
+            obs = make_env(ENV_NAME, ENV_ARGS).reset(task)
+            rows.append({
+                "prompt": renderer.render_text(obs.messages, obs.tools),
+                "prompt_ids": renderer.prompt_ids(obs.messages, obs.tools),
+                "task_id": task.id,
+                "task_data": json.dumps(task.data),
+                "task_seed": task.seed,
+            })  # fmt: skip
+    return rows
+
+
+class RewardLog:
+    """The TRL reward function: scores like looprl's rollout, and records per round the
+    tasks, rewards, completion lengths and its own time."""
+
+    __name__ = "looprl_env_reward"  # TRL names reward functions by __name__
+
+    def __init__(self, renderer: Any, group: int) -> None:
+        self.renderer = renderer
+        self.group = group
+        self.rounds: list[dict[str, Any]] = []
+
+    def __call__(
+        self,
+        prompts: list[str],
+        completions: list[str],
+        completion_ids: list[list[int]],
+        task_id: list[str],
+        task_data: list[str],
+        task_seed: list[int],
+        **_: Any,
+    ) -> list[float]:
+        start = time.perf_counter()
+        rewards = [
+            self.score(ids, tid, data, seed)
+            for ids, tid, data, seed in zip(completion_ids, task_id, task_data, task_seed)
+        ]
+        self.rounds.append({
+            "tasks": ordered_unique(task_id),
+            "reward_mean": statistics.fmean(rewards),
+            "completion_tokens": statistics.fmean(len(ids) for ids in completion_ids),
+            "zero_std_groups": self.zero_std_groups(rewards),
+            "reward_s": time.perf_counter() - start,
+        })  # fmt: skip
+        return rewards
+
+    def zero_std_groups(self, rewards: list[float]) -> int:
+        """Groups whose rewards are all equal (advantage 0 for every completion). TRL's
+        sampler repeats each prompt `group` times in a row, so groups are consecutive."""
+        groups = [rewards[i : i + self.group] for i in range(0, len(rewards), self.group)]
+        return sum(len(set(g)) == 1 for g in groups)
+
+    def score(self, ids: list[int], task_id: str, data: str, seed: int) -> float:
+        """What `looprl.rollout._advance` does with a completion, for a one-turn env."""
+        from looprl.envs import make_env
+        from looprl.types import Task
+
+        env = make_env(ENV_NAME, ENV_ARGS)
+        obs = env.reset(Task(id=task_id, data=json.loads(data), seed=seed))
+        message = self.renderer.assistant_message(
+            self.renderer.decode(ids),
+            obs.tools,
+            require_call=bool(obs.tools) and obs.tool_choice != "none",
+        )
+        return float(env.step(message).reward)
+
+
+def round_timer(updates: int) -> Any:
+    """A TrainerCallback timing each generation round: `updates` optimizer steps."""
+    from transformers import TrainerCallback
+
+    class RoundTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.begin = 0.0
+            self.rounds: list[float] = []
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step % updates == 0:  # the first optimizer step of a round
+                self.begin = time.perf_counter()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step % updates == 0:  # global_step already counts this one
+                self.rounds.append(time.perf_counter() - self.begin)
+
+    return RoundTimer()
+
+
+def timed_trainer_class() -> type:
+    """GRPOTrainer whose `_generate` (tokenize, generate, decode) is timed: the rollout
+    share of a round. Nothing else changes."""
+    from trl import GRPOTrainer
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        generate_s: list[float]
+
+        def _generate(self, prompts: list) -> Any:
+            start = time.perf_counter()
+            try:
+                return super()._generate(prompts)
+            finally:
+                self.generate_s.append(time.perf_counter() - start)
+
+    return TimedGRPOTrainer
+
+
+def trl_config(s: Settings, output_dir: str) -> Any:
+    """GRPOConfig for GSPO with the shared settings (mapping in the module docstring)."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=output_dir, use_cpu=True, bf16=False, fp16=False, use_vllm=False,
+        seed=s.seed, data_seed=s.seed, shuffle_dataset=False,
+        learning_rate=s.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        optim="adamw_torch", max_grad_norm=1.0,
+        per_device_train_batch_size=s.minibatch, gradient_accumulation_steps=1,
+        steps_per_generation=s.effective_updates, num_iterations=1,
+        max_steps=s.rounds * s.effective_updates,
+        num_generations=s.group, max_completion_length=s.max_new_tokens,
+        temperature=s.temperature, top_p=s.top_p, top_k=0,
+        beta=0.0, epsilon=s.eps_low, epsilon_high=s.eps_high,
+        importance_sampling_level="sequence", loss_type="grpo", scale_rewards="group",
+        mask_truncated_completions=False, gradient_checkpointing=False, disable_dropout=True,
+        logging_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True,
+        dataloader_pin_memory=False, remove_unused_columns=False,
+    )  # fmt: skip
+
+
+def run_trl(s: Settings) -> dict[str, Any]:
+    """GRPOTrainer.train() for `rounds` generation rounds, timed per round."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    from looprl.chat import ChatRenderer
+    from looprl.models import load_causal_lm, load_tokenizer
+
+    tokenizer = load_tokenizer(s.model)
+    model = load_causal_lm(s.model, torch.float32)
+    renderer = ChatRenderer(tokenizer, model_name=s.model)
+    rows = task_prompts(s, renderer)
+    dataset = Dataset.from_list([{k: v for k, v in r.items() if k != "prompt_ids"} for r in rows])
+    reward = RewardLog(renderer, s.group)
+    timer = round_timer(s.effective_updates)
+    lora = LoraConfig(
+        r=s.lora_rank, lora_alpha=s.lora_alpha, lora_dropout=s.lora_dropout,
+        target_modules="all-linear", task_type="CAUSAL_LM",
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="trl-bench-") as tmp:
+        trainer = timed_trainer_class()(
+            model=model, reward_funcs=[reward], args=trl_config(s, tmp), train_dataset=dataset,
+            processing_class=tokenizer, peft_config=lora, callbacks=[timer],
+        )  # fmt: skip
+        trainer.generate_s = []
+        checks = trl_checks(trainer, rows, renderer)
+        trainer.train()
+    steps = [
+        {
+            "step_s": seconds,
+            "rollout_s": generate + scored["reward_s"],
+            "reward_mean": scored["reward_mean"],
+            "completion_tokens": scored["completion_tokens"],
+            "zero_std_groups": scored["zero_std_groups"],
+            "tasks": scored["tasks"],
+        }
+        for seconds, generate, scored in zip(timer.rounds, trainer.generate_s, reward.rounds)
+    ]
+    return {"steps": steps, "updates": s.effective_updates, "checks": checks}
+
+
+def trl_checks(trainer: Any, rows: list[dict[str, Any]], renderer: Any) -> dict[str, Any]:
+    """TRL's own prompt tokenization vs looprl's ids, and its stop tokens vs looprl's."""
+    texts = [r["prompt"] for r in rows]
+    trl_ids = [list(map(int, ids)) for ids in trainer._tokenize_prompts(texts)[0]]
+    same = sum(a == r["prompt_ids"] for a, r in zip(trl_ids, rows))
+    return {
+        "prompt_ids_match": same == len(rows),
+        "prompts_checked": len(rows),
+        "prompts_matching": same,
+        "prompt_tokens_mean": statistics.fmean(len(r["prompt_ids"]) for r in rows),
+        "trl_eos_ids": list(trainer.eos_token_ids),
+        "looprl_eos_ids": list(renderer.eos_ids),
+    }
+
+
+# ============================================================================ driver
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def ordered_unique(items: Any) -> list[str]:
+    return list(dict.fromkeys(items))
+
+
+def run_child(side: str, s: Settings, workdir: Path) -> dict[str, Any]:
+    """Run one side in a fresh interpreter and read back its result."""
+    out = workdir / f"{side}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--result-json", str(out)]
+    print(f"\n=== {side}: {s.rounds} RL steps ({s.warmup} warm-up) ===", flush=True)
+    subprocess.run(cmd + settings_argv(s), check=True)
+    return json.loads(out.read_text())
+
+
+def side_summary(result: dict[str, Any], warmup: int) -> dict[str, float]:
+    """Medians over the measured steps (the warm-up steps dropped)."""
+    measured = result["steps"][warmup:]
+    if not measured:
+        raise SystemExit("no measured steps came back")
+
+    def med(key: str) -> float:
+        return statistics.median(step[key] for step in measured)
+
+    return {
+        "n": len(measured),
+        "step_s": med("step_s"),
+        "min_s": min(step["step_s"] for step in measured),
+        "max_s": max(step["step_s"] for step in measured),
+        "rollout_s": med("rollout_s"),
+        "update_s": statistics.median(x["step_s"] - x["rollout_s"] for x in measured),
+        "completion_tokens": statistics.fmean(x["completion_tokens"] for x in measured),
+        "reward_mean": statistics.fmean(x["reward_mean"] for x in measured),
+        "zero_std_groups": statistics.fmean(x["zero_std_groups"] for x in measured),
+        "warmup_s": result["steps"][0]["step_s"] if warmup else float("nan"),
+    }
+
+
+def print_report(s: Settings, ours: dict[str, Any], trl: dict[str, Any]) -> None:
+    import torch
+    import trl as trl_pkg
+
+    a, b = side_summary(ours, s.warmup), side_summary(trl, s.warmup)
+    checks = trl["checks"]
+    same_tasks = [x["tasks"] for x in ours["steps"]] == [x["tasks"] for x in trl["steps"]]
+    print(
+        f"\nGSPO step, {s.model} fp32 LoRA r={s.lora_rank} on CPU ({torch.get_num_threads()} "
+        f"threads), torch {torch.__version__}, trl {trl_pkg.__version__}\n"
+        f"{s.tasks} tasks x {s.group} = {s.completions} completions/step, <= {s.max_new_tokens} "
+        f"new tokens, {s.effective_updates} updates of {s.minibatch}, {ENV_NAME} "
+        f"tool_choice=auto; medians of {a['n']} steps after {s.warmup} warm-up"
+    )
+    print(
+        f"checks: prompt ids identical {checks['prompts_matching']}/{checks['prompts_checked']} "
+        f"(mean {checks['prompt_tokens_mean']:.0f} tokens); same tasks every step: {same_tasks}; "
+        f"eos ids looprl {checks['looprl_eos_ids']} trl {checks['trl_eos_ids']}"
+    )
+    rows = [
+        ("step s (median)", "step_s", "{:.2f}"),
+        ("  min / max", None, ""),
+        ("  rollout s", "rollout_s", "{:.2f}"),
+        ("  update s", "update_s", "{:.2f}"),
+        ("warm-up step s", "warmup_s", "{:.2f}"),
+        ("completion tokens", "completion_tokens", "{:.1f}"),
+        ("reward mean", "reward_mean", "{:+.3f}"),
+        ("all-equal groups", "zero_std_groups", "{:.1f}"),
+    ]
+    print(f"\n{'':<20} {'looprl':>12} {'TRL':>12} {'ratio':>7}")
+    for label, key, fmt in rows:
+        if key is None:
+            left, right = f"{a['min_s']:.2f}/{a['max_s']:.2f}", f"{b['min_s']:.2f}/{b['max_s']:.2f}"
+            print(f"{label:<20} {left:>12} {right:>12}")
+            continue
+        ratio = a[key] / b[key] if b[key] else float("nan")
+        ratio_text = f"{ratio:.2f}" if key.endswith("_s") else ""
+        print(f"{label:<20} {fmt.format(a[key]):>12} {fmt.format(b[key]):>12} {ratio_text:>7}")
+    if not (checks["prompt_ids_match"] and same_tasks):
+        print("WARNING: the two sides did not see the same prompts; the ratio is not comparable")
+    ratio = a["step_s"] / b["step_s"]
+    print(
+        f"RESULT step_time_ratio_vs_trl={ratio:.3f} looprl_step_s={a['step_s']:.2f} "
+        f"trl_step_s={b['step_s']:.2f}"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    s, args = parse_args(argv)
+    if args.side != "both":
+        result = run_looprl(s) if args.side == "looprl" else run_trl(s)
+        args.result_json.write_text(json.dumps(result))
+        return
+    with tempfile.TemporaryDirectory(prefix="bench-step-") as tmp:
+        ours = run_child("looprl", s, Path(tmp))
+        theirs = run_child("trl", s, Path(tmp))
+    print_report(s, ours, theirs)
+
+
+if __name__ == "__main__":
+    main()
