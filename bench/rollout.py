@@ -2,10 +2,15 @@
 
     .venv/bin/python bench/rollout.py [--model smollm2-135m] [--batches 8,32,64] [--repeats 3]
 
-Same model, same tic-tac-toe prompts (distinct boards, so prefix sharing does not apply),
-64 new tokens, temperature 1, no grammar (so jump-forward does not apply either): this
-measures the plain decoding loop. Prints a table of generated tokens/s (median of the
-repeats) and ends with `RESULT rollout_speedup_bN=...` lines' worth of fields.
+Same model (float32), same tic-tac-toe prompts (distinct boards: no two requests share
+a whole prompt, but all share the system prompt and tool schema), 64 new tokens,
+temperature 1, no grammar (so jump-forward does not apply): this measures prefill and
+the decoding loop. Columns: looprl's exact float32 engine; looprl sampling from a
+bfloat16 copy (`rollout.sampler_dtype=bfloat16`, not exact: its mean |logprob gap| to
+the float32 policy is printed); `generate`. Tokens counted up to and including EOS.
+Prints generated tokens/s (median of the repeats, the three engines interleaved in each
+repeat) and ends with a `RESULT` line: `rollout_speedup_bN` (float32 engine / generate)
+and `rollout_speedup_bf16_bN` (bf16 sampler / generate).
 """
 
 from __future__ import annotations
@@ -35,10 +40,25 @@ def prompts(renderer: ChatRenderer, n: int) -> list[list[int]]:
 
 
 def run_looprl(engine: HFEngine, batch: list[list[int]], seed: int) -> tuple[int, float]:
+    return run_looprl_outputs(engine, batch, seed)[:2]
+
+
+def run_looprl_outputs(engine: HFEngine, batch: list[list[int]], seed: int) -> tuple:
     params = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, seed=seed)
     start = time.perf_counter()
     outs = engine.generate([GenerationRequest(p) for p in batch], params)
-    return sum(len(o.ids) for o in outs), time.perf_counter() - start
+    return sum(len(o.ids) for o in outs), time.perf_counter() - start, outs
+
+
+@torch.inference_mode()
+def logprob_gap(model, batch: list[list[int]], outs) -> float:
+    """Mean |sampler logprob - float32 policy logprob| over the generated tokens."""
+    gaps = []
+    for prompt, out in zip(batch[:8], outs[:8]):
+        logits = model(torch.tensor([prompt + out.ids])).logits[0, len(prompt) - 1 : -1]
+        ref = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(out.ids)[:, None])
+        gaps.append((ref.squeeze(-1) - torch.tensor(out.logprobs)).abs().mean().item())
+    return statistics.mean(gaps)
 
 
 @torch.inference_mode()
@@ -73,25 +93,37 @@ def main() -> None:
     tokenizer = load_tokenizer(args.model)
     model = load_causal_lm(args.model, torch.float32).eval()
     renderer = ChatRenderer(tokenizer, model_name=args.model)
-    engine = HFEngine(model, tokenizer, renderer.eos_ids, batch_size=256)
+    exact = HFEngine(model, tokenizer, renderer.eos_ids, batch_size=256)
+    bf16 = HFEngine(model, tokenizer, renderer.eos_ids, batch_size=256, sampler_dtype="bfloat16")
     sizes = [int(b) for b in args.batches.split(",")]
     pool = prompts(renderer, max(sizes))
-    run_looprl(engine, pool[:2], 0)  # warm-up
+    for engine in (exact, bf16):  # warm-up
+        run_looprl(engine, pool[:2], 0)
     run_generate(model, tokenizer, pool[:2], 0)
-    print(f"{'batch':>5} {'looprl tok/s':>13} {'generate tok/s':>15} {'ratio':>6}")
+    print(f"{torch.get_num_threads()} threads; tokens/s, median of {args.repeats}")
+    header = f"{'batch':>5} {'looprl':>8} {'bf16 sampler':>13} {'generate':>9}"
+    print(header + f" {'ratio':>6} {'ratio bf16':>11} {'bf16 |gap|':>11}")
     result = {}
     for size in sizes:
         batch = pool[:size]
-        ours, theirs = [], []
+        ours, fast, theirs, gaps = [], [], [], []
         for r in range(args.repeats):
-            n, s = run_looprl(engine, batch, r)
+            n, s = run_looprl(exact, batch, r)
             ours.append(n / s)
+            n, s, outs = run_looprl_outputs(bf16, batch, r)
+            fast.append(n / s)
+            gaps.append(logprob_gap(model, batch, outs))
             n, s = run_generate(model, tokenizer, batch, r)
             theirs.append(n / s)
-        a, b = statistics.median(ours), statistics.median(theirs)
-        print(f"{size:>5} {a:>13.1f} {b:>15.1f} {a / b:>6.2f}")
+        a, f, b = statistics.median(ours), statistics.median(fast), statistics.median(theirs)
+        print(
+            f"{size:>5} {a:>8.1f} {f:>13.1f} {b:>9.1f} {a / b:>6.2f} {f / b:>11.2f}"
+            f" {statistics.mean(gaps):>11.4f}"
+        )
         result[f"rollout_speedup_b{size}"] = f"{a / b:.2f}"
+        result[f"rollout_speedup_bf16_b{size}"] = f"{f / b:.2f}"
         result[f"looprl_tok_s_b{size}"] = f"{a:.1f}"
+        result[f"looprl_bf16_tok_s_b{size}"] = f"{f:.1f}"
         result[f"generate_tok_s_b{size}"] = f"{b:.1f}"
     print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()))
 

@@ -68,7 +68,13 @@ Settings, and how each maps onto both sides (all are flags; defaults shown)
   (`bf16=False`), no vLLM, `use_cpu=True`, dropout disabled, no logging/saving.
 - Task: `tictactoe-move` with `tool_choice="auto"` on both sides. With the env default
   "required", looprl would force the tool call with a grammar (and jump-forward decoding)
-  that TRL has no counterpart for; "auto" makes both sides sample freely.
+  that TRL has no counterpart for; "auto" makes both sides sample freely. Caveat: the
+  untrained model then rarely writes a valid call, every group's rewards are equal, and
+  looprl skips the update of A = 0 groups (TRL computes them anyway). So
+  `--looprl-tool-choice required` times looprl as its default config runs, with real
+  updates, against the same TRL run (`--reuse-trl runs/bench-step/trl.json`, saved by
+  `--save runs/bench-step` on the first run): TRL's work per step does not depend on
+  the rewards.
 
 Same prompts, same scoring
 --------------------------
@@ -141,6 +147,7 @@ class Settings:
     steps: int = 3
     warmup: int = 1
     seed: int = 0
+    looprl_tool_choice: str = "auto"  # "required": looprl's default (grammar); TRL unchanged
 
     @property
     def rounds(self) -> int:
@@ -176,6 +183,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
         "run that side in this process and write --result-json (what the children do)",
     )
     parser.add_argument("--result-json", type=Path, help="where a single side writes its result")
+    parser.add_argument("--save", type=Path, help="also keep both sides' results in this folder")
+    parser.add_argument(
+        "--reuse-trl",
+        type=Path,
+        help="compare against a TRL result saved by --save (same settings) instead of rerunning",
+    )
     args = parser.parse_args(argv)
     settings = Settings(**{k: getattr(args, k) for k in asdict(defaults)})
     check_settings(settings, parser)
@@ -228,7 +241,7 @@ def looprl_config(s: Settings) -> Any:
             "lora": {"enabled": True, "rank": s.lora_rank, "alpha": float(s.lora_alpha),
                      "dropout": float(s.lora_dropout), "target_modules": "all-linear"},
         },
-        "env": {"name": ENV_NAME, "args": dict(ENV_ARGS)},
+        "env": {"name": ENV_NAME, "args": {**ENV_ARGS, "tool_choice": s.looprl_tool_choice}},
         "rollout": {
             "tasks_per_step": s.tasks, "group_size": s.group, "max_new_tokens": s.max_new_tokens,
             "temperature": float(s.temperature), "top_p": float(s.top_p), "top_k": 0,
@@ -530,7 +543,8 @@ def print_report(s: Settings, ours: dict[str, Any], trl: dict[str, Any]) -> None
         f"threads), torch {torch.__version__}, trl {trl_pkg.__version__}\n"
         f"{s.tasks} tasks x {s.group} = {s.completions} completions/step, <= {s.max_new_tokens} "
         f"new tokens, {s.effective_updates} updates of {s.minibatch}, {ENV_NAME} "
-        f"tool_choice=auto; medians of {a['n']} steps after {s.warmup} warm-up"
+        f"tool_choice={s.looprl_tool_choice} (looprl), auto (TRL); medians of {a['n']} steps "
+        f"after {s.warmup} warm-up"
     )
     print(
         f"checks: prompt ids identical {checks['prompts_matching']}/{checks['prompts_checked']} "
@@ -573,7 +587,16 @@ def main(argv: list[str] | None = None) -> None:
         return
     with tempfile.TemporaryDirectory(prefix="bench-step-") as tmp:
         ours = run_child("looprl", s, Path(tmp))
-        theirs = run_child("trl", s, Path(tmp))
+        if args.reuse_trl:
+            print(f"\n=== trl: reusing {args.reuse_trl} ===")
+            theirs = json.loads(args.reuse_trl.read_text())
+        else:
+            theirs = run_child("trl", s, Path(tmp))
+    if args.save:
+        args.save.mkdir(parents=True, exist_ok=True)
+        (args.save / f"looprl-{s.looprl_tool_choice}.json").write_text(json.dumps(ours))
+        if not args.reuse_trl:
+            (args.save / "trl.json").write_text(json.dumps(theirs))
     print_report(s, ours, theirs)
 
 

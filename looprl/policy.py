@@ -77,6 +77,7 @@ def load_policy(cfg: Config) -> Policy:
         renderer.eos_ids,
         batch_size=cfg.rollout.batch_size,
         jump_forward=cfg.rollout.jump_forward,
+        sampler_dtype=None if cfg.rollout.sampler_dtype == "model" else cfg.rollout.sampler_dtype,
     )
     return Policy(model, tokenizer, renderer, engine, device)
 
@@ -189,7 +190,10 @@ def _right_padded(
 def _cache_dropped(model: Any) -> bool:
     """transformers drops the KV cache of a model training under gradient checkpointing."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    checkpointing = getattr(base, "is_gradient_checkpointing", False)
+    name = "is_activation_checkpointing"  # newer transformers; the older name warns there
+    if not hasattr(type(base), name):
+        name = "is_gradient_checkpointing"
+    checkpointing = getattr(base, name, False)
     return bool(checkpointing) and model.training and torch.is_grad_enabled()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -82,27 +83,30 @@ def run_episodes(
     lives = [_start(task, make_env, renderer) for task in tasks]
     active = [lv for lv in lives if lv.episode.outcome != ENV_ERROR]
     turn = 0
-    while active:
-        for lv in active:
-            if len(lv.episode.token_ids) >= max_episode_tokens:
-                lv.episode.outcome = TRUNCATED
-        active = [lv for lv in active if lv.episode.outcome != TRUNCATED]
-        room = [max_episode_tokens - len(lv.episode.token_ids) for lv in active]
-        if not active:
-            break
-        turn_params = replace(
-            params, seed=None if params.seed is None else params.seed + 7919 * turn
-        )
-        requests = [_request(lv, renderer) for lv in active]
-        for request, left in zip(requests, room):
-            request.max_new_tokens = min(params.max_new_tokens, left)
-        completions = engine.generate(requests, turn_params)
-        still: list[_Live] = []
-        for lv, completion in zip(active, completions):
-            if _advance(lv, completion, renderer, last_turn=turn + 1 >= max_turns):
-                still.append(lv)
-        active = still
-        turn += 1
+    # an episode's next turn extends its last one: the engine keeps that KV meanwhile
+    session = getattr(engine, "session", None)
+    with session() if session is not None else nullcontext():
+        while active:
+            for lv in active:
+                if len(lv.episode.token_ids) >= max_episode_tokens:
+                    lv.episode.outcome = TRUNCATED
+            active = [lv for lv in active if lv.episode.outcome != TRUNCATED]
+            room = [max_episode_tokens - len(lv.episode.token_ids) for lv in active]
+            if not active:
+                break
+            turn_params = replace(
+                params, seed=None if params.seed is None else params.seed + 7919 * turn
+            )
+            requests = [_request(lv, renderer) for lv in active]
+            for request, left in zip(requests, room):
+                request.max_new_tokens = min(params.max_new_tokens, left)
+            completions = engine.generate(requests, turn_params)
+            still: list[_Live] = []
+            for lv, completion in zip(active, completions):
+                if _advance(lv, completion, renderer, last_turn=turn + 1 >= max_turns):
+                    still.append(lv)
+            active = still
+            turn += 1
     for lv in lives:
         lv.episode.messages = lv.history
     return [lv.episode for lv in lives]

@@ -25,6 +25,7 @@ from looprl.types import Episode
 log = logging.getLogger("looprl")
 T = TypeVar("T")
 MIN_MICRO_BATCH_TOKENS = 64
+NO_GRAD_BUDGET_FACTOR = 4  # scoring without grad keeps no activations: 4x the tokens fit
 
 
 @dataclass
@@ -92,16 +93,21 @@ def update_policy(
     def masked_values(episodes: list[Episode], budget: int) -> dict[int, torch.Tensor]:
         """Each episode's logprobs at its generated tokens, in order (no grad)."""
         values: dict[int, torch.Tensor] = {}
+        # no activations kept: larger micro-batches fit (until memory has run out once)
+        factor = NO_GRAD_BUDGET_FACTOR if state.oom_retries == 0 else 1
         with torch.no_grad():
-            for chunk in micro_batches(episodes, budget):
+            for chunk in micro_batches(episodes, factor * budget):
                 logp_BK, mask_BK = logprobs(chunk)
                 for row, episode in enumerate(chunk):
                     values[id(episode)] = logp_BK[row][mask_BK[row]].float().cpu()
         return values
 
     # old logprobs from the trainer's own forward pass, before any update; the gap to
-    # the engine's sampling logprobs is the token-parity check
-    episodes = [e for e, _ in batch]
+    # the engine's sampling logprobs is the token-parity check. Only the episodes that
+    # can move the loss need them: A = 0 episodes are skipped below (unless the KL term
+    # needs them); with none left, one group still measures the gap.
+    learning = [e for e, a in batch if a != 0.0 or cfg.algo.kl_coef > 0]
+    episodes = learning or [e for e, _ in batch][: cfg.rollout.group_size]
     model.eval()
     old = retry_on_oom(lambda budget: masked_values(episodes, budget), state, optimizer)
     ref: dict[int, torch.Tensor] = {}

@@ -3,6 +3,7 @@ record the policy's own logprobs, and forced calls are always valid."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -299,3 +300,66 @@ def test_trainer_logprobs_under_gradient_checkpointing(tokenizer, renderer, free
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_low_precision_sampler_follows_the_policy(tokenizer, renderer, free_requests):
+    """sampler_dtype=bfloat16 samples from a bf16 copy that picks up every weight update,
+    and its logprobs stay close to the float32 policy's."""
+    model = load_causal_lm_fresh()
+    engine = HFEngine(model, tokenizer, renderer.eos_ids, sampler_dtype="bfloat16")
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=3)
+    requests = free_requests[:4]
+
+    def gap(outs) -> float:
+        return max(
+            abs(a - b)
+            for r, o in zip(requests, outs)
+            for a, b in zip(full_forward_logprobs(model, r.prompt_ids, o.ids), o.logprobs)
+        )
+
+    first = engine.generate(requests, params)
+    assert next(engine.model.parameters()).dtype == torch.bfloat16
+    assert next(model.parameters()).dtype == torch.float32
+    assert 0 < gap(first) < 0.1
+    with torch.no_grad():  # an optimizer step, in place
+        model.get_output_embeddings().weight.mul_(3.0)
+    after = engine.generate(requests, params)
+    assert gap(after) < 0.1  # would be large had the copy kept the old weights
+    assert [o.ids for o in after] != [o.ids for o in first]
+
+
+def test_session_reuses_each_episodes_kv_across_turns(
+    tiny_model, tokenizer, renderer, free_requests
+):
+    """Inside `engine.session()`, a turn-2 request that extends a turn-1 row prefills only
+    its new tokens; tokens and logprobs are those of the plain path."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, seed=6)
+    requests = [GenerationRequest(r.prompt_ids) for r in free_requests[:6]]
+
+    def two_turns(session: bool) -> tuple[list, int]:
+        engine = HFEngine(tiny_model, tokenizer, renderer.eos_ids, batch_size=4)
+        fed: list[int] = []
+        hook = tiny_model.register_forward_hook(
+            lambda m, a, kw, out: fed.append(kw["input_ids"].numel()), with_kwargs=True
+        )
+        try:
+            with engine.session() if session else contextlib.nullcontext():
+                first = engine.generate(requests, params)
+                before = sum(fed)
+                second = [
+                    GenerationRequest(r.prompt_ids + o.ids + [198, 2683, 359])  # a tool result
+                    for r, o in zip(requests, first)
+                ]
+                again = engine.generate(second, params)
+        finally:
+            hook.remove()
+        for request, out in zip(second, again):
+            ref = full_forward_logprobs(tiny_model, request.prompt_ids, out.ids)
+            assert max(abs(a - b) for a, b in zip(ref, out.logprobs)) < 1e-4
+        return [o.ids for o in first + again], sum(fed) - before
+
+    plain_ids, plain_fed = two_turns(session=False)
+    kept_ids, kept_fed = two_turns(session=True)
+    assert kept_ids == plain_ids
+    longest_prompt = max(len(r.prompt_ids) for r in requests)
+    assert kept_fed < plain_fed - longest_prompt, (kept_fed, plain_fed)

@@ -1,7 +1,12 @@
 """The `hf` rollout engine: batched sampling with a KV cache on any transformers model.
 
 It samples from the very module the trainer updates, so step k's rollouts always come
-from the step-k policy (`load_weights` has nothing to copy).
+from the step-k policy (`load_weights` has nothing to copy). Optionally (`sampler_dtype`)
+it samples from a lower-precision copy instead, refreshed whenever the policy's trainable
+weights have changed: faster on CPUs with bf16 units, at the price of sampling from a
+slightly different distribution than the one the trainer scores (the trainer computes
+its own old logprobs, so the importance ratios stay exact; `rollout/logprob_gap` shows
+the mismatch).
 
 Logprobs under a constraint: when a forced tool call masks the vocabulary, tokens are
 *sampled* from the masked distribution, but the logprob we record is the policy's
@@ -14,7 +19,10 @@ probability towards the choices the constraint leaves open (e.g. which square).
 
 from __future__ import annotations
 
+import copy
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +30,7 @@ import torch
 
 from looprl.engine import Completion, GenerationRequest, SamplingParams
 from looprl.engine.grammar import GrammarCache
-from looprl.engine.kv import Part, bufferable, merge, select
+from looprl.engine.kv import Part, Retained, bufferable, from_retained, merge, retain, select
 
 MIN_SHARED_PREFIX = 16  # shorter common prefixes are not worth a pass of their own
 
@@ -53,12 +61,23 @@ def shared_prefill(
         # keep >= 1 own token per prompt: its last logits come from the tail pass
         shared = min(len(_common_prefix(distinct)), min(len(p) for p in distinct) - 1)
         shared = shared if shared >= min_shared else 0
-    cache = None
+    rows = torch.tensor(rows_of, dtype=torch.long, device=device)
+    empty = torch.empty((len(distinct), 0), dtype=torch.long, device=device)
+    start = Part(None, rows, empty, torch.zeros(len(distinct), dtype=torch.long, device=device))
     if shared:
         head = torch.tensor([distinct[0][:shared]], dtype=torch.long, device=device)
         cache = model(input_ids=head, use_cache=True, logits_to_keep=1).cache
         cache.batch_select_indices(torch.zeros(len(distinct), dtype=torch.long, device=device))
-    tails = [p[shared:] for p in distinct]
+        attention = torch.ones((len(distinct), shared), dtype=torch.long, device=device)
+        start = Part(cache, rows, attention, torch.full_like(start.next_pos_C, shared))
+    return extend(model, start, [p[shared:] for p in distinct], pad_id)
+
+
+def extend(model: Any, part: Part, tails: list[list[int]], pad_id: int) -> Part:
+    """Run each cache row's own tail (>= 1 token) on top of its cached columns, left-padded
+    after them (the gap masked); positions continue from each row's next position.
+    Returns the extended part with the logits that predict each row's next token."""
+    device = part.next_pos_C.device
     longest = max(len(t) for t in tails)
     ids_CT = torch.full((len(tails), longest), pad_id, dtype=torch.long)
     attention_CT = torch.zeros((len(tails), longest), dtype=torch.long)
@@ -66,20 +85,19 @@ def shared_prefill(
         ids_CT[row, longest - len(tail) :] = torch.tensor(tail, dtype=torch.long)
         attention_CT[row, longest - len(tail) :] = 1
     ids_CT, attention_CT = ids_CT.to(device), attention_CT.to(device)
-    positions_CT = shared + (attention_CT.cumsum(-1) - 1).clamp(min=0)
-    attention_CL = torch.cat(
-        [torch.ones((len(tails), shared), dtype=torch.long, device=device), attention_CT], 1
-    )
+    positions_CT = part.next_pos_C[:, None] + (attention_CT.cumsum(-1) - 1).clamp(min=0)
+    attention_CL = torch.cat([part.attention_CL[:, : part.width], attention_CT], 1)
     out = model(
         input_ids=ids_CT,
         attention_mask=attention_CL,
         position_ids=positions_CT,
-        cache=cache,
+        cache=part.cache,
         use_cache=True,
         logits_to_keep=1,
     )
-    rows = torch.tensor(rows_of, dtype=torch.long, device=device)
-    return Part(out.cache, rows, attention_CL, positions_CT[:, -1] + 1, out.logits[:, -1, :])
+    return Part(
+        out.cache, part.cache_rows, attention_CL, positions_CT[:, -1] + 1, out.logits[:, -1, :]
+    )
 
 
 def _common_prefix(seqs: list[tuple[int, ...]]) -> tuple[int, ...]:
@@ -98,8 +116,10 @@ class HFEngine:
         stop_token_ids: list[int],
         batch_size: int = 64,
         jump_forward: bool = True,
+        sampler_dtype: str | torch.dtype | None = None,
     ) -> None:
-        self.model = model
+        self.policy_model = model
+        self.model = model  # the module that samples: the policy or its low-precision copy
         self.tokenizer = tokenizer
         self.stop_token_ids = list(stop_token_ids)
         self.batch_size = batch_size
@@ -107,13 +127,53 @@ class HFEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._grammars: GrammarCache | None = None
         self._bitmask_rows: torch.Tensor | None = None
+        self.sampler_dtype = (
+            getattr(torch, sampler_dtype) if isinstance(sampler_dtype, str) else sampler_dtype
+        )
+        self._sampler_versions: list[int] | None = None
+        self._retained: list[Retained] | None = None  # inside `session()`: the last call's rows
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
     def load_weights(self, state_dict: dict[str, Any] | None = None) -> None:
-        """Same module as the trainer's: nothing to copy."""
+        """Same module as the trainer's: nothing to copy (a low-precision sampler copy
+        refreshes itself when the policy's weights change)."""
+
+    @contextmanager
+    def session(self) -> Iterator[None]:
+        """Multi-turn rollouts: within the session, each `generate` keeps the KV of its
+        finished rows, and the next call's requests that extend one of them (the same
+        episode's next turn) prefill only their new tokens. Weights must not change
+        inside a session; the kept KV is freed when it ends."""
+        self._retained = []
+        try:
+            yield
+        finally:
+            self._retained = None
+
+    def _refresh_sampler(self) -> None:
+        """Point `self.model` at the module to sample from. With `sampler_dtype`, that is
+        a copy of the policy in that dtype, whose weights are re-copied when any policy
+        weight has changed since (in-place updates bump a tensor's version counter)."""
+        policy = self.policy_model
+        if self.sampler_dtype is None or next(policy.parameters()).dtype == self.sampler_dtype:
+            self.model = policy
+            return
+        params = list(policy.parameters())
+        versions = [p._version for p in params]
+        if self.model is policy:
+            self.model = copy.deepcopy(policy).to(self.sampler_dtype).eval()
+            self.model.requires_grad_(False)
+        elif versions != self._sampler_versions:
+            with torch.no_grad():
+                for mine, theirs, old, new in zip(
+                    self.model.parameters(), params, self._sampler_versions or [], versions
+                ):
+                    if old != new:
+                        mine.copy_(theirs)
+        self._sampler_versions = versions
 
     def grammars(self) -> GrammarCache:
         if self._grammars is None:
@@ -136,11 +196,15 @@ class HFEngine:
         alongside it."""
         if not requests:
             return []
+        self._refresh_sampler()
         base_seed = params.seed
         if base_seed is None:
             base_seed = torch.Generator().seed()  # fresh entropy, global RNG untouched
         order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
         waiting = deque(order)
+        previous, keep_rows = self._retained or [], self._retained is not None
+        if keep_rows:
+            self._retained = []
         results: list[Completion | None] = [None] * len(requests)
         running: Part | None = None
         rows: list[_Row] = []
@@ -148,7 +212,9 @@ class HFEngine:
         self.model.eval()
         try:
             while True:
-                running, rows = self._schedule(requests, params, base_seed, waiting, running, rows)
+                running, rows = self._schedule(
+                    requests, params, base_seed, waiting, running, rows, previous, keep_rows
+                )
                 if not rows:
                     break
                 for row in self._step(running, rows, params):
@@ -165,6 +231,8 @@ class HFEngine:
         waiting: deque[int],
         running: Part | None,
         rows: list[_Row],
+        previous: list[Retained],
+        keep_rows: bool,
     ) -> tuple[Part | None, list[_Row]]:
         """Drop finished rows and admit waiting requests, when it pays."""
         live = [j for j, row in enumerate(rows) if not row.done]
@@ -176,22 +244,59 @@ class HFEngine:
         finished = len(rows) - len(live)
         if not join and not (finished and (not live or 4 * finished >= len(rows))):
             return running, rows
+        if keep_rows and running is not None and bufferable(running.cache):
+            for j, row in enumerate(rows):
+                if row.done:
+                    tokens = tuple(row.prompt) + tuple(row.ids[: row.fed])
+                    self._retained.append(retain(running, j, tokens))  # type: ignore[union-attr]
         new = [waiting.popleft() for _ in range(min(free, len(waiting)))] if join else []
         parts, keep = [], []
         if live:
             parts.append(running)
             keep.append(torch.tensor(live, dtype=torch.long, device=self.device))
-        if new:
-            prompts = [requests[i].prompt_ids for i in new]
-            parts.append(shared_prefill(self.model, prompts, self.pad_id, self.device))
-            keep.append(torch.arange(len(new), device=self.device))
-        rows = [rows[j] for j in live] + [self._row(i, requests[i], params, base_seed) for i in new]
+        admitted: list[int] = []
+        for indices, part in self._prefill(requests, new, previous):
+            parts.append(part)
+            keep.append(torch.arange(len(indices), device=self.device))
+            admitted += indices
+        if not waiting:
+            previous.clear()  # every request has its prefill: free the kept KV
+        rows = [rows[j] for j in live]
+        rows += [self._row(i, requests[i], params, base_seed) for i in admitted]
         if not rows:
             return None, []
         room = max(row.limit - len(row.ids) for row in rows)
         if all(bufferable(part.cache) for part in parts):
             return merge(parts, keep, room), rows
         return select(parts[0], keep[0]), rows  # only one part: see can_join
+
+    def _prefill(
+        self, requests: list[GenerationRequest], new: list[int], previous: list[Retained]
+    ) -> list[tuple[list[int], Part]]:
+        """Prefill the admitted requests: those that extend a kept row (an episode's
+        next turn) run only their new tokens on top of it, the others share prefixes."""
+        found: dict[int, Retained] = {}
+        for i in new:
+            prompt = requests[i].prompt_ids
+            best = None
+            for entry in previous:
+                n = len(entry.tokens)
+                longer = best is None or n > len(best.tokens)
+                if n < len(prompt) and longer and tuple(prompt[:n]) == entry.tokens:
+                    best = entry
+            if best is not None:
+                found[i] = best
+        out = []
+        fresh = [i for i in new if i not in found]
+        if fresh:
+            prompts = [requests[i].prompt_ids for i in fresh]
+            out.append((fresh, shared_prefill(self.model, prompts, self.pad_id, self.device)))
+        if found:
+            indices = list(found)
+            tails = [requests[i].prompt_ids[len(found[i].tokens) :] for i in indices]
+            start = from_retained([found[i] for i in indices], max(len(t) for t in tails))
+            out.append((indices, extend(self.model, start, tails, self.pad_id)))
+        return out
 
     def _row(
         self, index: int, request: GenerationRequest, params: SamplingParams, base_seed: int
@@ -201,7 +306,7 @@ class HFEngine:
             matcher = self.grammars().matcher(request.constraint)
         limit = min(params.max_new_tokens, request.max_new_tokens or params.max_new_tokens)
         generator = torch.Generator().manual_seed((base_seed * 1_000_003 + index) % 2**63)
-        return _Row(index, limit, matcher, generator)
+        return _Row(index, request.prompt_ids, limit, matcher, generator)
 
     def _step(self, running: Part, rows: list[_Row], params: SamplingParams) -> list[_Row]:
         """Choose the next token(s) of every live row, run them through the model, and
@@ -219,7 +324,7 @@ class HFEngine:
         k = tokens_CK.shape[1]
         finished = self._finished(tokens_CK, rows, params)
         if k > 1 or not all(finished[j] or row.done for j, row in enumerate(rows)):
-            logits_CKV = self._forward(running, tokens_CK)
+            logits_CKV = self._forward(running, tokens_CK, rows)
             if k > 1:  # forced tokens 2..k: their logprobs come from this pass
                 rest_CK = torch.log_softmax(logits_CKV[:, :-1] / temperature, -1)
                 rest_CK = rest_CK.gather(-1, tokens_CK[:, 1:, None]).squeeze(-1)
@@ -242,14 +347,18 @@ class HFEngine:
                 ended.append(row)
         return ended
 
-    def _forward(self, running: Part, tokens_CK: torch.Tensor) -> torch.Tensor:
-        """Append k tokens to every row of the running batch; logits of those k."""
+    def _forward(self, running: Part, tokens_CK: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+        """Append k tokens to every row of the running batch; logits of those k. Rows
+        that had finished get masked columns (their KV stays exactly their own)."""
         k = tokens_CK.shape[1]
         width = running.width
         if running.attention_CL.shape[1] < width + k:  # transformers' growing cache
             grow = width + k - running.attention_CL.shape[1]
             running.attention_CL = torch.nn.functional.pad(running.attention_CL, (0, grow))
-        running.attention_CL[:, width : width + k] = 1
+        live_C = torch.tensor([not row.done for row in rows], dtype=running.attention_CL.dtype)
+        running.attention_CL[:, width : width + k] = live_C.to(running.attention_CL.device)[:, None]
+        for row in rows:
+            row.fed += 0 if row.done else k
         steps = torch.arange(k, device=running.next_pos_C.device)
         out = self.model(
             input_ids=tokens_CK.to(self.device),
@@ -369,6 +478,7 @@ class _Row:
     matcher (forced calls), own random stream, and what it has produced so far."""
 
     index: int
+    prompt: list[int]
     limit: int
     matcher: Any
     generator: torch.Generator
@@ -376,6 +486,7 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     done: bool = False
     finish: str = "length"
+    fed: int = 0  # generated tokens that went through the model (their KV is cached)
 
 
 def _filter_top_k_top_p(logits_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

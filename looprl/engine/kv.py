@@ -15,6 +15,7 @@ of different lengths right-aligns both and masks the gap.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -84,7 +85,7 @@ class Part:
         cache_rows: torch.Tensor,
         attention_CL: torch.Tensor,
         next_pos_C: torch.Tensor,
-        logits_CV: torch.Tensor,
+        logits_CV: torch.Tensor | None = None,
         width: int | None = None,
     ) -> None:
         self.cache = cache
@@ -107,7 +108,7 @@ class Part:
             torch.arange(len(rows), device=rows.device),
             self.attention_CL[rows],
             self.next_pos_C[rows],
-            self.logits_CV[rows],
+            None if self.logits_CV is None else self.logits_CV[rows],
             self.width,
         )
 
@@ -160,3 +161,56 @@ def select(part: Part, rows: torch.Tensor) -> Part:
         part.logits_CV[source],
         part.width,
     )
+
+
+@dataclass
+class Retained:
+    """A finished row's KV, kept for the episode's next turn (same weights): the tokens
+    it covers (prompt + the generated tokens that went through the model), each layer's
+    keys and values at the row's own columns only ([H, n, D]), and its next position."""
+
+    tokens: tuple[int, ...]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    next_pos: int
+
+
+def retain(part: Part, row: int, tokens: tuple[int, ...]) -> Retained:
+    """Copy row `row`'s valid columns out of a running batch (its attention mask marks
+    them: a finished row's later columns are masked)."""
+    cache_row = int(part.cache_rows[row])
+    valid = part.attention_CL[cache_row, : part.width].nonzero().squeeze(-1)
+    if len(valid) != len(tokens):
+        raise RuntimeError(f"row covers {len(valid)} columns but {len(tokens)} tokens")
+    layers = part.cache.layers
+    return Retained(
+        tokens,
+        [layer.keys[cache_row].index_select(1, valid) for layer in layers],
+        [layer.values[cache_row].index_select(1, valid) for layer in layers],
+        len(tokens),  # positions count real tokens: the next one is len(tokens)
+    )
+
+
+def from_retained(entries: list[Retained], room: int) -> Part:
+    """A part whose cache row i holds entries[i] (right-aligned), with `room` free
+    columns for the tails that `extend` runs on top."""
+    width = max(len(e.tokens) for e in entries)
+    device = entries[0].keys[0].device
+    attention = torch.zeros((len(entries), width), dtype=torch.long, device=device)
+    layers = []
+    for index in range(len(entries[0].keys)):
+        heads, _, dim = entries[0].keys[index].shape
+        shape = (len(entries), heads, width + room, dim)
+        keys = torch.zeros(shape, dtype=entries[0].keys[index].dtype, device=device)
+        values = torch.zeros_like(keys)
+        for row, entry in enumerate(entries):
+            n = len(entry.tokens)
+            keys[row, :, width - n : width] = entry.keys[index]
+            values[row, :, width - n : width] = entry.values[index]
+        layers.append(BufferLayer(keys, values, width))
+    for row, entry in enumerate(entries):
+        attention[row, width - len(entry.tokens) :] = 1
+    cache = DynamicCache()
+    cache.layers = layers
+    next_pos = torch.tensor([e.next_pos for e in entries], dtype=torch.long, device=device)
+    return Part(cache, torch.arange(len(entries), device=device), attention, next_pos)
