@@ -100,6 +100,7 @@ def run_episodes(
             requests = [_request(lv, renderer) for lv in active]
             for request, left in zip(requests, room):
                 request.max_new_tokens = min(params.max_new_tokens, left)
+                request.keep_kv = turn + 1 < max_turns
             completions = engine.generate(requests, turn_params)
             still: list[_Live] = []
             for lv, completion in zip(active, completions):

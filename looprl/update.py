@@ -19,13 +19,13 @@ import torch
 from looprl.algo import LOSSES
 from looprl.config import Config
 from looprl.errors import LoopRLError
+from looprl.memory import release_free_memory
 from looprl.policy import Policy, prompt_length, sequence_logprobs
 from looprl.types import Episode
 
 log = logging.getLogger("looprl")
 T = TypeVar("T")
 MIN_MICRO_BATCH_TOKENS = 64
-NO_GRAD_BUDGET_FACTOR = 4  # scoring without grad keeps no activations: 4x the tokens fit
 
 
 @dataclass
@@ -93,10 +93,8 @@ def update_policy(
     def masked_values(episodes: list[Episode], budget: int) -> dict[int, torch.Tensor]:
         """Each episode's logprobs at its generated tokens, in order (no grad)."""
         values: dict[int, torch.Tensor] = {}
-        # no activations kept: larger micro-batches fit (until memory has run out once)
-        factor = NO_GRAD_BUDGET_FACTOR if state.oom_retries == 0 else 1
         with torch.no_grad():
-            for chunk in micro_batches(episodes, factor * budget):
+            for chunk in micro_batches(episodes, budget):
                 logp_BK, mask_BK = logprobs(chunk)
                 for row, episode in enumerate(chunk):
                     values[id(episode)] = logp_BK[row][mask_BK[row]].float().cpu()
@@ -182,6 +180,7 @@ def update_policy(
         clips.append(acc["clipped"] / max(acc["units"], 1))
         norms.append(float(norm))
     optimizer.zero_grad(set_to_none=True)
+    release_free_memory()
     out.update(
         loss=float(np.mean(losses)) if losses else float("nan"),
         clip_frac=float(np.mean(clips)) if clips else 0.0,

@@ -334,7 +334,7 @@ def test_session_reuses_each_episodes_kv_across_turns(
     """Inside `engine.session()`, a turn-2 request that extends a turn-1 row prefills only
     its new tokens; tokens and logprobs are those of the plain path."""
     params = SamplingParams(temperature=1.0, max_new_tokens=10, seed=6)
-    requests = [GenerationRequest(r.prompt_ids) for r in free_requests[:6]]
+    requests = [GenerationRequest(r.prompt_ids, keep_kv=True) for r in free_requests[:6]]
 
     def two_turns(session: bool) -> tuple[list, int]:
         engine = HFEngine(tiny_model, tokenizer, renderer.eos_ids, batch_size=4)
@@ -363,3 +363,15 @@ def test_session_reuses_each_episodes_kv_across_turns(
     assert kept_ids == plain_ids
     longest_prompt = max(len(r.prompt_ids) for r in requests)
     assert kept_fed < plain_fed - longest_prompt, (kept_fed, plain_fed)
+
+
+def test_session_keeps_only_rows_marked_keep_kv(tiny_model, tokenizer, renderer, free_requests):
+    engine = HFEngine(tiny_model, tokenizer, renderer.eos_ids)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=1)
+    with engine.session():
+        engine.generate([GenerationRequest(r.prompt_ids) for r in free_requests[:4]], params)
+        assert engine._retained == []  # single-turn requests: nothing kept
+        marked = [GenerationRequest(r.prompt_ids, keep_kv=True) for r in free_requests[:4]]
+        engine.generate(marked, params)
+        assert len(engine._retained) == 4
+    assert engine._retained is None

@@ -35,6 +35,9 @@ class GenerationRequest:
     prompt_ids: list[int]
     constraint: ToolConstraint | None = None
     max_new_tokens: int | None = None  # a tighter limit for this request than the params'
+    # multi-turn: the caller may send this request's continuation next; inside an engine
+    # session its KV is then kept, so that the next turn prefills only its new tokens
+    keep_kv: bool = False
 
 
 @dataclass

@@ -30,7 +30,17 @@ import torch
 
 from looprl.engine import Completion, GenerationRequest, SamplingParams
 from looprl.engine.grammar import GrammarCache
-from looprl.engine.kv import Part, Retained, bufferable, from_retained, merge, retain, select
+from looprl.engine.kv import (
+    Part,
+    Retained,
+    bufferable,
+    from_retained,
+    merge,
+    release,
+    retain,
+    select,
+)
+from looprl.memory import release_free_memory
 
 MIN_SHARED_PREFIX = 16  # shorter common prefixes are not worth a pass of their own
 
@@ -144,8 +154,9 @@ class HFEngine:
     @contextmanager
     def session(self) -> Iterator[None]:
         """Multi-turn rollouts: within the session, each `generate` keeps the KV of its
-        finished rows, and the next call's requests that extend one of them (the same
-        episode's next turn) prefill only their new tokens. Weights must not change
+        finished rows whose request says `keep_kv`, and the next call's requests that
+        extend one of them (the same episode's next turn) prefill only their new tokens.
+        Kept KV lives until the next call has prefilled its requests. Weights must not change
         inside a session; the kept KV is freed when it ends."""
         self._retained = []
         try:
@@ -221,6 +232,7 @@ class HFEngine:
                     results[row.index] = Completion(row.ids, row.logprobs, row.finish)
         finally:
             self.model.train(was_training)
+            release_free_memory()
         return [r for r in results if r is not None]
 
     def _schedule(
@@ -246,9 +258,11 @@ class HFEngine:
             return running, rows
         if keep_rows and running is not None and bufferable(running.cache):
             for j, row in enumerate(rows):
-                if row.done:
+                if row.done and row.keep_kv:
                     tokens = tuple(row.prompt) + tuple(row.ids[: row.fed])
                     self._retained.append(retain(running, j, tokens))  # type: ignore[union-attr]
+        if running is not None and not live:
+            release(running)  # before the next prefill: never two batch caches at once
         new = [waiting.popleft() for _ in range(min(free, len(waiting)))] if join else []
         parts, keep = [], []
         if live:
@@ -306,13 +320,13 @@ class HFEngine:
             matcher = self.grammars().matcher(request.constraint)
         limit = min(params.max_new_tokens, request.max_new_tokens or params.max_new_tokens)
         generator = torch.Generator().manual_seed((base_seed * 1_000_003 + index) % 2**63)
-        return _Row(index, request.prompt_ids, limit, matcher, generator)
+        return _Row(index, request.prompt_ids, limit, matcher, generator, request.keep_kv)
 
     def _step(self, running: Part, rows: list[_Row], params: SamplingParams) -> list[_Row]:
         """Choose the next token(s) of every live row, run them through the model, and
         return the rows that finished."""
         temperature = params.temperature if params.temperature > 0 else 1.0
-        next_CV = running.logits_CV.float()
+        next_CV = running.logits_CV.float().cpu()  # sampling runs on the CPU generators
         jump = self._jump_forward(rows)
         if jump is not None:
             tokens_CK = torch.tensor(jump, dtype=torch.long)
@@ -482,6 +496,7 @@ class _Row:
     limit: int
     matcher: Any
     generator: torch.Generator
+    keep_kv: bool = False  # inside a session: keep its KV for the next turn
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     done: bool = False

@@ -116,7 +116,9 @@ class Part:
 def merge(parts: list[Part], keep: list[torch.Tensor], room: int) -> Part:
     """A running batch of the rows `keep[j]` of each `parts[j]`, right-aligned in one
     column space with `room` free columns for the tokens still to come. Every part's
-    cache must be `bufferable`. Each row gets its own cache row (copied once here)."""
+    cache must be `bufferable`. Each row gets its own cache row (copied once here).
+    The parts are consumed: each layer's old tensors are released as soon as they are
+    copied, so merging needs one new batch cache plus one layer, not two caches."""
     chosen = [(part, part.cache_rows[rows]) for part, rows in zip(parts, keep) if len(rows)]
     width = max(part.width for part, _ in chosen)
     total = sum(len(source) for _, source in chosen)
@@ -144,9 +146,25 @@ def merge(parts: list[Part], keep: list[torch.Tensor], room: int) -> Part:
                 values[start + n, :, columns] = src.values[row, :, : part.width]
             start += len(source)
         layers.append(BufferLayer(keys, values, width))
+        for part in {id(p): p for p, _ in chosen}.values():
+            _release(part.cache.layers[index])
     cache = DynamicCache()
     cache.layers = layers
     return Part(cache, torch.arange(total, device=device), attention, next_pos, logits, width)
+
+
+def release(part: Part) -> None:
+    """Free a part's cache now (its rows are done and kept elsewhere, if at all)."""
+    if part.cache is not None:
+        for layer in part.cache.layers:
+            _release(layer)
+
+
+def _release(layer: Any) -> None:
+    empty = torch.empty(0)
+    if isinstance(layer, BufferLayer):
+        layer.buffer_keys = layer.buffer_values = empty
+    layer.keys = layer.values = empty
 
 
 def select(part: Part, rows: torch.Tensor) -> Part:
