@@ -126,7 +126,9 @@ def merge(parts: list[Part], keep: list[torch.Tensor], room: int) -> Part:
     device = first.attention_CL.device
     attention = torch.zeros((total, width + room), dtype=first.attention_CL.dtype, device=device)
     next_pos = torch.cat([part.next_pos_C[source] for part, source in chosen])
-    logits = torch.cat([part.logits_CV[source] for part, source in chosen])
+    logits = None  # parts built from kept rows have none: `extend` computes them
+    if all(part.logits_CV is not None for part, _ in chosen):
+        logits = torch.cat([part.logits_CV[source] for part, source in chosen])
     start = 0
     for part, source in chosen:
         end = start + len(source)
@@ -184,13 +186,13 @@ def select(part: Part, rows: torch.Tensor) -> Part:
 @dataclass
 class Retained:
     """A finished row's KV, kept for the episode's next turn (same weights): the tokens
-    it covers (prompt + the generated tokens that went through the model), each layer's
-    keys and values at the row's own columns only ([H, n, D]), and its next position."""
+    it covers (prompt + the generated tokens that went through the model) and each
+    layer's keys and values at the row's own columns only ([H, n, D]). Positions count
+    real tokens, so its next position is len(tokens)."""
 
     tokens: tuple[int, ...]
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
-    next_pos: int
 
 
 def retain(part: Part, row: int, tokens: tuple[int, ...]) -> Retained:
@@ -205,30 +207,19 @@ def retain(part: Part, row: int, tokens: tuple[int, ...]) -> Retained:
         tokens,
         [layer.keys[cache_row].index_select(1, valid) for layer in layers],
         [layer.values[cache_row].index_select(1, valid) for layer in layers],
-        len(tokens),  # positions count real tokens: the next one is len(tokens)
     )
 
 
 def from_retained(entries: list[Retained], room: int) -> Part:
-    """A part whose cache row i holds entries[i] (right-aligned), with `room` free
-    columns for the tails that `extend` runs on top."""
-    width = max(len(e.tokens) for e in entries)
-    device = entries[0].keys[0].device
-    attention = torch.zeros((len(entries), width), dtype=torch.long, device=device)
-    layers = []
-    for index in range(len(entries[0].keys)):
-        heads, _, dim = entries[0].keys[index].shape
-        shape = (len(entries), heads, width + room, dim)
-        keys = torch.zeros(shape, dtype=entries[0].keys[index].dtype, device=device)
-        values = torch.zeros_like(keys)
-        for row, entry in enumerate(entries):
-            n = len(entry.tokens)
-            keys[row, :, width - n : width] = entry.keys[index]
-            values[row, :, width - n : width] = entry.values[index]
-        layers.append(BufferLayer(keys, values, width))
-    for row, entry in enumerate(entries):
-        attention[row, width - len(entry.tokens) :] = 1
-    cache = DynamicCache()
-    cache.layers = layers
-    next_pos = torch.tensor([e.next_pos for e in entries], dtype=torch.long, device=device)
-    return Part(cache, torch.arange(len(entries), device=device), attention, next_pos)
+    """A part whose cache row i holds entries[i] (right-aligned, via `merge`), with
+    `room` free columns for the tails that `extend` runs on top."""
+    parts = []
+    for entry in entries:
+        n = len(entry.tokens)
+        cache = DynamicCache()
+        cache.layers = [BufferLayer(k[None], v[None], n) for k, v in zip(entry.keys, entry.values)]
+        one = torch.zeros(1, dtype=torch.long, device=entry.keys[0].device)
+        parts.append(
+            Part(cache, one, torch.ones((1, n), dtype=torch.long, device=one.device), one + n)
+        )
+    return merge(parts, [torch.zeros(1, dtype=torch.long)] * len(parts), room)
