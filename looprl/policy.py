@@ -11,7 +11,8 @@ import torch
 from looprl.algo import head_logprobs, token_logprobs
 from looprl.chat import ChatRenderer
 from looprl.config import Config
-from looprl.engine.hf import HFEngine, shared_prefill
+from looprl.engine import cascade
+from looprl.engine.hf import HFEngine, prefix_kwargs, shared_prefill
 from looprl.errors import ConfigError
 from looprl.models import load_causal_lm, load_tokenizer
 
@@ -98,10 +99,11 @@ def sequence_logprobs(
     """Per-token logprobs of the tokens after each sequence's initial prompt.
 
     Prefix sharing, exact gradients included: the prompts run through `shared_prefill`
-    (each distinct prompt once, their common head once), and its KV rows are copied to
-    every episode that uses them (an indexing op, so gradients from all G episodes flow
-    back into the one prompt pass). Then the episodes' suffixes (all turns after the
-    prompt, right-padded) run on top of that cache. Positions follow the engine's
+    (each distinct prompt once, their common head once). With cascade attention the
+    episodes' suffixes (all turns after the prompt, right-padded) attend to the head and
+    to their prompt's tail where they are, one copy each; otherwise the prompt KV rows
+    are copied to every episode that uses them (an indexing op). Either way the gradients
+    from all G episodes flow back into the one prompt pass. Positions follow the engine's
     convention, so trainer and engine logprobs agree. A model training under gradient
     checkpointing cannot use a cache (transformers drops it): it runs whole sequences.
 
@@ -116,7 +118,7 @@ def sequence_logprobs(
     starts = [prompt_length(m) for m in masks]
     prefill = shared_prefill(
         model, [seq[:st] for seq, st in zip(sequences, starts)], pad_id, device
-    ).expand()
+    )
     ids_BS, attention_BS, mask_BS = _right_padded(
         [seq[st:] for seq, st in zip(sequences, starts)],
         [m[st:] for m, st in zip(masks, starts)],
@@ -124,15 +126,35 @@ def sequence_logprobs(
         device,
     )
     width = ids_BS.shape[1]
-    inputs = dict(
-        input_ids=ids_BS,
-        attention_mask=torch.cat([prefill.attention_CL, attention_BS], dim=1),
-        position_ids=prefill.next_pos_C[:, None] + torch.arange(width, device=device),
-        cache=prefill.cache,
-        use_cache=True,
-    )
+    rows = prefill.cache_rows
+    if prefill.prefix is not None:
+        # cascade attention: the head and each distinct prompt's tail stay one copy each
+        tails = cascade.Level(
+            [layer.keys for layer in prefill.cache.layers],
+            [layer.values for layer in prefill.cache.layers],
+            rows_B=rows,
+            valid_NT=prefill.attention_CL[:, : prefill.width].bool(),
+        )
+        inputs = dict(
+            input_ids=ids_BS,
+            attention_mask=attention_BS,
+            position_ids=prefill.next_pos_C[rows][:, None] + torch.arange(width, device=device),
+            use_cache=False,
+            **prefix_kwargs(cascade.Prefix([*prefill.prefix.levels, tails])),
+        )
+        logits_BV = prefill.logits_CV[rows]
+    else:
+        prefill = prefill.expand()
+        inputs = dict(
+            input_ids=ids_BS,
+            attention_mask=torch.cat([prefill.attention_CL, attention_BS], dim=1),
+            position_ids=prefill.next_pos_C[:, None] + torch.arange(width, device=device),
+            cache=prefill.cache,
+            use_cache=True,
+        )
+        logits_BV = prefill.logits_CV
     # the prompt's last logits predict suffix token 0; suffix position t predicts t + 1
-    first_B = token_logprobs(prefill.logits_CV[:, None, :], ids_BS[:, :1], temperature)[:, 0]
+    first_B = token_logprobs(logits_BV[:, None, :], ids_BS[:, :1], temperature)[:, 0]
     rest_BS = _next_token_logprobs(model, inputs, ids_BS, mask_BS, temperature)
     return torch.cat([first_B[:, None], rest_BS], dim=1), mask_BS
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from looprl.engine import Completion, GenerationRequest, SamplingParams
+from looprl.engine import Completion, GenerationRequest, SamplingParams, cascade
 from looprl.engine.grammar import GrammarCache
 from looprl.engine.kv import (
     Part,
@@ -51,6 +51,7 @@ def shared_prefill(
     pad_id: int,
     device: torch.device,
     min_shared: int = MIN_SHARED_PREFIX,
+    use_cascade: bool | None = None,
 ) -> Part:
     """Prefill with prefix sharing at two levels.
 
@@ -58,9 +59,11 @@ def shared_prefill(
        once (cache row), and its rows point at it (`Part.cache_rows`).
     2. The distinct prompts of one env usually share a long head (system prompt, tool
        schemas): that common prefix is run once, at batch 1, and each distinct prompt
-       runs only its own tail on top of it (left-padded after the shared columns, the
-       gap masked). Positions count real tokens, so every token sees exactly the
-       positions and keys a plain forward of its own prompt would give it.
+       runs only its own tail on top of it. With cascade attention (`cascade.enable`)
+       the head's KV stays one copy, the part's `prefix`, and the cache holds only the
+       tails; otherwise the head is copied to every cache row, the tails left-padded
+       after it (the gap masked). Positions count real tokens, so every token sees
+       exactly the positions and keys a plain forward of its own prompt would give it.
     Only the last position's logits are computed. Under autograd the shared passes
     receive the gradients of every row that uses them (the trainer relies on that)."""
     unique: dict[tuple[int, ...], int] = {}
@@ -77,16 +80,28 @@ def shared_prefill(
     if shared:
         head = torch.tensor([distinct[0][:shared]], dtype=torch.long, device=device)
         cache = model(input_ids=head, use_cache=True, logits_to_keep=1).cache
-        cache.batch_select_indices(torch.zeros(len(distinct), dtype=torch.long, device=device))
-        attention = torch.ones((len(distinct), shared), dtype=torch.long, device=device)
-        start = Part(cache, rows, attention, torch.full_like(start.next_pos_C, shared))
+        next_pos = torch.full_like(start.next_pos_C, shared)
+        if use_cascade is None:
+            use_cascade = cascade.enabled(model)
+        if use_cascade and bufferable(cache):
+            level = cascade.Level(
+                [layer.keys for layer in cache.layers],
+                [layer.values for layer in cache.layers],
+                tokens=tuple(distinct[0][:shared]),
+            )
+            start = Part(None, rows, empty, next_pos, prefix=cascade.Prefix([level]))
+        else:
+            cache.batch_select_indices(torch.zeros(len(distinct), dtype=torch.long, device=device))
+            attention = torch.ones((len(distinct), shared), dtype=torch.long, device=device)
+            start = Part(cache, rows, attention, next_pos)
     return extend(model, start, [p[shared:] for p in distinct], pad_id)
 
 
 def extend(model: Any, part: Part, tails: list[list[int]], pad_id: int) -> Part:
-    """Run each cache row's own tail (>= 1 token) on top of its cached columns, left-padded
-    after them (the gap masked); positions continue from each row's next position.
-    Returns the extended part with the logits that predict each row's next token."""
+    """Run each cache row's own tail (>= 1 token) on top of its cached columns (and the
+    part's prefix), left-padded after them (the gap masked); positions continue from each
+    row's next position. Returns the extended part with the logits that predict each
+    row's next token."""
     device = part.next_pos_C.device
     longest = max(len(t) for t in tails)
     ids_CT = torch.full((len(tails), longest), pad_id, dtype=torch.long)
@@ -104,10 +119,17 @@ def extend(model: Any, part: Part, tails: list[list[int]], pad_id: int) -> Part:
         cache=part.cache,
         use_cache=True,
         logits_to_keep=1,
+        **prefix_kwargs(part.prefix),
     )
+    next_pos = positions_CT[:, -1] + 1
     return Part(
-        out.cache, part.cache_rows, attention_CL, positions_CT[:, -1] + 1, out.logits[:, -1, :]
+        out.cache, part.cache_rows, attention_CL, next_pos, out.logits[:, -1, :], None, part.prefix
     )
+
+
+def prefix_kwargs(prefix: cascade.Prefix | None) -> dict[str, Any]:
+    """The model-call kwargs that make cascade attention read `prefix` (none without)."""
+    return {} if prefix is None else {cascade.PREFIX_KWARG: prefix}
 
 
 def _common_prefix(seqs: list[tuple[int, ...]]) -> tuple[int, ...]:
@@ -127,6 +149,7 @@ class HFEngine:
         batch_size: int = 64,
         jump_forward: bool = True,
         sampler_dtype: str | torch.dtype | None = None,
+        cascade_attention: bool = True,
     ) -> None:
         self.policy_model = model
         self.model = model  # the module that samples: the policy or its low-precision copy
@@ -142,6 +165,8 @@ class HFEngine:
         )
         self._sampler_versions: list[int] | None = None
         self._retained: list[Retained] | None = None  # inside `session()`: the last call's rows
+        # the prompts' shared head kept once per batch (cascade attention), where it applies
+        self.cascade = cascade.enable(model) if cascade_attention else False
 
     @property
     def device(self) -> torch.device:
@@ -304,7 +329,10 @@ class HFEngine:
         fresh = [i for i in new if i not in found]
         if fresh:
             prompts = [requests[i].prompt_ids for i in fresh]
-            out.append((fresh, shared_prefill(self.model, prompts, self.pad_id, self.device)))
+            part = shared_prefill(
+                self.model, prompts, self.pad_id, self.device, use_cascade=self.cascade
+            )
+            out.append((fresh, part))
         if found:
             indices = list(found)
             tails = [requests[i].prompt_ids[len(found[i].tokens) :] for i in indices]
@@ -381,6 +409,7 @@ class HFEngine:
             cache=running.cache,
             use_cache=True,
             logits_to_keep=k,
+            **prefix_kwargs(running.prefix),
         )
         running.cache = out.cache
         running.width += k

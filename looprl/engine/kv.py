@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from looprl.engine.cascade import Prefix
+
 
 class BufferLayer(DynamicLayer):
     """One attention layer's keys and values in a [B, H, capacity, D] buffer; the first
@@ -77,7 +79,8 @@ class Part:
     (several rows share one cache row when they share a prompt). Per cache row C: the 2D
     attention mask over the cache's columns (possibly wider than the `width` columns
     filled so far, to leave room), the next position id, and the logits that predict
-    the next token."""
+    the next token. `prefix`: shared columns every row attends to before its own (the
+    prompts' common head, kept once; see `cascade`), or None."""
 
     def __init__(
         self,
@@ -87,8 +90,10 @@ class Part:
         next_pos_C: torch.Tensor,
         logits_CV: torch.Tensor | None = None,
         width: int | None = None,
+        prefix: Prefix | None = None,
     ) -> None:
         self.cache = cache
+        self.prefix = prefix
         self.cache_rows = cache_rows
         self.attention_CL = attention_CL
         self.next_pos_C = next_pos_C
@@ -110,6 +115,7 @@ class Part:
             self.next_pos_C[rows],
             None if self.logits_CV is None else self.logits_CV[rows],
             self.width,
+            self.prefix,
         )
 
 
@@ -117,10 +123,18 @@ def merge(parts: list[Part], keep: list[torch.Tensor], room: int) -> Part:
     """A running batch of the rows `keep[j]` of each `parts[j]`, right-aligned in one
     column space with `room` free columns for the tokens still to come. Every part's
     cache must be `bufferable`. Each row gets its own cache row (copied once here).
-    The parts are consumed: each layer's old tensors are released as soon as they are
-    copied, so merging needs one new batch cache plus one layer, not two caches."""
+    Parts whose prefixes cover the same tokens keep one of them; otherwise each row gets
+    a copy of its prefix's columns before its own. The parts are consumed: each layer's
+    old tensors are released as soon as they are copied, so merging needs one new batch
+    cache plus one layer, not two caches."""
     chosen = [(part, part.cache_rows[rows]) for part, rows in zip(parts, keep) if len(rows)]
-    width = max(part.width for part, _ in chosen)
+    prefixes = {p.prefix.tokens if p.prefix is not None else None for p, _ in chosen}
+    shared = chosen[0][0].prefix if len(prefixes) == 1 else None
+    inline = {id(p): (0 if shared is not None or p.prefix is None else p.prefix.levels[0].width)
+              for p, _ in chosen}  # fmt: skip
+    if shared is None and any(p.prefix is not None and len(p.prefix.levels) != 1 for p, _ in chosen):
+        raise ValueError("only single-level prefixes can be copied into rows")
+    width = max(part.width + inline[id(part)] for part, _ in chosen)
     total = sum(len(source) for _, source in chosen)
     first = chosen[0][0]
     device = first.attention_CL.device
@@ -132,10 +146,13 @@ def merge(parts: list[Part], keep: list[torch.Tensor], room: int) -> Part:
     start = 0
     for part, source in chosen:
         end = start + len(source)
-        attention[start:end, width - part.width : width] = part.attention_CL[source, : part.width]
+        own = part.attention_CL[source, : part.width]
+        attention[start:end, width - part.width : width] = own
+        attention[start:end, width - part.width - inline[id(part)] : width - part.width] = 1
         start = end
     layers = []
-    for index, layer in enumerate(first.cache.layers):
+    for index in range(len(first.cache.layers)):
+        layer = first.cache.layers[index]
         _, heads, _, dim = layer.keys.shape
         keys = torch.zeros((total, heads, width + room, dim), dtype=layer.keys.dtype, device=device)
         values = torch.zeros_like(keys)
@@ -143,16 +160,22 @@ def merge(parts: list[Part], keep: list[torch.Tensor], room: int) -> Part:
         for part, source in chosen:
             src = part.cache.layers[index]
             columns = slice(width - part.width, width)
+            before = slice(width - part.width - inline[id(part)], width - part.width)
             for n, row in enumerate(source.tolist()):  # row by row: no gathered temporary
                 keys[start + n, :, columns] = src.keys[row, :, : part.width]
                 values[start + n, :, columns] = src.values[row, :, : part.width]
+                if inline[id(part)]:
+                    level = part.prefix.levels[0]  # type: ignore[union-attr]
+                    keys[start + n, :, before] = level.keys[index][0]
+                    values[start + n, :, before] = level.values[index][0]
             start += len(source)
         layers.append(BufferLayer(keys, values, width))
         for part in {id(p): p for p, _ in chosen}.values():
             _release(part.cache.layers[index])
     cache = DynamicCache()
     cache.layers = layers
-    return Part(cache, torch.arange(total, device=device), attention, next_pos, logits, width)
+    index_C = torch.arange(total, device=device)
+    return Part(cache, index_C, attention, next_pos, logits, width, shared)
 
 
 def release(part: Part) -> None:
@@ -180,17 +203,20 @@ def select(part: Part, rows: torch.Tensor) -> Part:
         part.next_pos_C[source],
         part.logits_CV[source],
         part.width,
+        part.prefix,
     )
 
 
 @dataclass
 class Retained:
     """A finished row's KV, kept for the episode's next turn (same weights): the tokens
-    it covers (prompt + the generated tokens that went through the model) and each
-    layer's keys and values at the row's own columns only ([H, n, D]). Positions count
-    real tokens, so its next position is len(tokens)."""
+    it covers (prefix + prompt + the generated tokens that went through the model), the
+    shared prefix it attends to (kept by reference), and each layer's keys and values at
+    the row's own columns only ([H, n, D]). Positions count real tokens, so its next
+    position is len(tokens)."""
 
     tokens: tuple[int, ...]
+    prefix: Prefix | None
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
 
@@ -200,26 +226,28 @@ def retain(part: Part, row: int, tokens: tuple[int, ...]) -> Retained:
     them: a finished row's later columns are masked)."""
     cache_row = int(part.cache_rows[row])
     valid = part.attention_CL[cache_row, : part.width].nonzero().squeeze(-1)
-    if len(valid) != len(tokens):
-        raise RuntimeError(f"row covers {len(valid)} columns but {len(tokens)} tokens")
+    covered = len(valid) + (len(part.prefix.tokens) if part.prefix is not None else 0)
+    if covered != len(tokens):
+        raise RuntimeError(f"row covers {covered} columns but {len(tokens)} tokens")
     layers = part.cache.layers
     return Retained(
         tokens,
+        part.prefix,
         [layer.keys[cache_row].index_select(1, valid) for layer in layers],
         [layer.values[cache_row].index_select(1, valid) for layer in layers],
     )
 
 
 def from_retained(entries: list[Retained], room: int) -> Part:
-    """A part whose cache row i holds entries[i] (right-aligned, via `merge`), with
-    `room` free columns for the tails that `extend` runs on top."""
+    """A part whose cache row i holds entries[i] (right-aligned, via `merge`, which keeps
+    a prefix the entries share), with `room` free columns for the tails that `extend`
+    runs on top."""
     parts = []
     for entry in entries:
-        n = len(entry.tokens)
+        n = entry.keys[0].shape[1]
         cache = DynamicCache()
         cache.layers = [BufferLayer(k[None], v[None], n) for k, v in zip(entry.keys, entry.values)]
         one = torch.zeros(1, dtype=torch.long, device=entry.keys[0].device)
-        parts.append(
-            Part(cache, one, torch.ones((1, n), dtype=torch.long, device=one.device), one + n)
-        )
+        attention = torch.ones((1, n), dtype=torch.long, device=one.device)
+        parts.append(Part(cache, one, attention, one + len(entry.tokens), prefix=entry.prefix))
     return merge(parts, [torch.zeros(1, dtype=torch.long)] * len(parts), room)

@@ -1,0 +1,272 @@
+"""Cascade attention: keys and values that many rows share are kept once, not per row.
+
+All the prompts of an env share a long head (system prompt, tool schemas: ≈ 240 of ≈ 290
+tokens on tic-tac-toe), and the G episodes of a task share their whole prompt. A plain
+KV cache holds one copy of those columns per row, and transformers' attention repeats
+them again per query head (GQA). Here they live in `Prefix` levels:
+
+- a level with one row (the shared head) is read by every row of the batch;
+- a level with N rows (each distinct prompt's own tail) is read by the rows `rows_B`
+  points at; its `valid_NT` mask marks the real columns (tails are left-padded).
+
+The batch's own cache holds only what is per row (tails in the engine, generated tokens).
+Each query attends to the concatenation [level 0 | level 1 | ... | own columns], in one
+softmax: the same result as a plain forward over the full sequence, up to float
+summation order. The shared levels' scores are one GEMM per KV head over every row's
+queries, instead of a batched product against B copies.
+
+The attention is registered with transformers as `looprl_sdpa`: without a prefix in the
+call's kwargs (`looprl_prefix=...`) it is transformers' SDPA attention unchanged. With
+one, a custom autograd function computes the output and, in backward, recomputes the
+probabilities from the saved log-normaliser (flash-attention style), so training keeps
+neither the repeated K/V nor the attention matrix of every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+NAME = "looprl_sdpa"
+PREFIX_KWARG = "looprl_prefix"
+
+
+@dataclass
+class Level:
+    """Shared keys/values, per layer [N, Hkv, T, D]. `rows_B`: the level row each batch row
+    reads (None: N == 1, every row). `valid_NT`: the columns each level row may see (None:
+    all). `tokens`: what the level covers, to recognise an identical one (N == 1 only)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    rows_B: torch.Tensor | None = None
+    valid_NT: torch.Tensor | None = None
+    tokens: tuple[int, ...] = ()
+
+    @property
+    def width(self) -> int:
+        return self.keys[0].shape[2]
+
+
+@dataclass
+class Prefix:
+    """The shared levels a batch attends to before its own cache columns."""
+
+    levels: list[Level]
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(t for level in self.levels for t in level.tokens)
+
+
+def enable(model: Any) -> bool:
+    """Switch a model's attention to `looprl_sdpa` (SDPA whenever no prefix is passed) if
+    it runs SDPA without attention dropout; return whether cascade attention is on."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    if config is None:
+        return False
+    if getattr(config, "_attn_implementation", None) == NAME:
+        return True
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    if float(getattr(config, "attention_dropout", 0.0) or 0.0) != 0.0:
+        return False
+    _register()
+    try:
+        base.set_attn_implementation(NAME)
+    except (ValueError, ImportError):
+        return False
+    return getattr(base.config, "_attn_implementation", None) == NAME
+
+
+def enabled(model: Any) -> bool:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(getattr(base, "config", None), "_attn_implementation", None) == NAME
+
+
+_registered = False
+
+
+def _register() -> None:
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    _registered = True
+
+
+def attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface: query [B, H, Q, D], key/value [B, Hkv, L, D] (the
+    own columns), attention_mask a bool [B|1, 1, Q, L] (True: attend) or None (causal).
+    Returns [B, Q, H, D]."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    prefix = kwargs.pop(PREFIX_KWARG, None)
+    if prefix is None or not prefix.levels:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    if dropout:
+        raise ValueError("cascade attention does not support attention dropout")
+    batch, heads, q_len, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    scale = scaling if scaling is not None else dim**-0.5
+    mask = _own_mask(attention_mask, batch, q_len, length, query.device)
+    query_BKMD = query.reshape(batch, kv_heads, (heads // kv_heads) * q_len, dim)
+    layer = module.layer_idx
+    tensors = []
+    for level in prefix.levels:
+        tensors += [level.keys[layer], level.values[layer]]
+    specs = [(_groups(level), level.valid_NT) for level in prefix.levels]
+    out_BKMD = _Cascade.apply(query_BKMD, key, value, mask, scale, specs, *tensors)
+    return out_BKMD.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
+
+
+def _own_mask(
+    mask: torch.Tensor | None, batch: int, q_len: int, length: int, device: torch.device
+) -> torch.Tensor:
+    """[B|1, 1, 1, Q, L] bool, ready to broadcast over [B, Hkv, G, Q, L]."""
+    if mask is None:  # transformers skips an all-visible mask: causal, bottom-right aligned
+        rows = torch.arange(q_len, device=device)[:, None] + (length - q_len)
+        mask = (torch.arange(length, device=device)[None, :] <= rows)[None, None]
+    if mask.dtype != torch.bool:  # an additive float mask: 0 where visible
+        mask = mask == 0
+    return mask[:, :, None]
+
+
+def _groups(level: Level) -> list[tuple[int, torch.Tensor | None]]:
+    """(level row, batch rows that read it) for each level row in use; None = all rows."""
+    if level.rows_B is None:
+        return [(0, None)]
+    rows = level.rows_B.tolist()
+    out: dict[int, list[int]] = {}
+    for b, n in enumerate(rows):
+        out.setdefault(n, []).append(b)
+    device = level.rows_B.device
+    return [(n, torch.tensor(bs, dtype=torch.long, device=device)) for n, bs in out.items()]
+
+
+def _gather(x_BK: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """[B, Hkv, M, ...] rows -> [Hkv, b*M, ...]: one GEMM operand per KV head."""
+    x = x_BK if rows is None else x_BK.index_select(0, rows)
+    b, k, m = x.shape[:3]
+    return x.transpose(0, 1).reshape(k, b * m, *x.shape[3:])
+
+
+def _scatter(x_K: torch.Tensor, rows: torch.Tensor | None, out_BK: torch.Tensor) -> None:
+    """Inverse of `_gather`: add [Hkv, b*M, ...] into the rows of out [B, Hkv, M, ...]."""
+    k, m = out_BK.shape[1], out_BK.shape[2]
+    x = x_K.reshape(k, -1, m, *x_K.shape[2:]).transpose(0, 1)
+    if rows is None:
+        out_BK += x
+    else:
+        out_BK.index_add_(0, rows, x)
+
+
+def _own_scores(
+    query_BKMD: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    b, k, m, _ = query_BKMD.shape
+    scores = torch.matmul(query_BKMD, keys.transpose(-1, -2)).mul_(scale)
+    q_len = mask.shape[-2]
+    view = scores.view(b, k, m // q_len, q_len, -1)
+    view.masked_fill_(~mask, float("-inf"))
+    return scores
+
+
+def _level_scores(
+    query_K: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    scores = torch.matmul(query_K, keys.transpose(-1, -2)).mul_(scale)
+    if valid is not None:
+        scores.masked_fill_(~valid, float("-inf"))
+    return scores
+
+
+class _Cascade(torch.autograd.Function):
+    """softmax over [shared levels | own columns] @ values, in the grouped-query layout
+    [B, Hkv, M = G*Q, D]. Saves the inputs, the output and the log-normaliser; backward
+    recomputes the probabilities one level at a time."""
+
+    @staticmethod
+    def forward(ctx: Any, query, keys, values, mask, scale, specs, *level_kv):  # type: ignore[override]
+        own = _own_scores(query, keys, mask, scale)
+        shared = []  # per level: [(n, rows, scores [Hkv, b*M, T])]
+        lse_parts = [torch.logsumexp(own, -1)]
+        for (groups, valid), level_keys in zip(specs, level_kv[0::2]):
+            lse = torch.empty_like(lse_parts[0])
+            blocks = []
+            for n, rows in groups:
+                s = _level_scores(
+                    _gather(query, rows), level_keys[n], None if valid is None else valid[n], scale
+                )
+                part = torch.logsumexp(s, -1)  # [Hkv, b*M]
+                k, m = lse.shape[1], lse.shape[2]
+                part_BK = part.reshape(k, -1, m).transpose(0, 1)
+                if rows is None:
+                    lse.copy_(part_BK)
+                else:
+                    lse.index_copy_(0, rows, part_BK)
+                blocks.append((n, rows, s))
+            lse_parts.append(lse)
+            shared.append(blocks)
+        lse = torch.logsumexp(torch.stack(lse_parts), 0)  # [B, Hkv, M]
+        out = torch.matmul(own.sub_(lse[..., None]).exp_(), values)
+        del own
+        for blocks, level_values in zip(shared, level_kv[1::2]):
+            for n, rows, s in blocks:
+                p = s.sub_(_gather(lse[..., None], rows)).exp_()
+                _scatter(torch.matmul(p, level_values[n]), rows, out)
+        ctx.scale, ctx.specs = scale, specs
+        ctx.save_for_backward(query, keys, values, mask, out, lse, *level_kv)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
+        query, keys, values, mask, out, lse, *level_kv = ctx.saved_tensors
+        scale, specs = ctx.scale, ctx.specs
+        grad_out = grad_out.contiguous()
+        delta = (grad_out * out).sum(-1, keepdim=True)  # [B, Hkv, M, 1]
+        p = _own_scores(query, keys, mask, scale).sub_(lse[..., None]).exp_()
+        grad_values = torch.matmul(p.transpose(-1, -2), grad_out)
+        ds = p.mul_(torch.matmul(grad_out, values.transpose(-1, -2)).sub_(delta))
+        del p
+        grad_query = torch.matmul(ds, keys).mul_(scale)
+        grad_keys = torch.matmul(ds.transpose(-1, -2), query).mul_(scale)
+        del ds
+        grads: list[torch.Tensor | None] = []
+        for i, (groups, valid) in enumerate(specs):
+            level_keys, level_values = level_kv[2 * i], level_kv[2 * i + 1]
+            want = ctx.needs_input_grad[6 + 2 * i] or ctx.needs_input_grad[7 + 2 * i]
+            gk = torch.zeros_like(level_keys) if want else None
+            gv = torch.zeros_like(level_values) if want else None
+            for n, rows in groups:
+                q = _gather(query, rows)
+                go = _gather(grad_out, rows)
+                s = _level_scores(q, level_keys[n], None if valid is None else valid[n], scale)
+                p = s.sub_(_gather(lse[..., None], rows)).exp_()
+                if want:
+                    gv[n] += torch.matmul(p.transpose(-1, -2), go)
+                dp = torch.matmul(go, level_values[n].transpose(-1, -2))
+                ds = p.mul_(dp.sub_(_gather(delta, rows)))
+                _scatter(torch.matmul(ds, level_keys[n]).mul_(scale), rows, grad_query)
+                if want:
+                    gk[n] += torch.matmul(ds.transpose(-1, -2), q).mul_(scale)
+            grads += [gk, gv]
+        return (grad_query, grad_keys, grad_values, None, None, None, *grads)

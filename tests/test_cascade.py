@@ -1,0 +1,186 @@
+"""Cascade attention keeps shared keys/values once and gives plain attention's results:
+the attention function itself (values and gradients, float64), the engine (same tokens
+as without it, the head held once, prompts from different heads in one batch) and the
+trainer (same logprobs and LoRA gradients)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from looprl.engine import GenerationRequest, SamplingParams, cascade
+from looprl.engine.hf import HFEngine
+from looprl.envs.extraction import Extraction
+from looprl.envs.tictactoe import TicTacToeMove
+
+
+def plain_attention(query, keys, values, mask, scale):
+    """softmax(q k^T) v with the K/V heads repeated per query head (GQA), row by row."""
+    heads, kv_heads = query.shape[1], keys.shape[1]
+    keys = keys.repeat_interleave(heads // kv_heads, dim=1)
+    values = values.repeat_interleave(heads // kv_heads, dim=1)
+    scores = (query @ keys.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, -1) @ values  # [B, H, Q, D]
+
+
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_attention_equals_plain_attention_over_the_concatenation(q_len):
+    torch.manual_seed(0)
+    f64 = dict(dtype=torch.float64)
+    batch, heads, kv_heads, dim, own = 5, 6, 2, 8, 7
+    rows_B = torch.tensor([0, 2, 2, 1, 0])  # which tail each row reads
+    query = torch.randn(batch, heads, q_len, dim, **f64, requires_grad=True)
+    head_k = torch.randn(1, kv_heads, 9, dim, **f64, requires_grad=True)
+    head_v = torch.randn(1, kv_heads, 9, dim, **f64, requires_grad=True)
+    tail_k = torch.randn(3, kv_heads, 4, dim, **f64, requires_grad=True)
+    tail_v = torch.randn(3, kv_heads, 4, dim, **f64, requires_grad=True)
+    valid_NT = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 1, 1]], dtype=torch.bool)
+    own_k = torch.randn(batch, kv_heads, own, dim, **f64, requires_grad=True)
+    own_v = torch.randn(batch, kv_heads, own, dim, **f64, requires_grad=True)
+    causal = torch.arange(own)[None, :] <= torch.arange(q_len)[:, None] + own - q_len
+    padded = torch.ones(batch, own, dtype=torch.bool)
+    padded[1, :2] = False  # left padding in one row's own columns
+    own_mask = (causal[None] & padded[:, None, :])[:, None]  # [B, 1, Q, L]
+    prefix = cascade.Prefix([
+        cascade.Level([head_k], [head_v]),
+        cascade.Level([tail_k], [tail_v], rows_B=rows_B, valid_NT=valid_NT),
+    ])  # fmt: skip
+    module = SimpleNamespace(layer_idx=0)
+    scale = dim**-0.5
+    got, _ = cascade.attention(
+        module, query, own_k, own_v, own_mask, scaling=scale, looprl_prefix=prefix
+    )
+    full_k = torch.cat([head_k.expand(batch, -1, -1, -1), tail_k[rows_B], own_k], 2)
+    full_v = torch.cat([head_v.expand(batch, -1, -1, -1), tail_v[rows_B], own_v], 2)
+    full_mask = torch.cat(
+        [
+            torch.ones(batch, 1, q_len, 9, dtype=torch.bool),
+            valid_NT[rows_B][:, None, None, :].expand(-1, -1, q_len, -1),
+            own_mask,
+        ],
+        -1,
+    )
+    want = plain_attention(query, full_k, full_v, full_mask, scale).transpose(1, 2)
+    torch.testing.assert_close(got, want)
+    weights = torch.randn_like(want)
+    inputs = (query, head_k, head_v, tail_k, tail_v, own_k, own_v)
+    got_grads = torch.autograd.grad((got * weights).sum(), inputs)
+    want_grads = torch.autograd.grad((want * weights).sum(), inputs)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_without_a_prefix_it_is_sdpa(tiny_model):
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    assert cascade.enabled(tiny_model) or cascade.enable(tiny_model)
+    with torch.no_grad():
+        ours = tiny_model(ids).logits
+        tiny_model.set_attn_implementation("sdpa")
+        try:
+            theirs = tiny_model(ids).logits
+        finally:
+            cascade.enable(tiny_model)
+    torch.testing.assert_close(ours, theirs)
+
+
+def tictactoe_requests(renderer, n=4, seed=11):
+    env = TicTacToeMove(tool_choice="auto")
+    out = []
+    for k, task in enumerate(env.tasks("train", n=n, seed=seed)):
+        obs = env.reset(task)
+        prompt = renderer.prompt_ids(obs.messages, obs.tools)
+        out += [GenerationRequest(prompt, max_new_tokens=5 + 4 * (k % 3)) for _ in range(2)]
+    return out
+
+
+def test_engine_keeps_the_head_once_and_samples_the_same_tokens(tiny_model, tokenizer, renderer):
+    from looprl.engine.hf import shared_prefill
+
+    requests = tictactoe_requests(renderer)
+    prompts = [r.prompt_ids for r in requests]
+    with torch.no_grad():
+        part = shared_prefill(tiny_model, prompts, tokenizer.pad_token_id, torch.device("cpu"))
+    head = len(part.prefix.tokens)
+    assert head >= 16 and part.prefix.levels[0].keys[0].shape[0] == 1
+    assert part.cache.layers[0].keys.shape[2] == max(len(p) for p in prompts) - head
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=3)
+    outs = {}
+    for flag in (True, False):
+        engine = HFEngine(
+            tiny_model, tokenizer, renderer.eos_ids, batch_size=3, cascade_attention=flag
+        )
+        outs[flag] = engine.generate(requests, params)
+    cascade.enable(tiny_model)
+    assert [o.ids for o in outs[True]] == [o.ids for o in outs[False]]
+    for a, b in zip(outs[True], outs[False]):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+def test_rows_with_different_heads_share_a_batch(tiny_model, tokenizer, renderer, monkeypatch):
+    """Requests of two envs in one call: when parts with different heads merge, each row
+    gets its own copy of its head, and the tokens stay those of a cache-free reference."""
+    import looprl.engine.hf as hf
+    from test_engine import full_forward_logprobs, reference_generate
+
+    env = Extraction()
+    others = []
+    for task in env.tasks("train", n=2, seed=1):
+        obs = env.reset(task)
+        others.append(GenerationRequest(renderer.prompt_ids(obs.messages, obs.tools)))
+    requests = tictactoe_requests(renderer, n=3)[:5] + others
+    heads = []
+    real_merge = hf.merge
+
+    def spy(parts, keep, room):
+        heads.append({p.prefix.tokens if p.prefix is not None else () for p in parts})
+        return real_merge(parts, keep, room)
+
+    monkeypatch.setattr(hf, "merge", spy)
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=8)
+    engine = HFEngine(tiny_model, tokenizer, renderer.eos_ids, batch_size=4)
+    outs = engine.generate(requests, params)
+    assert any(len(h) > 1 for h in heads), "no merge of parts with different heads happened"
+    for index, (request, out) in enumerate(zip(requests, outs)):
+        assert out.ids == reference_generate(engine, request, params, index)
+        ref = full_forward_logprobs(tiny_model, request.prompt_ids, out.ids)
+        assert max(abs(a - b) for a, b in zip(ref, out.logprobs)) < 1e-4
+
+
+def test_trainer_logprobs_and_gradients_match_without_cascade(tokenizer, renderer):
+    from peft import LoraConfig, get_peft_model
+
+    from looprl.models import load_causal_lm
+    from looprl.policy import sequence_logprobs
+
+    torch.manual_seed(0)
+    model = get_peft_model(
+        load_causal_lm("tiny-random", torch.float32),
+        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+    )
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.05)
+    engine = HFEngine(model, tokenizer, renderer.eos_ids)
+    requests = tictactoe_requests(renderer, n=3)
+    outs = engine.generate(requests, SamplingParams(max_new_tokens=10, seed=2))
+    sequences, masks = [], []
+    for request, out in zip(requests, outs):
+        sequences.append(request.prompt_ids + out.ids + [7, 8] + out.ids[:2])  # a 2nd turn
+        masks.append([0] * len(request.prompt_ids) + [1] * len(out.ids) + [0, 0, 1, 1])
+    results = []
+    for flag in (True, False):
+        if not flag:
+            model.get_base_model().set_attn_implementation("sdpa")
+        assert cascade.enabled(model) == flag
+        model.train()
+        model.zero_grad()
+        logp_BS, mask_BS = sequence_logprobs(model, sequences, masks, 0, torch.device("cpu"), 0.8)
+        (logp_BS * mask_BS).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        results.append((logp_BS[mask_BS].detach(), grads))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
