@@ -122,8 +122,9 @@ def test_engine_keeps_the_head_once_and_samples_the_same_tokens(tiny_model, toke
 def test_rows_with_different_heads_share_a_batch(tiny_model, tokenizer, renderer, monkeypatch):
     """Requests of two envs in one call: when parts with different heads merge, each row
     gets its own copy of its head, and the tokens stay those of a cache-free reference."""
-    import looprl.engine.hf as hf
     from test_engine import full_forward_logprobs, reference_generate
+
+    import looprl.engine.hf as hf
 
     env = Extraction()
     others = []

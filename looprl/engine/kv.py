@@ -130,10 +130,13 @@ def merge(parts: list[Part], keep: list[torch.Tensor], room: int) -> Part:
     chosen = [(part, part.cache_rows[rows]) for part, rows in zip(parts, keep) if len(rows)]
     prefixes = {p.prefix.tokens if p.prefix is not None else None for p, _ in chosen}
     shared = chosen[0][0].prefix if len(prefixes) == 1 else None
-    inline = {id(p): (0 if shared is not None or p.prefix is None else p.prefix.levels[0].width)
-              for p, _ in chosen}  # fmt: skip
-    if shared is None and any(p.prefix is not None and len(p.prefix.levels) != 1 for p, _ in chosen):
-        raise ValueError("only single-level prefixes can be copied into rows")
+    inline = {}  # prefix columns copied into each part's rows
+    for part, _ in chosen:
+        inline[id(part)] = 0
+        if shared is None and part.prefix is not None:
+            if len(part.prefix.levels) != 1:
+                raise ValueError("only single-level prefixes can be copied into rows")
+            inline[id(part)] = part.prefix.levels[0].width
     width = max(part.width + inline[id(part)] for part, _ in chosen)
     total = sum(len(source) for _, source in chosen)
     first = chosen[0][0]
