@@ -185,3 +185,29 @@ def test_trainer_logprobs_and_gradients_match_without_cascade(tokenizer, rendere
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_half_precision_models_attend_in_float32(tokenizer, renderer):
+    """A bfloat16 model: the cascade's scores and softmax run in float32 (as SDPA's do),
+    so its logprobs are as close to the float32 model's as with plain SDPA."""
+    from looprl.models import load_causal_lm
+    from looprl.policy import sequence_logprobs
+
+    requests = tictactoe_requests(renderer, n=4)
+    exact = load_causal_lm("tiny-random", torch.float32).eval()
+    half = load_causal_lm("tiny-random", torch.bfloat16).eval()
+    outs = HFEngine(exact, tokenizer, renderer.eos_ids).generate(
+        requests, SamplingParams(temperature=1.0, max_new_tokens=24, seed=4)
+    )
+    sequences = [r.prompt_ids + o.ids for r, o in zip(requests, outs)]
+    masks = [[0] * len(r.prompt_ids) + [1] * len(o.ids) for r, o in zip(requests, outs)]
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        want, mask = sequence_logprobs(exact, sequences, masks, 0, cpu, 1.0)
+        assert cascade.enable(half)
+        ours, _ = sequence_logprobs(half, sequences, masks, 0, cpu, 1.0)
+        half.set_attn_implementation("sdpa")
+        sdpa, _ = sequence_logprobs(half, sequences, masks, 0, cpu, 1.0)
+    gap = (ours.float() - want)[mask].abs().mean()
+    sdpa_gap = (sdpa.float() - want)[mask].abs().mean()
+    assert gap <= 1.1 * sdpa_gap + 1e-4, (gap, sdpa_gap)

@@ -134,8 +134,13 @@ def attention(
     for level in prefix.levels:
         tensors += [level.keys[layer], level.values[layer]]
     specs = [(_groups(level), level.valid_NT) for level in prefix.levels]
+    dtype = query.dtype
+    if dtype in (torch.float16, torch.bfloat16):  # scores and softmax in float32, as SDPA
+        query_BKMD, key, value = query_BKMD.float(), key.float(), value.float()
+        tensors = [t.float() for t in tensors]
     out_BKMD = _Cascade.apply(query_BKMD, key, value, mask, scale, specs, *tensors)
-    return out_BKMD.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
+    out = out_BKMD.to(dtype).reshape(batch, heads, q_len, dim)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _own_mask(
