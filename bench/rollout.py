@@ -11,6 +11,13 @@ the float32 policy is printed); `generate`. Tokens counted up to and including E
 Prints generated tokens/s (median of the repeats, the three engines interleaved in each
 repeat) and ends with a `RESULT` line: `rollout_speedup_bN` (float32 engine / generate)
 and `rollout_speedup_bf16_bN` (bf16 sampler / generate).
+
+It also prints a floor for the exact engine at each batch size: the model's matrix
+products alone (every linear layer and the output projection, with the model's own
+weights, on random activations with one row per sequence) for one decode step, times
+the decode steps of an average row of the run, plus the engine's measured prefill. No float32 engine
+doing the same work can beat `floor tok/s` on this machine; `floor_speedup_bN` is that
+bound divided by `generate`'s tokens/s.
 """
 
 from __future__ import annotations
@@ -62,6 +69,32 @@ def logprob_gap(model, batch: list[list[int]], outs) -> float:
 
 
 @torch.inference_mode()
+def matmul_floor(model, rows: int, repeats: int = 5) -> float:
+    """Seconds of one decode step's matrix products at `rows` rows (median of repeats)."""
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = [torch.randn(rows, w.shape[1]) for w in weights]
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        for x, w in zip(inputs, weights):
+            torch.nn.functional.linear(x, w)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+@torch.inference_mode()
+def prefill_seconds(engine: HFEngine, batch: list[list[int]], repeats: int = 3) -> float:
+    from looprl.engine.hf import shared_prefill
+
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        shared_prefill(engine.model, batch, engine.pad_id, engine.device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
 def run_generate(model, tokenizer, batch: list[list[int]], seed: int) -> tuple[int, float]:
     longest = max(len(p) for p in batch)
     pad = tokenizer.pad_token_id
@@ -104,12 +137,14 @@ def main() -> None:
     header = f"{'batch':>5} {'looprl':>8} {'bf16 sampler':>13} {'generate':>9}"
     print(header + f" {'ratio':>6} {'ratio bf16':>11} {'bf16 |gap|':>11}")
     result = {}
+    floors = []
     for size in sizes:
         batch = pool[:size]
-        ours, fast, theirs, gaps = [], [], [], []
+        ours, fast, theirs, gaps, produced = [], [], [], [], []
         for r in range(args.repeats):
             n, s = run_looprl(exact, batch, r)
             ours.append(n / s)
+            produced.append(n)
             n, s, outs = run_looprl_outputs(bf16, batch, r)
             fast.append(n / s)
             gaps.append(logprob_gap(model, batch, outs))
@@ -120,11 +155,24 @@ def main() -> None:
             f"{size:>5} {a:>8.1f} {f:>13.1f} {b:>9.1f} {a / b:>6.2f} {f / b:>11.2f}"
             f" {statistics.mean(gaps):>11.4f}"
         )
+        floors.append((size, b, statistics.median(produced), exact, batch))
         result[f"rollout_speedup_b{size}"] = f"{a / b:.2f}"
         result[f"rollout_speedup_bf16_b{size}"] = f"{f / b:.2f}"
         result[f"looprl_tok_s_b{size}"] = f"{a:.1f}"
         result[f"looprl_bf16_tok_s_b{size}"] = f"{f:.1f}"
         result[f"generate_tok_s_b{size}"] = f"{b:.1f}"
+    print("floor of the exact engine: matrix products of each decode step + measured prefill")
+    print(
+        f"{'batch':>5} {'matmuls/step ms':>16} {'prefill s':>10} {'floor tok/s':>12} {'ratio':>6}"
+    )
+    for size, generate_tok_s, tokens, engine, batch in floors:
+        step = matmul_floor(engine.model, size)
+        prefill = prefill_seconds(engine, batch)
+        steps = tokens / size - 1  # decode steps of an average row (its first token: prefill)
+        floor = tokens / (prefill + steps * step)
+        ratio = floor / generate_tok_s
+        print(f"{size:>5} {step * 1e3:>16.1f} {prefill:>10.2f} {floor:>12.1f} {ratio:>6.2f}")
+        result[f"floor_speedup_b{size}"] = f"{ratio:.2f}"
     print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()))
 
 

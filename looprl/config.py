@@ -64,6 +64,11 @@ class ModelConfig(Section):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass to save memory."
     )
+    cascade_attention: bool = Field(
+        True,
+        description="Keep the KV of prompt text that rows share once, not per row, in "
+        "rollouts and in the update (SDPA models; others keep their own attention).",
+    )
     tool_format: Literal["auto", "hermes", "llama3", "glm", "mistral"] = Field(
         "auto", description="Tool-call syntax the model writes; auto = detect from template."
     )

@@ -79,6 +79,7 @@ def load_policy(cfg: Config) -> Policy:
         batch_size=cfg.rollout.batch_size,
         jump_forward=cfg.rollout.jump_forward,
         sampler_dtype=None if cfg.rollout.sampler_dtype == "model" else cfg.rollout.sampler_dtype,
+        cascade_attention=cfg.model.cascade_attention,
     )
     return Policy(model, tokenizer, renderer, engine, device)
 

@@ -135,7 +135,7 @@ def test_tictactoe_agent_gives_the_builtin_envs_exact_tokens(engine, renderer):
     for ref, ep in zip(builtin, mine):
         assert ep.token_ids == ref.token_ids
         assert ep.loss_mask == ref.loss_mask == sampled_mask(ep)
-        assert ep.logprobs == pytest.approx(ref.logprobs, abs=1e-6)
+        assert ep.logprobs == pytest.approx(ref.logprobs, abs=1e-5)  # float summation order
         assert (ep.outcome, ep.reward) == (ref.outcome, ref.reward)
         assert ep.token_ids == ep.turns[-1].prompt_ids + ep.turns[-1].completion_ids
 

@@ -375,3 +375,24 @@ def test_session_keeps_only_rows_marked_keep_kv(tiny_model, tokenizer, renderer,
         engine.generate(marked, params)
         assert len(engine._retained) == 4
     assert engine._retained is None
+
+
+def test_sampler_draws_from_the_distribution(tiny_model, tokenizer, renderer):
+    """Each row's draw follows softmax(logits / T) (and its top-k filter): frequencies
+    over 6,000 rows with their own streams, and a zero-probability token is never drawn."""
+    from looprl.engine.hf import _Row
+
+    engine = HFEngine(tiny_model, tokenizer, renderer.eos_ids)
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5])
+    n = 6000
+    rows = [_Row(i, [1], 8, None, torch.Generator().manual_seed(i)) for i in range(n)]
+    for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=3)):
+        tokens, logp = engine._sample(logits.expand(n, -1).clone(), params, rows)
+        scaled = logits / params.temperature
+        if params.top_k:
+            scaled = scaled.masked_fill(scaled < scaled.topk(params.top_k).values[-1], -1e9)
+        want = torch.softmax(scaled, -1)
+        got = torch.bincount(tokens, minlength=len(logits)).float() / n
+        assert got[4] == 0 and (got[want == 0] == 0).all()
+        assert torch.allclose(got, want, atol=4 * (0.25 / n) ** 0.5)  # 4 standard errors
+        torch.testing.assert_close(logp, torch.log_softmax(logits / params.temperature, -1)[tokens])

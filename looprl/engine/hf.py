@@ -461,9 +461,9 @@ class HFEngine:
         self, logits_CV: torch.Tensor, params: SamplingParams, rows: list[_Row]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Next token of every live row (pad for finished ones) and its unconstrained
-        logprob at temperature T. Sampling is an exponential race, argmax(p / E) with
-        E ~ Exp(1) drawn from the row's own generator: the same draw as a multinomial,
-        independent of the other rows."""
+        logprob at temperature T. Sampling inverts the row's cumulative distribution at
+        one uniform drawn from the row's own generator: a multinomial draw, independent
+        of the other rows (cdf[i] > U * total >= cdf[i - 1] implies p[i] > 0)."""
         temperature = params.temperature if params.temperature > 0 else 1.0
         scaled_CV = logits_CV / temperature
         logp_CV = torch.log_softmax(scaled_CV, dim=-1)
@@ -490,12 +490,16 @@ class HFEngine:
                 chosen_L = candidates_LV.argmax(dim=-1)
             else:
                 candidates_LV = _filter_top_k_top_p(candidates_LV, params.top_k, params.top_p)
-                probs_LV = torch.softmax(candidates_LV, dim=-1)
-                uniform_LV = torch.empty_like(probs_LV)
-                for n, j in enumerate(live):
-                    torch.rand(uniform_LV.shape[1], generator=rows[j].generator, out=uniform_LV[n])
-                race_LV = uniform_LV.log_().neg_()  # E = -log U ~ Exp(1); U < 1, so E > 0
-                chosen_L = (probs_LV / race_LV).argmax(dim=-1)
+                # inverse CDF: the first token whose cumulative probability exceeds
+                # U * total, U ~ U[0, 1) from the row's own generator (one draw per token)
+                cdf_LV = torch.softmax(candidates_LV, dim=-1).cumsum(-1, dtype=torch.float64)
+                uniform_L = torch.cat(
+                    [torch.rand(1, generator=rows[j].generator, dtype=torch.float64) for j in live]
+                )
+                target_L1 = (uniform_L * cdf_LV[:, -1])[:, None]
+                chosen_L = torch.searchsorted(cdf_LV, target_L1, right=True).squeeze(-1)
+                last_L = (cdf_LV < cdf_LV[:, -1:]).sum(-1)  # the last token with p > 0
+                chosen_L = torch.minimum(chosen_L, last_L)  # U * total rounded up to total
             tokens_C[torch.tensor(live)] = chosen_L
         return tokens_C, logp_CV.gather(-1, tokens_C[:, None]).squeeze(-1)
 
