@@ -22,3 +22,49 @@ for name in ("tiny", "smollm2"):
     print(f"RESULT run={name} logprob_gap_max={gap:.2e} step_s={step_s:.2f}")
     assert gap < 5e-2, "engine and trainer logprobs disagree on the GPU (bf16)"
 PY
+# cascade attention on the GPU: the trainer's logprobs with and without it (float32:
+# equal; bfloat16: no further from the float32 reference than plain SDPA's)
+.venv/bin/python - <<'PY'
+import torch
+from looprl.chat import ChatRenderer
+from looprl.engine import GenerationRequest, SamplingParams
+from looprl.engine.hf import HFEngine
+from looprl.envs.tictactoe import TicTacToeMove
+from looprl.models import load_causal_lm, load_tokenizer
+from looprl.policy import sequence_logprobs
+
+tok = load_tokenizer("smollm2-135m")
+renderer = ChatRenderer(tok, model_name="smollm2-135m")
+env = TicTacToeMove(tool_choice="auto")
+prompts = []
+for task in env.tasks("train", n=8, seed=3):
+    obs = env.reset(task)
+    prompts.append(renderer.prompt_ids(obs.messages, obs.tools))
+cuda = torch.device("cuda")
+reference = None
+for dtype in (torch.float32, torch.bfloat16):
+    model = load_causal_lm("smollm2-135m", dtype).to(cuda).eval()
+    engine = HFEngine(model, tok, renderer.eos_ids)
+    assert engine.cascade, "cascade attention is off on CUDA"
+    if reference is None:
+        reqs = [GenerationRequest(p) for p in prompts for _ in range(4)]
+        outs = engine.generate(reqs, SamplingParams(temperature=1.0, max_new_tokens=32, seed=1))
+        seqs = [r.prompt_ids + o.ids for r, o in zip(reqs, outs)]
+        masks = [[0] * len(r.prompt_ids) + [1] * len(o.ids) for r, o in zip(reqs, outs)]
+        sampled = torch.tensor([lp for o in outs for lp in o.logprobs], device=cuda)
+    with torch.no_grad():
+        ours, mask = sequence_logprobs(model, seqs, masks, 0, cuda, 1.0)
+        model.set_attn_implementation("sdpa")
+        plain, _ = sequence_logprobs(model, seqs, masks, 0, cuda, 1.0)
+    ours, plain = ours.float()[mask], plain.float()[mask]
+    if reference is None:
+        reference = plain
+        engine_gap = (sampled - ours).abs().mean().item()
+        print(f"RESULT cascade_fp32_vs_sdpa={(ours - plain).abs().max().item():.2e} "
+              f"engine_vs_trainer={engine_gap:.2e}")
+        assert (ours - plain).abs().max() < 1e-3 and engine_gap < 1e-4
+    else:
+        mine, theirs = (ours - reference).abs().mean(), (plain - reference).abs().mean()
+        print(f"RESULT bf16_gap_to_fp32 cascade={mine:.2e} sdpa={theirs:.2e}")
+        assert mine <= 1.25 * theirs + 1e-3
+PY

@@ -24,7 +24,7 @@ neither the repeated K/V nor the attention matrix of every layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,6 +44,21 @@ class Level:
     rows_B: torch.Tensor | None = None
     valid_NT: torch.Tensor | None = None
     tokens: tuple[int, ...] = ()
+    groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        """(level row, batch rows that read it) per level row in use; None = all rows.
+        Computed once here, not in every layer (`tolist` would sync a GPU each time)."""
+        if self.rows_B is None:
+            self.groups = [(0, None)]
+            return
+        members: dict[int, list[int]] = {}
+        for b, n in enumerate(self.rows_B.tolist()):
+            members.setdefault(n, []).append(b)
+        device = self.rows_B.device
+        self.groups = [
+            (n, torch.tensor(bs, dtype=torch.long, device=device)) for n, bs in members.items()
+        ]
 
     @property
     def width(self) -> int:
@@ -133,7 +148,7 @@ def attention(
     tensors = []
     for level in prefix.levels:
         tensors += [level.keys[layer], level.values[layer]]
-    specs = [(_groups(level), level.valid_NT) for level in prefix.levels]
+    specs = [(level.groups, level.valid_NT) for level in prefix.levels]
     dtype = query.dtype
     if dtype in (torch.float16, torch.bfloat16):  # scores and softmax in float32, as SDPA
         query_BKMD, key, value = query_BKMD.float(), key.float(), value.float()
@@ -153,18 +168,6 @@ def _own_mask(
     if mask.dtype != torch.bool:  # an additive float mask: 0 where visible
         mask = mask == 0
     return mask[:, :, None]
-
-
-def _groups(level: Level) -> list[tuple[int, torch.Tensor | None]]:
-    """(level row, batch rows that read it) for each level row in use; None = all rows."""
-    if level.rows_B is None:
-        return [(0, None)]
-    rows = level.rows_B.tolist()
-    out: dict[int, list[int]] = {}
-    for b, n in enumerate(rows):
-        out.setdefault(n, []).append(b)
-    device = level.rows_B.device
-    return [(n, torch.tensor(bs, dtype=torch.long, device=device)) for n, bs in out.items()]
 
 
 def _gather(x_BK: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
