@@ -13,6 +13,7 @@ from looprl.chat import ChatRenderer
 from looprl.config import Config
 from looprl.engine import cascade
 from looprl.engine.hf import HFEngine, prefix_kwargs, shared_prefill
+from looprl.engine.kv import bufferable
 from looprl.errors import ConfigError
 from looprl.models import load_causal_lm, load_tokenizer
 
@@ -128,8 +129,9 @@ def sequence_logprobs(
     )
     width = ids_BS.shape[1]
     rows = prefill.cache_rows
-    if prefill.prefix is not None:
+    if cascade.enabled(model) and bufferable(prefill.cache):
         # cascade attention: the head and each distinct prompt's tail stay one copy each
+        shared = prefill.prefix.levels if prefill.prefix is not None else []
         tails = cascade.Level(
             [layer.keys for layer in prefill.cache.layers],
             [layer.values for layer in prefill.cache.layers],
@@ -141,7 +143,7 @@ def sequence_logprobs(
             attention_mask=attention_BS,
             position_ids=prefill.next_pos_C[rows][:, None] + torch.arange(width, device=device),
             use_cache=False,
-            **prefix_kwargs(cascade.Prefix([*prefill.prefix.levels, tails])),
+            **prefix_kwargs(cascade.Prefix([*shared, tails])),
         )
         logits_BV = prefill.logits_CV[rows]
     else:

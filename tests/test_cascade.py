@@ -211,3 +211,49 @@ def test_half_precision_models_attend_in_float32(tokenizer, renderer):
     gap = (ours.float() - want)[mask].abs().mean()
     sdpa_gap = (sdpa.float() - want)[mask].abs().mean()
     assert gap <= 1.1 * sdpa_gap + 1e-4, (gap, sdpa_gap)
+
+
+def test_trainer_shares_a_single_prompt_without_copies(tokenizer, renderer, monkeypatch):
+    """One distinct prompt (no common head to split off): its KV is still one level that
+    all G episodes read, and the results equal the copying path's."""
+    from looprl.models import load_causal_lm
+    from looprl.policy import sequence_logprobs
+
+    torch.manual_seed(1)
+    model = load_causal_lm("tiny-random", torch.float32)
+    engine = HFEngine(model, tokenizer, renderer.eos_ids)
+    request = tictactoe_requests(renderer, n=1)[0]
+    outs = engine.generate([request] * 4, SamplingParams(max_new_tokens=10, seed=5))
+    sequences = [request.prompt_ids + o.ids for o in outs]
+    masks = [[0] * len(request.prompt_ids) + [1] * len(o.ids) for o in outs]
+    levels = []
+    real = cascade.attention
+
+    def spy(module, *args, **kwargs):
+        if kwargs.get(cascade.PREFIX_KWARG) is not None:
+            levels.append(len(kwargs[cascade.PREFIX_KWARG].levels))
+        return real(module, *args, **kwargs)
+
+    monkeypatch.setattr(cascade, "attention", spy)
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(cascade.NAME, spy)
+    results = []
+    try:
+        for flag in (True, False):
+            if not flag:
+                model.set_attn_implementation("sdpa")
+            model.zero_grad()
+            logp_BS, mask_BS = sequence_logprobs(
+                model, sequences, masks, 0, torch.device("cpu"), 1.0
+            )
+            (logp_BS * mask_BS).sum().backward()
+            results.append(
+                (logp_BS[mask_BS].detach(), [p.grad.clone() for p in model.parameters()])
+            )
+    finally:
+        AttentionInterface.register(cascade.NAME, real)
+    assert levels and set(levels) == {1}
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
