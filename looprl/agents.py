@@ -121,6 +121,8 @@ class _Batcher:
         seed = self.params.seed
         params = replace(self.params, seed=None if seed is None else seed + 7919 * self.batches)
         self.batches += 1
+        for p in batch:  # an agent may call again: keep its KV for that call (see _play)
+            p.request.keep_kv = True
         completions = self.engine.generate([p.request for p in batch], params)
         for p, completion in zip(batch, completions):
             if not p.future.done():
@@ -177,8 +179,12 @@ async def _play(
         asyncio.create_task(_episode(task, make_env, session, batcher))
         for task, session in zip(tasks, sessions)
     ]
+    # an agent's next call usually extends its last one token for token (the session
+    # stitches it so): inside an engine session that call prefills only its new tokens
+    session = getattr(engine, "session", None)
     try:
-        await batcher.run()  # an engine failure propagates: it is no agent's fault
+        with session() if session is not None else contextlib.nullcontext():
+            await batcher.run()  # an engine failure propagates: it is no agent's fault
     finally:
         for agent in agents:
             agent.cancel()

@@ -422,3 +422,32 @@ def test_agent_envs_refuse_sft_and_envs_show_clearly(tmp_path):
     assert not out.exists()
     show = runner.invoke(app, ["envs", "show", AGENT_EXAMPLE])
     assert show.exit_code == 2 and "agent environment" in show.output
+
+
+def test_agent_calls_reuse_their_kv_between_calls(tiny_model, tokenizer, renderer):
+    """The agent path keeps each agent's KV between its calls (an engine session): the
+    same episodes as with a session-less engine, with far fewer positions prefilled."""
+    tasks = TicTacToeGame().tasks("eval", n=4)
+    params = SamplingParams(temperature=1.0, max_new_tokens=48, seed=5)
+
+    class NoSession:
+        def __init__(self, engine):
+            self.generate = engine.generate
+
+    results = {}
+    for kept in (True, False):
+        engine = HFEngine(tiny_model, tokenizer, renderer.eos_ids)
+        fed = [0]
+        hook = tiny_model.register_forward_hook(
+            lambda m, a, kw, out, fed=fed: fed.__setitem__(0, fed[0] + kw["input_ids"].numel()),
+            with_kwargs=True,
+        )
+        try:
+            runner = engine if kept else NoSession(engine)
+            episodes = run_agents(tasks, TicTacToeAgent, runner, renderer, params, 5, 2048)
+        finally:
+            hook.remove()
+        results[kept] = ([e.token_ids for e in episodes], fed[0], episodes)
+    assert max(len(e.turns) for e in results[True][2]) >= 3
+    assert results[True][0] == results[False][0]
+    assert results[True][1] < 0.75 * results[False][1], (results[True][1], results[False][1])
