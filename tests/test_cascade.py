@@ -257,3 +257,33 @@ def test_trainer_shares_a_single_prompt_without_copies(tokenizer, renderer, monk
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_inference_kernel_path_equals_the_autograd_path(q_len):
+    """Without gradients on the CPU each level runs through the flash kernel and the
+    levels merge by log-sum-exp; that equals the autograd function's result, including a
+    query that sees none of its own columns (left padding)."""
+    from looprl.engine.cascade import _FLASH_CPU, _Cascade, _flash_levels
+
+    if _FLASH_CPU is None:
+        pytest.skip("this PyTorch has no CPU flash-attention kernel")
+    torch.manual_seed(3)
+    batch, kv_heads, groups, dim, own = 4, 3, 3, 16, 6
+    query = torch.randn(batch, kv_heads, groups * q_len, dim)
+    own_k, own_v = torch.randn(2, batch, kv_heads, own, dim)
+    head_k, head_v = torch.randn(2, 1, kv_heads, 11, dim)
+    tail_k, tail_v = torch.randn(2, 2, kv_heads, 5, dim)
+    valid_NT = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    causal = torch.arange(own)[None, :] <= torch.arange(q_len)[:, None] + own - q_len
+    padded = torch.ones(batch, own, dtype=torch.bool)
+    padded[2, : own - q_len + 1] = False  # row 2's first query sees no own column
+    mask = (causal[None] & padded[:, None, :])[:, None, None]  # [B, 1, 1, Q, L]
+    head = cascade.Level([head_k], [head_v])
+    tails = cascade.Level([tail_k], [tail_v], rows_B=torch.tensor([1, 0, 0, 1]), valid_NT=valid_NT)
+    specs = [(level.groups, level.valid_NT) for level in (head, tails)]
+    tensors = (head_k, head_v, tail_k, tail_v)
+    with torch.no_grad():
+        want = _Cascade.apply(query, own_k, own_v, mask, 0.25, specs, *tensors)
+        got = _flash_levels(query, own_k, own_v, mask, 0.25, specs, tensors)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
