@@ -19,7 +19,9 @@ The attention is registered with transformers as `looprl_sdpa`: without a prefix
 call's kwargs (`looprl_prefix=...`) it is transformers' SDPA attention unchanged. With
 one, a custom autograd function computes the output and, in backward, recomputes the
 probabilities from the saved log-normaliser (flash-attention style), so training keeps
-neither the repeated K/V nor the attention matrix of every layer.
+neither the repeated K/V nor the attention matrix of every layer. Without gradients on
+the CPU (sampling, old logprobs), each level runs through PyTorch's flash kernel and the
+levels merge by their log-normalisers.
 """
 
 from __future__ import annotations
