@@ -198,6 +198,11 @@ def load_causal_lm(name: str, dtype: Any, trust_remote_code: bool = False) -> An
         raise ModelError(_not_found(name, err)) from None
 
 
+def base_model(model: Any) -> Any:
+    """The transformers model inside a PEFT wrapper, or the model itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def _not_found(name: str, err: Exception) -> str:
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return (

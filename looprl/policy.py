@@ -15,7 +15,7 @@ from looprl.engine import cascade
 from looprl.engine.hf import HFEngine, prefix_kwargs, shared_prefill
 from looprl.engine.kv import bufferable
 from looprl.errors import ConfigError
-from looprl.models import load_causal_lm, load_tokenizer
+from looprl.models import base_model, load_causal_lm, load_tokenizer
 
 
 @dataclass
@@ -214,7 +214,7 @@ def _right_padded(
 
 def _cache_dropped(model: Any) -> bool:
     """transformers drops the KV cache of a model training under gradient checkpointing."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     name = "is_activation_checkpointing"  # newer transformers; the older name warns there
     if not hasattr(type(base), name):
         name = "is_gradient_checkpointing"
@@ -226,7 +226,7 @@ def decoder_and_head(model: Any) -> tuple[Any, Any] | None:
     """The model's body (returning its final hidden states) and output projection, if
     its logits are exactly `head(hidden)`: checked once per model on a short input, so a
     model that scales or soft-caps its logits keeps the plain path."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     verdict = getattr(base, "_looprl_split_head", None)
     if verdict is None:
         verdict = False

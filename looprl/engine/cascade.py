@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from looprl.models import base_model
+
 NAME = "looprl_sdpa"
 PREFIX_KWARG = "looprl_prefix"
 
@@ -81,7 +83,7 @@ class Prefix:
 def enable(model: Any) -> bool:
     """Switch a model's attention to `looprl_sdpa` (SDPA whenever no prefix is passed) if
     it runs SDPA without attention dropout; return whether cascade attention is on."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     config = getattr(base, "config", None)
     if config is None:
         return False
@@ -100,7 +102,7 @@ def enable(model: Any) -> bool:
 
 
 def enabled(model: Any) -> bool:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     return getattr(getattr(base, "config", None), "_attn_implementation", None) == NAME
 
 
@@ -180,7 +182,7 @@ def _flash_levels(query, keys, values, mask, scale, specs, level_kv) -> torch.Te
     """Inference on the CPU: each level (and the own columns) through the flash kernel,
     which also returns each query's log-normaliser; the partial results are then merged
     by log-sum-exp. Same result as `_Cascade` (tested), about twice as fast."""
-    b, k, m, d = query.shape
+    m = query.shape[2]
     q_len, length = mask.shape[-2], mask.shape[-1]
     own = mask.expand(mask.shape[0], 1, m // q_len, q_len, length).reshape(-1, 1, m, length)
     out, lse = _FLASH_CPU(query, keys, values, attn_mask=_additive(own, query.dtype), scale=scale)
@@ -188,7 +190,7 @@ def _flash_levels(query, keys, values, mask, scale, specs, level_kv) -> torch.Te
     # of 0: it has no mass there
     outs, lses = [out], [lse.masked_fill(~own.any(-1), float("-inf"))]
     for (groups, valid), level_keys, level_values in zip(specs, level_kv[0::2], level_kv[1::2]):
-        level_out, level_lse = torch.empty_like(out), torch.empty_like(lses[0])
+        level_out, level_lse = torch.zeros_like(out), torch.zeros_like(lses[0])
         for n, rows in groups:
             columns = None if valid is None else _additive(valid[n][None, None, None], query.dtype)
             o, lse = _FLASH_CPU(
@@ -198,13 +200,8 @@ def _flash_levels(query, keys, values, mask, scale, specs, level_kv) -> torch.Te
                 attn_mask=columns,
                 scale=scale,
             )
-            o_BK, lse_BK = o[0].reshape(k, -1, m, d).transpose(0, 1), lse[0].reshape(k, -1, m)
-            if rows is None:
-                level_out.copy_(o_BK)
-                level_lse.copy_(lse_BK.transpose(0, 1))
-            else:
-                level_out.index_copy_(0, rows, o_BK)
-                level_lse.index_copy_(0, rows, lse_BK.transpose(0, 1))
+            _scatter(o[0], rows, level_out)  # each batch row reads one level row
+            _scatter(lse[0], rows, level_lse)
         outs.append(level_out)
         lses.append(level_lse)
     total = torch.logsumexp(torch.stack(lses), 0)
@@ -234,7 +231,8 @@ def _gather(x_BK: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
 
 
 def _scatter(x_K: torch.Tensor, rows: torch.Tensor | None, out_BK: torch.Tensor) -> None:
-    """Inverse of `_gather`: add [Hkv, b*M, ...] into the rows of out [B, Hkv, M, ...]."""
+    """Inverse of `_gather`: add [Hkv, b*M, ...] into the rows of out [B, Hkv, M, ...]
+    (into zeros: a copy, as the groups of a level never share a batch row)."""
     k, m = out_BK.shape[1], out_BK.shape[2]
     x = x_K.reshape(k, -1, m, *x_K.shape[2:]).transpose(0, 1)
     if rows is None:
@@ -274,19 +272,13 @@ class _Cascade(torch.autograd.Function):
         shared = []  # per level: [(n, rows, scores [Hkv, b*M, T])]
         lse_parts = [torch.logsumexp(own, -1)]
         for (groups, valid), level_keys in zip(specs, level_kv[0::2]):
-            lse = torch.empty_like(lse_parts[0])
+            lse = torch.zeros_like(lse_parts[0])
             blocks = []
             for n, rows in groups:
                 s = _level_scores(
                     _gather(query, rows), level_keys[n], None if valid is None else valid[n], scale
                 )
-                part = torch.logsumexp(s, -1)  # [Hkv, b*M]
-                k, m = lse.shape[1], lse.shape[2]
-                part_BK = part.reshape(k, -1, m).transpose(0, 1)
-                if rows is None:
-                    lse.copy_(part_BK)
-                else:
-                    lse.index_copy_(0, rows, part_BK)
+                _scatter(torch.logsumexp(s, -1), rows, lse)  # each row reads one level row
                 blocks.append((n, rows, s))
             lse_parts.append(lse)
             shared.append(blocks)

@@ -154,8 +154,7 @@ def merge(parts: list[Part], keep: list[torch.Tensor], room: int) -> Part:
         attention[start:end, width - part.width - inline[id(part)] : width - part.width] = 1
         start = end
     layers = []
-    for index in range(len(first.cache.layers)):
-        layer = first.cache.layers[index]
+    for index, layer in enumerate(first.cache.layers):
         _, heads, _, dim = layer.keys.shape
         keys = torch.zeros((total, heads, width + room, dim), dtype=layer.keys.dtype, device=device)
         values = torch.zeros_like(keys)
