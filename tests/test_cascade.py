@@ -9,6 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_engine import (
+    assert_same_scores,
+    full_forward_logprobs,
+    reference_generate,
+    scored_with_grads,
+)
 
 from looprl.engine import GenerationRequest, SamplingParams, cascade
 from looprl.engine.hf import HFEngine
@@ -122,7 +128,6 @@ def test_engine_keeps_the_head_once_and_samples_the_same_tokens(tiny_model, toke
 def test_rows_with_different_heads_share_a_batch(tiny_model, tokenizer, renderer, monkeypatch):
     """Requests of two envs in one call: when parts with different heads merge, each row
     gets its own copy of its head, and the tokens stay those of a cache-free reference."""
-    from test_engine import full_forward_logprobs, reference_generate
 
     import looprl.engine.hf as hf
 
@@ -154,7 +159,6 @@ def test_trainer_logprobs_and_gradients_match_without_cascade(tokenizer, rendere
     from peft import LoraConfig, get_peft_model
 
     from looprl.models import load_causal_lm
-    from looprl.policy import sequence_logprobs
 
     torch.manual_seed(0)
     model = get_peft_model(
@@ -171,20 +175,12 @@ def test_trainer_logprobs_and_gradients_match_without_cascade(tokenizer, rendere
     for request, out in zip(requests, outs):
         sequences.append(request.prompt_ids + out.ids + [7, 8] + out.ids[:2])  # a 2nd turn
         masks.append([0] * len(request.prompt_ids) + [1] * len(out.ids) + [0, 0, 1, 1])
-    results = []
-    for flag in (True, False):
-        if not flag:
-            model.get_base_model().set_attn_implementation("sdpa")
-        assert cascade.enabled(model) == flag
-        model.train()
-        model.zero_grad()
-        logp_BS, mask_BS = sequence_logprobs(model, sequences, masks, 0, torch.device("cpu"), 0.8)
-        (logp_BS * mask_BS).sum().backward()
-        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
-        results.append((logp_BS[mask_BS].detach(), grads))
-    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
-    for a, b in zip(results[0][1], results[1][1]):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    model.train()
+    assert cascade.enabled(model)
+    ours = scored_with_grads(model, sequences, masks, 0.8)
+    model.get_base_model().set_attn_implementation("sdpa")
+    assert not cascade.enabled(model)
+    assert_same_scores(ours, scored_with_grads(model, sequences, masks, 0.8))
 
 
 def test_half_precision_models_attend_in_float32(tokenizer, renderer):
@@ -217,7 +213,6 @@ def test_trainer_shares_a_single_prompt_without_copies(tokenizer, renderer, monk
     """One distinct prompt (no common head to split off): its KV is still one level that
     all G episodes read, and the results equal the copying path's."""
     from looprl.models import load_causal_lm
-    from looprl.policy import sequence_logprobs
 
     torch.manual_seed(1)
     model = load_causal_lm("tiny-random", torch.float32)
@@ -238,25 +233,14 @@ def test_trainer_shares_a_single_prompt_without_copies(tokenizer, renderer, monk
     from transformers import AttentionInterface
 
     AttentionInterface.register(cascade.NAME, spy)
-    results = []
     try:
-        for flag in (True, False):
-            if not flag:
-                model.set_attn_implementation("sdpa")
-            model.zero_grad()
-            logp_BS, mask_BS = sequence_logprobs(
-                model, sequences, masks, 0, torch.device("cpu"), 1.0
-            )
-            (logp_BS * mask_BS).sum().backward()
-            results.append(
-                (logp_BS[mask_BS].detach(), [p.grad.clone() for p in model.parameters()])
-            )
+        ours = scored_with_grads(model, sequences, masks, 1.0)
+        model.set_attn_implementation("sdpa")
+        plain = scored_with_grads(model, sequences, masks, 1.0)
     finally:
         AttentionInterface.register(cascade.NAME, real)
     assert levels and set(levels) == {1}
-    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
-    for a, b in zip(results[0][1], results[1][1]):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert_same_scores(ours, plain)
 
 
 @pytest.mark.parametrize("q_len", [1, 4])

@@ -21,6 +21,26 @@ def full_forward_logprobs(model, prompt: list[int], completion: list[int]) -> li
     return [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(completion)]
 
 
+def scored_with_grads(model, sequences, masks, temperature: float):
+    """The trainer's logprobs at the loss-masked positions, and the gradients of their
+    sum with respect to the trainable parameters."""
+    from looprl.policy import sequence_logprobs
+
+    model.zero_grad()
+    logp_BS, mask_BS = sequence_logprobs(
+        model, sequences, masks, 0, torch.device("cpu"), temperature
+    )
+    (logp_BS * mask_BS).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    return logp_BS[mask_BS].detach(), grads
+
+
+def assert_same_scores(got, want, grad_atol: float = 1e-6) -> None:
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(got[1], want[1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=grad_atol)
+
+
 @pytest.fixture()
 def forced_requests(renderer):
     env = TicTacToeMove()
@@ -242,7 +262,7 @@ def test_trainer_logprobs_only_at_masked_positions(tiny_model, tokenizer, render
     in chunks) gives the plain full-logits path's values and gradients."""
     from peft import LoraConfig, get_peft_model
 
-    from looprl.policy import decoder_and_head, sequence_logprobs
+    from looprl.policy import decoder_and_head
 
     torch.manual_seed(0)
     model = get_peft_model(
@@ -258,18 +278,9 @@ def test_trainer_logprobs_only_at_masked_positions(tiny_model, tokenizer, render
         sequences.append(request.prompt_ids + out.ids + [7, 8] + out.ids[:3])  # a 2nd turn
         masks.append([0] * len(request.prompt_ids) + [1] * len(out.ids) + [0, 0] + [1] * 3)
     assert decoder_and_head(model) is not None
-    results = []
-    for split in (True, False):
-        if not split:
-            model.get_base_model()._looprl_split_head = False  # force the plain path
-        model.zero_grad()
-        logp_BS, mask_BS = sequence_logprobs(model, sequences, masks, 0, torch.device("cpu"), 0.7)
-        (logp_BS * mask_BS).sum().backward()
-        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
-        results.append((logp_BS[mask_BS].detach(), grads))
-    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
-    for a, b in zip(results[0][1], results[1][1]):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    split = scored_with_grads(model, sequences, masks, 0.7)
+    model.get_base_model()._looprl_split_head = False  # force the plain path
+    assert_same_scores(split, scored_with_grads(model, sequences, masks, 0.7))
 
 
 def load_causal_lm_fresh():
@@ -281,25 +292,17 @@ def load_causal_lm_fresh():
 def test_trainer_logprobs_under_gradient_checkpointing(tokenizer, renderer, free_requests):
     """transformers drops the KV cache of a model training under gradient checkpointing;
     the trainer then scores whole sequences, with the same values and gradients."""
-    from looprl.policy import sequence_logprobs
 
     model = load_causal_lm_fresh()
     engine = HFEngine(model, tokenizer, renderer.eos_ids)
     outs = engine.generate(free_requests[:3], SamplingParams(max_new_tokens=10, seed=4))
     sequences = [r.prompt_ids + o.ids for r, o in zip(free_requests[:3], outs)]
     masks = [[0] * len(r.prompt_ids) + [1] * len(o.ids) for r, o in zip(free_requests[:3], outs)]
-    results = []
-    for checkpointing in (False, True):
-        if checkpointing:
-            model.gradient_checkpointing_enable()
-        model.train()
-        model.zero_grad()
-        logp_BS, mask_BS = sequence_logprobs(model, sequences, masks, 0, torch.device("cpu"), 1.0)
-        (logp_BS * mask_BS).sum().backward()
-        results.append((logp_BS[mask_BS].detach(), [p.grad.clone() for p in model.parameters()]))
-    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
-    for a, b in zip(results[0][1], results[1][1]):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    model.train()
+    cached = scored_with_grads(model, sequences, masks, 1.0)
+    model.gradient_checkpointing_enable()
+    model.train()
+    assert_same_scores(cached, scored_with_grads(model, sequences, masks, 1.0), grad_atol=1e-5)
 
 
 def test_low_precision_sampler_follows_the_policy(tokenizer, renderer, free_requests):
