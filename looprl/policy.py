@@ -97,6 +97,7 @@ def sequence_logprobs(
     pad_id: int,
     device: torch.device,
     temperature: float,
+    pack: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token logprobs of the tokens after each sequence's initial prompt.
 
@@ -105,7 +106,10 @@ def sequence_logprobs(
     episodes' suffixes (all turns after the prompt, right-padded) attend to the head and
     to their prompt's tail where they are, one copy each; otherwise the prompt KV rows
     are copied to every episode that uses them (an indexing op). Either way the gradients
-    from all G episodes flow back into the one prompt pass. Positions follow the engine's
+    from all G episodes flow back into the one prompt pass. With cascade attention and
+    `pack`, suffixes of different lengths are packed: the model runs their real tokens
+    as one row (no padding through the linear layers), and only attention unpacks them
+    (`cascade.Packing`). Positions follow the engine's
     convention, so trainer and engine logprobs agree. A model training under gradient
     checkpointing cannot use a cache (transformers drops it): it runs whole sequences.
 
@@ -129,6 +133,7 @@ def sequence_logprobs(
     )
     width = ids_BS.shape[1]
     rows = prefill.cache_rows
+    packing = None
     if cascade.enabled(model) and bufferable(prefill.cache):
         # cascade attention: the head and each distinct prompt's tail stay one copy each
         shared = prefill.prefix.levels if prefill.prefix is not None else []
@@ -138,13 +143,27 @@ def sequence_logprobs(
             rows_B=rows,
             valid_NT=prefill.attention_CL[:, : prefill.width].bool(),
         )
-        inputs = dict(
-            input_ids=ids_BS,
-            attention_mask=attention_BS,
-            position_ids=prefill.next_pos_C[rows][:, None] + torch.arange(width, device=device),
-            use_cache=False,
-            **prefix_kwargs(cascade.Prefix([*shared, tails])),
-        )
+        positions_BS = prefill.next_pos_C[rows][:, None] + torch.arange(width, device=device)
+        lengths = attention_BS.sum(1).tolist()
+        if pack and 0 < sum(lengths) < len(lengths) * width:
+            # one row of the real tokens: no linear layer or norm runs on padding
+            packing = cascade.Packing.of(lengths, device)
+            valid_BS = packing.valid_BS
+            inputs = dict(
+                input_ids=ids_BS[valid_BS][None],
+                attention_mask=packing.causal_mask(),
+                position_ids=positions_BS[valid_BS][None],
+                use_cache=False,
+                **prefix_kwargs(cascade.Prefix([*shared, tails], packing)),
+            )
+        else:
+            inputs = dict(
+                input_ids=ids_BS,
+                attention_mask=attention_BS,
+                position_ids=positions_BS,
+                use_cache=False,
+                **prefix_kwargs(cascade.Prefix([*shared, tails])),
+            )
         logits_BV = prefill.logits_CV[rows]
     else:
         prefill = prefill.expand()
@@ -158,7 +177,7 @@ def sequence_logprobs(
         logits_BV = prefill.logits_CV
     # the prompt's last logits predict suffix token 0; suffix position t predicts t + 1
     first_B = token_logprobs(logits_BV[:, None, :], ids_BS[:, :1], temperature)[:, 0]
-    rest_BS = _next_token_logprobs(model, inputs, ids_BS, mask_BS, temperature)
+    rest_BS = _next_token_logprobs(model, inputs, ids_BS, mask_BS, temperature, packing)
     return torch.cat([first_B[:, None], rest_BS], dim=1), mask_BS
 
 
@@ -184,16 +203,26 @@ def _next_token_logprobs(
     ids_BS: torch.Tensor,
     mask_BS: torch.Tensor,
     temperature: float,
+    packing: cascade.Packing | None = None,
 ) -> torch.Tensor:
-    """logprobs of ids_BS[:, 1:] from the model's outputs at positions 0..S-2."""
+    """logprobs of ids_BS[:, 1:] from the model's outputs at positions 0..S-2 (a packed
+    call's outputs are one row of real tokens: `packing` maps them back)."""
+
+    def unpacked(out_1N: torch.Tensor) -> torch.Tensor:
+        return out_1N if packing is None else out_1N[0][packing.index_BS]
+
     split = decoder_and_head(model)
     if split is None:
-        logits_BSV = model(**inputs).logits[:, :-1, :]
+        logits_BSV = unpacked(model(**inputs).logits)[:, :-1, :]
         return token_logprobs(logits_BSV, ids_BS[:, 1:], temperature=temperature)
     decoder, head = split
-    hidden_BSH = decoder(**inputs).last_hidden_state[:, :-1, :]
+    hidden = decoder(**inputs).last_hidden_state
     needed_BS = mask_BS[:, 1:]
-    picked_N = head_logprobs(hidden_BSH[needed_BS], head, ids_BS[:, 1:][needed_BS], temperature)
+    if packing is None:
+        hidden_NH = hidden[:, :-1, :][needed_BS]
+    else:  # only the needed rows of the packed output: no padded copy
+        hidden_NH = hidden[0][packing.index_BS[:, :-1][needed_BS]]
+    picked_N = head_logprobs(hidden_NH, head, ids_BS[:, 1:][needed_BS], temperature)
     rest_BS = torch.zeros(needed_BS.shape, dtype=picked_N.dtype, device=ids_BS.device)
     return rest_BS.masked_scatter(needed_BS, picked_N)
 

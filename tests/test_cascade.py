@@ -271,3 +271,86 @@ def test_inference_kernel_path_equals_the_autograd_path(q_len):
         want = _Cascade.apply(query, own_k, own_v, mask, 0.25, specs, *tensors)
         got = _flash_levels(query, own_k, own_v, mask, 0.25, specs, tensors)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("split_head", [True, False])
+def test_trainer_packs_suffixes_of_different_lengths(tokenizer, renderer, monkeypatch, split_head):
+    """Suffixes of different lengths run as one row of their real tokens (no padding
+    through the linear layers); logprobs and LoRA gradients equal the padded call's."""
+    from peft import LoraConfig, get_peft_model
+
+    from looprl import policy
+    from looprl.models import load_causal_lm
+
+    torch.manual_seed(3)
+    model = get_peft_model(
+        load_causal_lm("tiny-random", torch.float32),
+        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+    )
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.05)
+    if not split_head:  # the plain path: full logits from the model, then unpacked
+        monkeypatch.setattr(policy, "decoder_and_head", lambda model: None)
+    assert cascade.enable(model)
+    requests = tictactoe_requests(renderer, n=3)
+    sequences, masks = [], []
+    for i, request in enumerate(requests):
+        out = list(range(20, 23 + 4 * i))  # 3, 7 and 11 generated tokens
+        turn = [7, 8] * i  # and a second turn of 0, 2 or 4 tokens
+        sequences.append(request.prompt_ids + out + turn + out[:i])
+        masks.append([0] * len(request.prompt_ids) + [1] * len(out) + [0] * len(turn) + [1] * i)
+    shapes = []
+    base = model.get_base_model().model
+    hook = base.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
+        with_kwargs=True,
+    )
+    model.train()
+    packed = scored_with_grads(model, sequences, masks, 0.9)
+    hook.remove()
+    suffixes = [len(s) - m.index(1) for s, m in zip(sequences, masks)]
+    assert (1, sum(suffixes)) in shapes  # the suffix pass ran packed
+    padded = scored_with_grads_unpacked(model, sequences, masks, 0.9)
+    assert_same_scores(packed, padded)
+    model.get_base_model().set_attn_implementation("sdpa")
+    assert_same_scores(packed, scored_with_grads(model, sequences, masks, 0.9))
+
+
+def scored_with_grads_unpacked(model, sequences, masks, temperature):
+    from looprl.policy import sequence_logprobs
+
+    model.zero_grad()
+    cpu = torch.device("cpu")
+    logp_BS, mask_BS = sequence_logprobs(model, sequences, masks, 0, cpu, temperature, pack=False)
+    (logp_BS * mask_BS).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    return logp_BS[mask_BS].detach(), grads
+
+
+def test_models_with_sliding_windows_keep_their_own_attention():
+    """A sliding window would have to cut the shared levels too: such models stay on SDPA."""
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
+    small = dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=64, attn_implementation="sdpa",
+    )  # fmt: skip
+    windowed = [
+        MistralConfig(sliding_window=8, **small),
+        Qwen2Config(use_sliding_window=True, sliding_window=8, max_window_layers=1, **small),
+    ]
+    for config in windowed:
+        model = AutoModelForCausalLM.from_config(config)
+        assert not cascade.enable(model)
+        assert model.config._attn_implementation == "sdpa"
+    assert cascade.enable(AutoModelForCausalLM.from_config(Qwen2Config(**small)))
+    module = SimpleNamespace(layer_idx=0)
+    query = torch.zeros(1, 2, 1, 8)
+    keys = torch.zeros(1, 1, 3, 8)
+    level = cascade.Level([torch.zeros(1, 1, 2, 8)], [torch.zeros(1, 1, 2, 8)])
+    with pytest.raises(ValueError, match="sliding-window"):
+        cascade.attention(
+            module, query, keys, keys, None, sliding_window=2,
+            looprl_prefix=cascade.Prefix([level]),
+        )  # fmt: skip

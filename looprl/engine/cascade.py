@@ -22,6 +22,10 @@ probabilities from the saved log-normaliser (flash-attention style), so training
 neither the repeated K/V nor the attention matrix of every layer. Without gradients on
 the CPU (sampling, old logprobs), each level runs through PyTorch's flash kernel and the
 levels merge by their log-normalisers.
+
+A call can also be packed (`Packing`): the trainer runs the real tokens of all its
+sequences as one row, so the linear layers (most of the compute) never see padding, and
+only attention works on the padded [B, S] layout.
 """
 
 from __future__ import annotations
@@ -70,10 +74,47 @@ class Level:
 
 
 @dataclass
+class Packing:
+    """A packed call: the model runs one row of N real tokens (no padding) and attention
+    unpacks it into B sequences of S positions. `index_BS`: each position's token in the
+    packed row (padding points at token 0 and is masked); `valid_BS`: the real positions,
+    in packed order when read row by row. The own-columns mask is passed to the model as
+    the 4-D attention mask [B, 1, S, S] (transformers uses a 4-D mask as given)."""
+
+    index_BS: torch.Tensor
+    valid_BS: torch.Tensor
+
+    @classmethod
+    def of(cls, lengths: list[int], device: torch.device) -> Packing:
+        width = max(lengths)
+        length_B = torch.tensor(lengths, dtype=torch.long, device=device)
+        valid_BS = torch.arange(width, device=device)[None, :] < length_B[:, None]
+        start_B = torch.cumsum(length_B, 0) - length_B
+        index_BS = (start_B[:, None] + torch.arange(width, device=device)).masked_fill(~valid_BS, 0)
+        return cls(index_BS, valid_BS)
+
+    def causal_mask(self) -> torch.Tensor:
+        """[B, 1, S, S] bool: each position sees its own sequence's real positions up to it."""
+        width = self.valid_BS.shape[1]
+        causal = torch.ones((width, width), dtype=torch.bool, device=self.valid_BS.device).tril_()
+        return causal[None, None] & self.valid_BS[:, None, None, :]
+
+    def unpack(self, x_1HND: torch.Tensor) -> torch.Tensor:
+        """[1, H, N, D] -> [B, H, S, D]."""
+        return x_1HND[0][:, self.index_BS].transpose(0, 1)
+
+    def pack(self, x_BSHD: torch.Tensor) -> torch.Tensor:
+        """[B, S, H, D] -> [1, N, H, D] (the real positions, in packed order)."""
+        return x_BSHD[self.valid_BS][None]
+
+
+@dataclass
 class Prefix:
-    """The shared levels a batch attends to before its own cache columns."""
+    """The shared levels a batch attends to before its own cache columns, and the packing
+    of the call's tokens if it is packed."""
 
     levels: list[Level]
+    packing: Packing | None = None
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -82,7 +123,8 @@ class Prefix:
 
 def enable(model: Any) -> bool:
     """Switch a model's attention to `looprl_sdpa` (SDPA whenever no prefix is passed) if
-    it runs SDPA without attention dropout; return whether cascade attention is on."""
+    it runs SDPA without attention dropout and without sliding windows; return whether
+    cascade attention is on."""
     base = base_model(model)
     config = getattr(base, "config", None)
     if config is None:
@@ -93,12 +135,23 @@ def enable(model: Any) -> bool:
         return False
     if float(getattr(config, "attention_dropout", 0.0) or 0.0) != 0.0:
         return False
+    if _windowed(config):  # a sliding window would also have to cut the shared levels
+        return False
     _register()
     try:
         base.set_attn_implementation(NAME)
     except (ValueError, ImportError):
         return False
     return getattr(base.config, "_attn_implementation", None) == NAME
+
+
+def _windowed(config: Any) -> bool:
+    """Whether any layer attends through a sliding window (Mistral, Gemma 3, Qwen 2 with
+    `use_sliding_window`; Qwen 2 clears `sliding_window` when it is unused)."""
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(kind != "full_attention" for kind in layer_types):
+        return True
+    return getattr(config, "sliding_window", None) is not None
 
 
 def enabled(model: Any) -> bool:
@@ -133,16 +186,23 @@ def attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: query [B, H, Q, D], key/value [B, Hkv, L, D] (the
     own columns), attention_mask a bool [B|1, 1, Q, L] (True: attend) or None (causal).
-    Returns [B, Q, H, D]."""
+    Returns [B, Q, H, D]. A packed call (`prefix.packing`) has B = 1 and Q = L = N real
+    tokens: they are unpacked into the packing's B sequences, attend as those, and the
+    result is packed again."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     prefix = kwargs.pop(PREFIX_KWARG, None)
-    if prefix is None or not prefix.levels:
+    if prefix is None or (not prefix.levels and prefix.packing is None):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     if dropout:
         raise ValueError("cascade attention does not support attention dropout")
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError("cascade attention does not support sliding-window attention")
+    packing = prefix.packing
+    if packing is not None:
+        query, key, value = packing.unpack(query), packing.unpack(key), packing.unpack(value)
     batch, heads, q_len, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     scale = scaling if scaling is not None else dim**-0.5
@@ -164,8 +224,10 @@ def attention(
         out_BKMD = _flash_levels(query_BKMD, key, value, mask, scale, specs, tensors)
     else:
         out_BKMD = _Cascade.apply(query_BKMD, key, value, mask, scale, specs, *tensors)
-    out = out_BKMD.to(dtype).reshape(batch, heads, q_len, dim)
-    return out.transpose(1, 2).contiguous(), None
+    out = out_BKMD.to(dtype).reshape(batch, heads, q_len, dim).transpose(1, 2)
+    if packing is not None:
+        return packing.pack(out), None
+    return out.contiguous(), None
 
 
 # PyTorch's CPU flash-attention kernel: returns the log-normaliser with the output
