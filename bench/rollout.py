@@ -5,19 +5,23 @@
 Same model (float32), same tic-tac-toe prompts (distinct boards: no two requests share
 a whole prompt, but all share the system prompt and tool schema), 64 new tokens,
 temperature 1, no grammar (so jump-forward does not apply): this measures prefill and
-the decoding loop. Columns: looprl's exact float32 engine; looprl sampling from a
+the decoding loop. Columns: looprl's exact float32 engine; the same engine with its
+weight-first linear layers switched off (`F.linear`; shown when the engine's start-up
+timing switched them on, see looprl.engine.weight_first); looprl sampling from a
 bfloat16 copy (`rollout.sampler_dtype=bfloat16`, not exact: its mean |logprob gap| to
-the float32 policy is printed); `generate`. Tokens counted up to and including EOS.
-Prints generated tokens/s (median of the repeats, the three engines interleaved in each
-repeat) and ends with a `RESULT` line: `rollout_speedup_bN` (float32 engine / generate)
-and `rollout_speedup_bf16_bN` (bf16 sampler / generate).
+the float32 policy is printed); `generate`, on its own copy of the model. Tokens are
+counted up to and including EOS. Prints generated tokens/s (median of the repeats, the
+engines interleaved in each repeat) and ends with a `RESULT` line: `rollout_speedup_bN`
+(float32 engine / generate), `rollout_speedup_bf16_bN` (bf16 sampler / generate) and
+`weight_first_speedup_bN` (float32 engine / the same with F.linear).
 
 It also prints a floor for the exact engine at each batch size: the model's matrix
 products alone (every linear layer and the output projection, with the model's own
-weights, on random activations with one row per sequence) for one decode step, times
-the decode steps of an average row of the run, plus the engine's measured prefill. No float32 engine
-doing the same work can beat `floor tok/s` on this machine; `floor_speedup_bN` is that
-bound divided by `generate`'s tokens/s.
+weights, on random activations with one row per sequence; timed as F.linear's x @ W^T
+and as weight-first W @ x^T, the faster counting) for one decode step, times the decode
+steps of an average row of the run, plus the engine's measured prefill. No float32
+engine doing the same work can beat `floor tok/s` on this machine; `floor_speedup_bN`
+is that bound divided by `generate`'s tokens/s.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import time
 import torch
 
 from looprl.chat import ChatRenderer
-from looprl.engine import GenerationRequest, SamplingParams
+from looprl.engine import GenerationRequest, SamplingParams, weight_first
 from looprl.engine.hf import HFEngine
 from looprl.envs.tictactoe import TicTacToeMove
 from looprl.models import load_causal_lm, load_tokenizer
@@ -69,17 +73,19 @@ def logprob_gap(model, batch: list[list[int]], outs) -> float:
 
 
 @torch.inference_mode()
-def matmul_floor(model, rows: int, repeats: int = 5) -> float:
-    """Seconds of one decode step's matrix products at `rows` rows (median of repeats)."""
+def matmul_floor(model, rows: int, repeats: int = 5) -> tuple[float, float]:
+    """Seconds of one decode step's matrix products at `rows` rows (median of repeats), as
+    F.linear (x @ W^T) and weight-first (W @ x^T, see looprl.engine.weight_first)."""
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = [torch.randn(rows, w.shape[1]) for w in weights]
-    times = []
+    times: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(repeats + 1):
-        start = time.perf_counter()
-        for x, w in zip(inputs, weights):
-            torch.nn.functional.linear(x, w)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+        for first in (False, True):
+            start = time.perf_counter()
+            for x, w in zip(inputs, weights):
+                torch.mm(w, x.t()) if first else torch.nn.functional.linear(x, w)
+            times[first].append(time.perf_counter() - start)
+    return statistics.median(times[False][1:]), statistics.median(times[True][1:])
 
 
 @torch.inference_mode()
@@ -126,52 +132,73 @@ def main() -> None:
     tokenizer = load_tokenizer(args.model)
     model = load_causal_lm(args.model, torch.float32).eval()
     renderer = ChatRenderer(tokenizer, model_name=args.model)
+    # `generate` gets its own copy: the engines switch attention and linear layers of theirs
+    reference = load_causal_lm(args.model, torch.float32).eval()
     exact = HFEngine(model, tokenizer, renderer.eos_ids, batch_size=256)
     bf16 = HFEngine(model, tokenizer, renderer.eos_ids, batch_size=256, sampler_dtype="bfloat16")
     sizes = [int(b) for b in args.batches.split(",")]
     pool = prompts(renderer, max(sizes))
     for engine in (exact, bf16):  # warm-up
         run_looprl(engine, pool[:2], 0)
-    run_generate(model, tokenizer, pool[:2], 0)
+    run_generate(reference, tokenizer, pool[:2], 0)
     print(f"{torch.get_num_threads()} threads; tokens/s, median of {args.repeats}")
-    header = f"{'batch':>5} {'looprl':>8} {'bf16 sampler':>13} {'generate':>9}"
+    print(
+        f"weight-first linear layers: float32 engine {exact.weight_first},"
+        f" bf16 sampler {weight_first.enabled(bf16.model)}"
+    )
+    header = f"{'batch':>5} {'looprl':>8} {'F.linear':>9} {'bf16 sampler':>13} {'generate':>9}"
     print(header + f" {'ratio':>6} {'ratio bf16':>11} {'bf16 |gap|':>11}")
     result = {}
     floors = []
     for size in sizes:
         batch = pool[:size]
-        ours, fast, theirs, gaps, produced = [], [], [], [], []
+        ours, linear, fast, theirs, gaps, produced = [], [], [], [], [], []
         for r in range(args.repeats):
             n, s = run_looprl(exact, batch, r)
             ours.append(n / s)
             produced.append(n)
+            if exact.weight_first:  # the same engine with nn.Linear's own form
+                weight_first.enable(model, force=False)
+                n, s = run_looprl(exact, batch, r)
+                linear.append(n / s)
+                weight_first.enable(model, force=True)
             n, s, outs = run_looprl_outputs(bf16, batch, r)
             fast.append(n / s)
-            gaps.append(logprob_gap(model, batch, outs))
-            n, s = run_generate(model, tokenizer, batch, r)
+            gaps.append(logprob_gap(reference, batch, outs))
+            n, s = run_generate(reference, tokenizer, batch, r)
             theirs.append(n / s)
         a, f, b = statistics.median(ours), statistics.median(fast), statistics.median(theirs)
+        plain = f"{statistics.median(linear):>9.1f}" if linear else f"{'-':>9}"
         print(
-            f"{size:>5} {a:>8.1f} {f:>13.1f} {b:>9.1f} {a / b:>6.2f} {f / b:>11.2f}"
+            f"{size:>5} {a:>8.1f} {plain} {f:>13.1f} {b:>9.1f} {a / b:>6.2f} {f / b:>11.2f}"
             f" {statistics.mean(gaps):>11.4f}"
         )
+        if linear:
+            result[f"weight_first_speedup_b{size}"] = f"{a / statistics.median(linear):.2f}"
         floors.append((size, b, statistics.median(produced), exact, batch))
         result[f"rollout_speedup_b{size}"] = f"{a / b:.2f}"
         result[f"rollout_speedup_bf16_b{size}"] = f"{f / b:.2f}"
         result[f"looprl_tok_s_b{size}"] = f"{a:.1f}"
         result[f"looprl_bf16_tok_s_b{size}"] = f"{f:.1f}"
         result[f"generate_tok_s_b{size}"] = f"{b:.1f}"
-    print("floor of the exact engine: matrix products of each decode step + measured prefill")
     print(
-        f"{'batch':>5} {'matmuls/step ms':>16} {'prefill s':>10} {'floor tok/s':>12} {'ratio':>6}"
+        "floor of the exact engine: matrix products of each decode step (the faster of"
+        " x @ W^T and W @ x^T) + measured prefill"
+    )
+    print(
+        f"{'batch':>5} {'x@W^T ms/step':>14} {'W@x^T ms/step':>14} {'prefill s':>10}"
+        f" {'floor tok/s':>12} {'ratio':>6}"
     )
     for size, generate_tok_s, tokens, engine, batch in floors:
-        step = matmul_floor(engine.model, size)
+        plain, first = matmul_floor(engine.model, size)
         prefill = prefill_seconds(engine, batch)
         steps = tokens / size - 1  # decode steps of an average row (its first token: prefill)
-        floor = tokens / (prefill + steps * step)
+        floor = tokens / (prefill + steps * min(plain, first))
         ratio = floor / generate_tok_s
-        print(f"{size:>5} {step * 1e3:>16.1f} {prefill:>10.2f} {floor:>12.1f} {ratio:>6.2f}")
+        print(
+            f"{size:>5} {plain * 1e3:>14.1f} {first * 1e3:>14.1f} {prefill:>10.2f}"
+            f" {floor:>12.1f} {ratio:>6.2f}"
+        )
         result[f"floor_speedup_b{size}"] = f"{ratio:.2f}"
     print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()))
 

@@ -69,6 +69,11 @@ class ModelConfig(Section):
         description="Keep the KV of prompt text that rows share once, not per row, in "
         "rollouts and in the update (SDPA models; others keep their own attention).",
     )
+    weight_first_linear: bool = Field(
+        True,
+        description="On the CPU, run decoding's small-batch linear layers as W @ x^T when "
+        "a timing at engine start finds that form faster on this machine.",
+    )
     tool_format: Literal["auto", "hermes", "llama3", "glm", "mistral"] = Field(
         "auto", description="Tool-call syntax the model writes; auto = detect from template."
     )

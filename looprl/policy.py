@@ -81,6 +81,7 @@ def load_policy(cfg: Config) -> Policy:
         jump_forward=cfg.rollout.jump_forward,
         sampler_dtype=None if cfg.rollout.sampler_dtype == "model" else cfg.rollout.sampler_dtype,
         cascade_attention=cfg.model.cascade_attention,
+        weight_first_linear=cfg.model.weight_first_linear,
     )
     return Policy(model, tokenizer, renderer, engine, device)
 

@@ -247,6 +247,8 @@ def _flash_levels(query, keys, values, mask, scale, specs, level_kv) -> torch.Te
     m = query.shape[2]
     q_len, length = mask.shape[-2], mask.shape[-1]
     own = mask.expand(mask.shape[0], 1, m // q_len, q_len, length).reshape(-1, 1, m, length)
+    # the kernel misreads inputs whose last dim is strided (weight-first linears' outputs)
+    query, keys, values = _unit_stride(query), _unit_stride(keys), _unit_stride(values)
     out, lse = _FLASH_CPU(query, keys, values, attn_mask=_additive(own, query.dtype), scale=scale)
     # the kernel gives a query with no visible own column (left padding) a log-normaliser
     # of 0: it has no mass there
@@ -271,6 +273,10 @@ def _flash_levels(query, keys, values, mask, scale, specs, level_kv) -> torch.Te
     for o, lse in zip(outs, lses):
         merged += o * (lse - total).exp_()[..., None]
     return merged
+
+
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _own_mask(

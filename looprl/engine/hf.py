@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from looprl.engine import Completion, GenerationRequest, SamplingParams, cascade
+from looprl.engine import Completion, GenerationRequest, SamplingParams, cascade, weight_first
 from looprl.engine.grammar import GrammarCache
 from looprl.engine.kv import (
     Part,
@@ -150,6 +150,7 @@ class HFEngine:
         jump_forward: bool = True,
         sampler_dtype: str | torch.dtype | None = None,
         cascade_attention: bool = True,
+        weight_first_linear: bool = True,
     ) -> None:
         self.policy_model = model
         self.model = model  # the module that samples: the policy or its low-precision copy
@@ -167,6 +168,9 @@ class HFEngine:
         self._retained: list[Retained] | None = None  # inside `session()`: the last call's rows
         # the prompts' shared head kept once per batch (cascade attention), where it applies
         self.cascade = cascade.enable(model) if cascade_attention else False
+        # small-batch linear layers as W @ x^T, where this machine runs that form faster
+        self.weight_first_linear = weight_first_linear
+        self.weight_first = weight_first.enable(model) if weight_first_linear else False
 
     @property
     def device(self) -> torch.device:
@@ -202,6 +206,8 @@ class HFEngine:
         if self.model is policy:
             self.model = copy.deepcopy(policy).to(self.sampler_dtype).eval()
             self.model.requires_grad_(False)
+            if self.weight_first_linear:  # measured again: the copy has its own dtype
+                weight_first.enable(self.model)
         elif versions != self._sampler_versions:
             with torch.no_grad():
                 for mine, theirs, old, new in zip(
