@@ -23,7 +23,8 @@ for name in ("tiny", "smollm2"):
     assert gap < 5e-2, "engine and trainer logprobs disagree on the GPU (bf16)"
 PY
 # cascade attention on the GPU: the trainer's logprobs with and without it (float32:
-# equal; bfloat16: no further from the float32 reference than plain SDPA's)
+# equal; bfloat16: no further from the float32 reference than plain SDPA's), and with
+# its suffixes packed and padded
 .venv/bin/python - <<'PY'
 import torch
 from looprl.chat import ChatRenderer
@@ -53,7 +54,11 @@ for dtype in (torch.float32, torch.bfloat16):
         masks = [[0] * len(r.prompt_ids) + [1] * len(o.ids) for r, o in zip(reqs, outs)]
         sampled = torch.tensor([lp for o in outs for lp in o.logprobs], device=cuda)
     with torch.no_grad():
-        ours, mask = sequence_logprobs(model, seqs, masks, 0, cuda, 1.0)
+        ours, mask = sequence_logprobs(model, seqs, masks, 0, cuda, 1.0)  # packed suffixes
+        padded, _ = sequence_logprobs(model, seqs, masks, 0, cuda, 1.0, pack=False)
+        packing_gap = (ours.float() - padded.float())[mask].abs().max().item()
+        print(f"RESULT {dtype} packed_vs_padded={packing_gap:.2e}")
+        assert packing_gap < (1e-4 if dtype == torch.float32 else 5e-2)
         model.set_attn_implementation("sdpa")
         plain, _ = sequence_logprobs(model, seqs, masks, 0, cuda, 1.0)
     ours, plain = ours.float()[mask], plain.float()[mask]
