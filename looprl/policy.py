@@ -146,25 +146,20 @@ def sequence_logprobs(
         )
         positions_BS = prefill.next_pos_C[rows][:, None] + torch.arange(width, device=device)
         lengths = attention_BS.sum(1).tolist()
+        call_ids, call_mask, call_positions = ids_BS, attention_BS, positions_BS
         if pack and 0 < sum(lengths) < len(lengths) * width:
             # one row of the real tokens: no linear layer or norm runs on padding
             packing = cascade.Packing.of(lengths, device)
-            valid_BS = packing.valid_BS
-            inputs = dict(
-                input_ids=ids_BS[valid_BS][None],
-                attention_mask=packing.causal_mask(),
-                position_ids=positions_BS[valid_BS][None],
-                use_cache=False,
-                **prefix_kwargs(cascade.Prefix([*shared, tails], packing)),
-            )
-        else:
-            inputs = dict(
-                input_ids=ids_BS,
-                attention_mask=attention_BS,
-                position_ids=positions_BS,
-                use_cache=False,
-                **prefix_kwargs(cascade.Prefix([*shared, tails])),
-            )
+            call_ids = ids_BS[packing.valid_BS][None]
+            call_mask = packing.causal_mask()
+            call_positions = positions_BS[packing.valid_BS][None]
+        inputs = dict(
+            input_ids=call_ids,
+            attention_mask=call_mask,
+            position_ids=call_positions,
+            use_cache=False,
+            **prefix_kwargs(cascade.Prefix([*shared, tails], packing)),
+        )
         logits_BV = prefill.logits_CV[rows]
     else:
         prefill = prefill.expand()
@@ -208,13 +203,10 @@ def _next_token_logprobs(
 ) -> torch.Tensor:
     """logprobs of ids_BS[:, 1:] from the model's outputs at positions 0..S-2 (a packed
     call's outputs are one row of real tokens: `packing` maps them back)."""
-
-    def unpacked(out_1N: torch.Tensor) -> torch.Tensor:
-        return out_1N if packing is None else out_1N[0][packing.index_BS]
-
     split = decoder_and_head(model)
     if split is None:
-        logits_BSV = unpacked(model(**inputs).logits)[:, :-1, :]
+        logits = model(**inputs).logits
+        logits_BSV = (logits if packing is None else logits[0][packing.index_BS])[:, :-1, :]
         return token_logprobs(logits_BSV, ids_BS[:, 1:], temperature=temperature)
     decoder, head = split
     hidden = decoder(**inputs).last_hidden_state
