@@ -12,6 +12,7 @@ import torch
 from test_engine import (
     assert_same_scores,
     full_forward_logprobs,
+    lora_tiny_model,
     reference_generate,
     scored_with_grads,
 )
@@ -156,18 +157,7 @@ def test_rows_with_different_heads_share_a_batch(tiny_model, tokenizer, renderer
 
 
 def test_trainer_logprobs_and_gradients_match_without_cascade(tokenizer, renderer):
-    from peft import LoraConfig, get_peft_model
-
-    from looprl.models import load_causal_lm
-
-    torch.manual_seed(0)
-    model = get_peft_model(
-        load_causal_lm("tiny-random", torch.float32),
-        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
-    )
-    for name, param in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(param, std=0.05)
+    model = lora_tiny_model(seed=0)
     engine = HFEngine(model, tokenizer, renderer.eos_ids)
     requests = tictactoe_requests(renderer, n=3)
     outs = engine.generate(requests, SamplingParams(max_new_tokens=10, seed=2))
@@ -277,19 +267,9 @@ def test_inference_kernel_path_equals_the_autograd_path(q_len):
 def test_trainer_packs_suffixes_of_different_lengths(tokenizer, renderer, monkeypatch, split_head):
     """Suffixes of different lengths run as one row of their real tokens (no padding
     through the linear layers); logprobs and LoRA gradients equal the padded call's."""
-    from peft import LoraConfig, get_peft_model
-
     from looprl import policy
-    from looprl.models import load_causal_lm
 
-    torch.manual_seed(3)
-    model = get_peft_model(
-        load_causal_lm("tiny-random", torch.float32),
-        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
-    )
-    for name, param in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(param, std=0.05)
+    model = lora_tiny_model(seed=3)
     if not split_head:  # the plain path: full logits from the model, then unpacked
         monkeypatch.setattr(policy, "decoder_and_head", lambda model: None)
     assert cascade.enable(model)
@@ -311,21 +291,10 @@ def test_trainer_packs_suffixes_of_different_lengths(tokenizer, renderer, monkey
     hook.remove()
     suffixes = [len(s) - m.index(1) for s, m in zip(sequences, masks)]
     assert (1, sum(suffixes)) in shapes  # the suffix pass ran packed
-    padded = scored_with_grads_unpacked(model, sequences, masks, 0.9)
+    padded = scored_with_grads(model, sequences, masks, 0.9, pack=False)
     assert_same_scores(packed, padded)
     model.get_base_model().set_attn_implementation("sdpa")
     assert_same_scores(packed, scored_with_grads(model, sequences, masks, 0.9))
-
-
-def scored_with_grads_unpacked(model, sequences, masks, temperature):
-    from looprl.policy import sequence_logprobs
-
-    model.zero_grad()
-    cpu = torch.device("cpu")
-    logp_BS, mask_BS = sequence_logprobs(model, sequences, masks, 0, cpu, temperature, pack=False)
-    (logp_BS * mask_BS).sum().backward()
-    grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
-    return logp_BS[mask_BS].detach(), grads
 
 
 def test_models_with_sliding_windows_keep_their_own_attention():

@@ -21,14 +21,29 @@ def full_forward_logprobs(model, prompt: list[int], completion: list[int]) -> li
     return [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(completion)]
 
 
-def scored_with_grads(model, sequences, masks, temperature: float):
+def lora_tiny_model(seed: int):
+    """The tiny model with LoRA adapters whose B matrices are non-zero (a real gradient
+    path through every adapter)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(
+        load_causal_lm_fresh(), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    )
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.05)
+    return model
+
+
+def scored_with_grads(model, sequences, masks, temperature: float, pack: bool = True):
     """The trainer's logprobs at the loss-masked positions, and the gradients of their
     sum with respect to the trainable parameters."""
     from looprl.policy import sequence_logprobs
 
     model.zero_grad()
     logp_BS, mask_BS = sequence_logprobs(
-        model, sequences, masks, 0, torch.device("cpu"), temperature
+        model, sequences, masks, 0, torch.device("cpu"), temperature, pack=pack
     )
     (logp_BS * mask_BS).sum().backward()
     grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
@@ -260,17 +275,9 @@ def test_models_with_other_cache_layers_keep_working(tokenizer, renderer, free_r
 def test_trainer_logprobs_only_at_masked_positions(tiny_model, tokenizer, renderer, free_requests):
     """The trainer's masked-position path (hidden states, then the output projection
     in chunks) gives the plain full-logits path's values and gradients."""
-    from peft import LoraConfig, get_peft_model
-
     from looprl.policy import decoder_and_head
 
-    torch.manual_seed(0)
-    model = get_peft_model(
-        load_causal_lm_fresh(), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
-    )
-    for name, param in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(param, std=0.05)  # non-zero adapters: a real gradient path
+    model = lora_tiny_model(seed=0)
     engine = HFEngine(model, tokenizer, renderer.eos_ids)
     outs = engine.generate(free_requests[:4], SamplingParams(max_new_tokens=12, seed=1))
     sequences, masks = [], []
