@@ -406,3 +406,42 @@ def test_sampler_draws_from_the_distribution(tiny_model, tokenizer, renderer):
         assert got[4] == 0 and (got[want == 0] == 0).all()
         assert torch.allclose(got, want, atol=4 * (0.25 / n) ** 0.5)  # 4 standard errors
         torch.testing.assert_close(logp, torch.log_softmax(logits / params.temperature, -1)[tokens])
+
+
+def test_inverse_cdf_matches_a_full_float64_cumsum():
+    """The two-level inverse CDF picks the token a full float64 cumsum over the vocabulary
+    would (random rows, masked tokens, trailing zeros, a vocabulary that is no multiple of
+    the block, targets exactly on block boundaries), never a zero-probability token, and
+    the last token with p > 0 when the target reaches the total."""
+    from looprl.engine.hf import CDF_BLOCK, inverse_cdf
+
+    def full(probs, uniform):
+        cdf = probs.cumsum(-1, dtype=torch.float64)
+        chosen = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)
+        return torch.minimum(chosen.squeeze(-1), (cdf < cdf[:, -1:]).sum(-1))
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = 3 * CDF_BLOCK + 77
+    for scale in (0.5, 3.0, 12.0):
+        logits = torch.randn(64, vocab, generator=gen) * scale
+        logits[:16, torch.rand(vocab, generator=gen) < 0.9] = float("-inf")
+        logits[16:32, -CDF_BLOCK - 100 :] = float("-inf")
+        probs = torch.softmax(logits, -1)
+        uniform = torch.rand(64, generator=gen, dtype=torch.float64)
+        uniform[:4] = torch.tensor([0.0, 1 - 2**-53, 0.5, 1e-300], dtype=torch.float64)
+        blocks = probs[32:48, : 2 * CDF_BLOCK].to(torch.float64).sum(-1)
+        uniform[32:48] = blocks / probs[32:48].to(torch.float64).sum(-1)  # on a boundary
+        chosen = inverse_cdf(probs, uniform)
+        off = list(range(32)) + list(range(48, 64))
+        assert torch.equal(chosen[off], full(probs, uniform)[off])
+        assert (probs[torch.arange(64), chosen] > 0).all()
+        # on a boundary either side is right up to float64 rounding: the target lies
+        # between the cumulative sums before and after the chosen token
+        cdf = probs[32:48].cumsum(-1, dtype=torch.float64)
+        target = uniform[32:48] * cdf[:, -1]
+        rows = torch.arange(16)
+        below = torch.where(chosen[32:48] > 0, cdf[rows, chosen[32:48] - 1], 0.0)
+        assert (below <= target + 1e-12).all() and (cdf[rows, chosen[32:48]] > target - 1e-12).all()
+    probs = torch.softmax(torch.tensor([[1.0, 2.0, 0.5, float("-inf"), float("-inf")]]), -1)
+    assert inverse_cdf(probs, torch.tensor([1.0], dtype=torch.float64)).tolist() == [2]
+    assert inverse_cdf(probs, torch.tensor([0.0], dtype=torch.float64)).tolist() == [0]
