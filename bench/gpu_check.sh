@@ -73,3 +73,7 @@ for dtype in (torch.float32, torch.bfloat16):
         print(f"RESULT bf16_gap_to_fp32 cascade={mine:.2e} sdpa={theirs:.2e}")
         assert mine <= 1.25 * theirs + 1e-3
 PY
+# rollout throughput on the GPU: the exact float32 engine against `generate`, batch 32
+# (the 5x target of bench/rollout.py, measured where the CPU's matrix products are not
+# the limit)
+.venv/bin/python bench/rollout.py --device cuda --batches 32 --repeats 2

@@ -1,6 +1,7 @@
 """Rollout throughput: looprl's hf engine vs transformers `generate`, side by side.
 
     .venv/bin/python bench/rollout.py [--model smollm2-135m] [--batches 8,32,64] [--repeats 3]
+                                      [--device cpu|cuda]
 
 Same model (float32), same tic-tac-toe prompts (distinct boards: no two requests share
 a whole prompt, but all share the system prompt and tool schema), 64 new tokens,
@@ -21,7 +22,9 @@ weights, on random activations with one row per sequence; timed as F.linear's x 
 and as weight-first W @ x^T, the faster counting) for one decode step, times the decode
 steps of an average row of the run, plus the engine's measured prefill. No float32
 engine doing the same work can beat `floor tok/s` on this machine; `floor_speedup_bN`
-is that bound divided by `generate`'s tokens/s.
+is that bound divided by `generate`'s tokens/s. With `--device cuda` everything runs on
+the GPU, float32 as on the CPU (the weight-first form is CPU-only: both columns then
+time `F.linear`'s kernels, and the floor's forms are both the GPU's).
 """
 
 from __future__ import annotations
@@ -61,13 +64,21 @@ def run_looprl_outputs(engine: HFEngine, batch: list[list[int]], seed: int) -> t
     return sum(len(o.ids) for o in outs), time.perf_counter() - start, outs
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a timer reads finished work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @torch.inference_mode()
 def logprob_gap(model, batch: list[list[int]], outs) -> float:
     """Mean |sampler logprob - float32 policy logprob| over the generated tokens."""
     gaps = []
+    device = next(model.parameters()).device
     for prompt, out in zip(batch[:8], outs[:8]):
-        logits = model(torch.tensor([prompt + out.ids])).logits[0, len(prompt) - 1 : -1]
-        ref = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(out.ids)[:, None])
+        ids = torch.tensor([prompt + out.ids], device=device)
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float().cpu()
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(out.ids)[:, None])
         gaps.append((ref.squeeze(-1) - torch.tensor(out.logprobs)).abs().mean().item())
     return statistics.mean(gaps)
 
@@ -77,13 +88,16 @@ def matmul_floor(model, rows: int, repeats: int = 5) -> tuple[float, float]:
     """Seconds of one decode step's matrix products at `rows` rows (median of repeats), as
     F.linear (x @ W^T) and weight-first (W @ x^T, see looprl.engine.weight_first)."""
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = [torch.randn(rows, w.shape[1]) for w in weights]
+    device = weights[0].device
+    inputs = [torch.randn(rows, w.shape[1], device=device) for w in weights]
     times: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(repeats + 1):
         for first in (False, True):
+            sync(device)
             start = time.perf_counter()
             for x, w in zip(inputs, weights):
                 torch.mm(w, x.t()) if first else torch.nn.functional.linear(x, w)
+            sync(device)
             times[first].append(time.perf_counter() - start)
     return statistics.median(times[False][1:]), statistics.median(times[True][1:])
 
@@ -94,8 +108,10 @@ def prefill_seconds(engine: HFEngine, batch: list[list[int]], repeats: int = 3) 
 
     times = []
     for _ in range(repeats):
+        sync(engine.device)
         start = time.perf_counter()
         shared_prefill(engine.model, batch, engine.pad_id, engine.device)
+        sync(engine.device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -104,15 +120,18 @@ def prefill_seconds(engine: HFEngine, batch: list[list[int]], repeats: int = 3) 
 def run_generate(model, tokenizer, batch: list[list[int]], seed: int) -> tuple[int, float]:
     longest = max(len(p) for p in batch)
     pad = tokenizer.pad_token_id
-    ids = torch.tensor([[pad] * (longest - len(p)) + p for p in batch])
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in batch])
+    device = next(model.parameters()).device
+    ids = torch.tensor([[pad] * (longest - len(p)) + p for p in batch], device=device)
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in batch], device=device)
     torch.manual_seed(seed)
+    sync(device)
     start = time.perf_counter()
     out = model.generate(
         input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
         top_k=0, max_new_tokens=NEW_TOKENS, pad_token_id=pad,
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
     )  # fmt: skip
+    sync(device)
     seconds = time.perf_counter() - start
     new = out[:, longest:]
     # tokens produced before (and including) each row's EOS
@@ -128,12 +147,14 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--batches", default="8,32,64")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
+    device = torch.device(args.device)
     tokenizer = load_tokenizer(args.model)
-    model = load_causal_lm(args.model, torch.float32).eval()
+    model = load_causal_lm(args.model, torch.float32).to(device).eval()
     renderer = ChatRenderer(tokenizer, model_name=args.model)
     # `generate` gets its own copy: the engines switch attention and linear layers of theirs
-    reference = load_causal_lm(args.model, torch.float32).eval()
+    reference = load_causal_lm(args.model, torch.float32).to(device).eval()
     exact = HFEngine(model, tokenizer, renderer.eos_ids, batch_size=256)
     bf16 = HFEngine(model, tokenizer, renderer.eos_ids, batch_size=256, sampler_dtype="bfloat16")
     sizes = [int(b) for b in args.batches.split(",")]
@@ -141,7 +162,8 @@ def main() -> None:
     for engine in (exact, bf16):  # warm-up
         run_looprl(engine, pool[:2], 0)
     run_generate(reference, tokenizer, pool[:2], 0)
-    print(f"{torch.get_num_threads()} threads; tokens/s, median of {args.repeats}")
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"{where}, {torch.get_num_threads()} threads; tokens/s, median of {args.repeats}")
     print(
         f"weight-first linear layers: float32 engine {exact.weight_first},"
         f" bf16 sampler {weight_first.enabled(bf16.model)}"

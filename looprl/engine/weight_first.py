@@ -80,7 +80,7 @@ def enabled(model: Any) -> bool:
 
 
 @torch.no_grad()
-def _weight_first_is_faster(weights: list[torch.Tensor], repeats: int = 3) -> bool:
+def _weight_first_is_faster(weights: list[torch.Tensor], repeats: int = 5) -> bool:
     """Time one pass over (a memory-sized share of) the weights in each form, interleaved."""
     chosen, size = [], 0
     for w in weights:
