@@ -22,9 +22,14 @@ weights, on random activations with one row per sequence; timed as F.linear's x 
 and as weight-first W @ x^T, the faster counting) for one decode step, times the decode
 steps of an average row of the run, plus the engine's measured prefill. No float32
 engine doing the same work can beat `floor tok/s` on this machine; `floor_speedup_bN`
-is that bound divided by `generate`'s tokens/s. With `--device cuda` everything runs on
-the GPU, float32 as on the CPU (the weight-first form is CPU-only: both columns then
-time `F.linear`'s kernels, and the floor's forms are both the GPU's).
+is that bound divided by `generate`'s tokens/s. The last column, `step_budget_5x_ms_bN`, is
+what one whole decode step (products, attention, sampling, everything) may take for the
+engine to reach 5x `generate`, given the run's tokens, steps and prefill; next to it,
+`looprl_step_ms_bN`, what the exact engine's decode step took (its tokens/s, less the
+prefill). With
+`--device cuda` everything runs on the GPU, float32 as on the CPU (the weight-first form
+is CPU-only: both columns then time `F.linear`'s kernels, and the floor's forms are both
+the GPU's).
 """
 
 from __future__ import annotations
@@ -197,7 +202,7 @@ def main() -> None:
         )
         if linear:
             result[f"weight_first_speedup_b{size}"] = f"{a / statistics.median(linear):.2f}"
-        floors.append((size, b, statistics.median(produced), exact, batch))
+        floors.append((size, a, b, statistics.median(produced), exact, batch))
         result[f"rollout_speedup_b{size}"] = f"{a / b:.2f}"
         result[f"rollout_speedup_bf16_b{size}"] = f"{f / b:.2f}"
         result[f"looprl_tok_s_b{size}"] = f"{a:.1f}"
@@ -208,20 +213,28 @@ def main() -> None:
         " x @ W^T and W @ x^T) + measured prefill"
     )
     print(
-        f"{'batch':>5} {'x@W^T ms/step':>14} {'W@x^T ms/step':>14} {'prefill s':>10}"
-        f" {'floor tok/s':>12} {'ratio':>6}"
+        f"{'batch':>5} {'tokens':>7} {'steps/row':>10} {'x@W^T ms/step':>14} {'W@x^T ms/step':>14}"
+        f" {'prefill s':>10} {'floor tok/s':>12} {'ratio':>6} {'5x budget ms/step':>18}"
+        f" {'looprl ms/step':>15}"
     )
-    for size, generate_tok_s, tokens, engine, batch in floors:
+    for size, looprl_tok_s, generate_tok_s, tokens, engine, batch in floors:
         plain, first = matmul_floor(engine.model, size)
         prefill = prefill_seconds(engine, batch)
         steps = tokens / size - 1  # decode steps of an average row (its first token: prefill)
         floor = tokens / (prefill + steps * min(plain, first))
         ratio = floor / generate_tok_s
+        # what one whole decode step may take for the engine to reach 5x generate, and
+        # what it took (the engine's tokens/s above, less this prefill)
+        budget = (tokens / (5 * generate_tok_s) - prefill) / steps
+        took = (tokens / looprl_tok_s - prefill) / steps
         print(
-            f"{size:>5} {plain * 1e3:>14.1f} {first * 1e3:>14.1f} {prefill:>10.2f}"
-            f" {floor:>12.1f} {ratio:>6.2f}"
+            f"{size:>5} {tokens:>7.0f} {steps:>10.1f} {plain * 1e3:>14.1f} {first * 1e3:>14.1f}"
+            f" {prefill:>10.2f} {floor:>12.1f} {ratio:>6.2f} {budget * 1e3:>18.1f}"
+            f" {took * 1e3:>15.1f}"
         )
         result[f"floor_speedup_b{size}"] = f"{ratio:.2f}"
+        result[f"step_budget_5x_ms_b{size}"] = f"{budget * 1e3:.1f}"
+        result[f"looprl_step_ms_b{size}"] = f"{took * 1e3:.1f}"
     print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()))
 
 
