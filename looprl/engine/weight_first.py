@@ -100,7 +100,8 @@ def _weight_first_is_faster(weights: list[torch.Tensor], repeats: int = 5) -> bo
             torch.mm(w, x.t()) if weight_first else F.linear(x, w)
         return time.perf_counter() - start
 
-    seconds(True), seconds(False)  # warm-up
+    for _ in range(2):  # warm-up (after one pass, a first timing measured a smaller gap)
+        seconds(True), seconds(False)
     plain, first = [], []
     for _ in range(repeats):
         first.append(seconds(True))
