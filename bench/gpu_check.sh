@@ -31,8 +31,8 @@ from looprl.chat import ChatRenderer
 from looprl.engine import GenerationRequest, SamplingParams
 from looprl.engine.hf import HFEngine
 from looprl.envs.tictactoe import TicTacToeMove
-from looprl.models import load_causal_lm, load_tokenizer
-from looprl.policy import sequence_logprobs
+from looprl.model.load import load_causal_lm, load_tokenizer
+from looprl.loop.policy import sequence_logprobs
 
 tok = load_tokenizer("smollm2-135m")
 renderer = ChatRenderer(tok, model_name="smollm2-135m")

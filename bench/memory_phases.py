@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-import looprl.train as train
-import looprl.update as update
+import looprl.loop.train as train
+import looprl.loop.update as update
 from looprl.cli import main
 
 PAGE = os.sysconf("SC_PAGE_SIZE")

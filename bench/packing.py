@@ -30,9 +30,9 @@ import torch
 from looprl.config import load_config
 from looprl.engine import SamplingParams
 from looprl.envs import make_env
-from looprl.policy import load_policy, prompt_length, sequence_logprobs
-from looprl.train import player
-from looprl.update import micro_batches, minibatches
+from looprl.loop.policy import load_policy, prompt_length, sequence_logprobs
+from looprl.loop.train import player
+from looprl.loop.update import micro_batches, minibatches
 
 
 def main() -> None:

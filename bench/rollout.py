@@ -8,7 +8,7 @@ a whole prompt, but all share the system prompt and tool schema), 64 new tokens,
 temperature 1, no grammar (so jump-forward does not apply): this measures prefill and
 the decoding loop. Columns: looprl's exact float32 engine; the same engine with its
 weight-first linear layers switched off (`F.linear`; shown when the engine's start-up
-timing switched them on, see looprl.engine.weight_first); looprl sampling from a
+timing switched them on, see looprl.forward.weight_first); looprl sampling from a
 bfloat16 copy (`rollout.sampler_dtype=bfloat16`, not exact: its mean |logprob gap| to
 the float32 policy is printed); `generate`, on its own copy of the model. Tokens are
 counted up to and including EOS. Prints generated tokens/s (median of the repeats, the
@@ -41,10 +41,11 @@ import time
 import torch
 
 from looprl.chat import ChatRenderer
-from looprl.engine import GenerationRequest, SamplingParams, weight_first
+from looprl.engine import GenerationRequest, SamplingParams
 from looprl.engine.hf import HFEngine
 from looprl.envs.tictactoe import TicTacToeMove
-from looprl.models import load_causal_lm, load_tokenizer
+from looprl.forward import weight_first
+from looprl.model.load import load_causal_lm, load_tokenizer
 
 NEW_TOKENS = 64
 
@@ -91,7 +92,7 @@ def logprob_gap(model, batch: list[list[int]], outs) -> float:
 @torch.inference_mode()
 def matmul_floor(model, rows: int, repeats: int = 5) -> tuple[float, float]:
     """Seconds of one decode step's matrix products at `rows` rows (median of repeats), as
-    F.linear (x @ W^T) and weight-first (W @ x^T, see looprl.engine.weight_first)."""
+    F.linear (x @ W^T) and weight-first (W @ x^T, see looprl.forward.weight_first)."""
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     device = weights[0].device
     inputs = [torch.randn(rows, w.shape[1], device=device) for w in weights]
@@ -109,7 +110,7 @@ def matmul_floor(model, rows: int, repeats: int = 5) -> tuple[float, float]:
 
 @torch.inference_mode()
 def prefill_seconds(engine: HFEngine, batch: list[list[int]], repeats: int = 3) -> float:
-    from looprl.engine.hf import shared_prefill
+    from looprl.forward.prefix import shared_prefill
 
     times = []
     for _ in range(repeats):

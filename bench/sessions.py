@@ -4,7 +4,7 @@
 
 Plays `tictactoe-game` (whole games against the scripted opponent: up to 5 model turns,
 a forced `choose_square` call each turn) with SmolLM2-135M in float32, through the
-rollout loop `looprl run` uses (`looprl.rollout.run_episodes`), twice per repeat with
+rollout loop `looprl run` uses (`looprl.loop.rollout.run_episodes`), twice per repeat with
 the same tasks and seeds:
 
 - **session**: the engine keeps each finished row's KV for the episode's next turn,
@@ -32,8 +32,8 @@ from looprl.chat import ChatRenderer
 from looprl.engine import SamplingParams
 from looprl.engine.hf import HFEngine
 from looprl.envs.tictactoe import TicTacToeGame
-from looprl.models import load_causal_lm, load_tokenizer
-from looprl.rollout import run_episodes
+from looprl.loop.rollout import run_episodes
+from looprl.model.load import load_causal_lm, load_tokenizer
 
 
 class WithoutSession:

@@ -19,7 +19,7 @@ minutes on a 2-core CPU, most of it on the TRL side.
 
 What is timed
 -------------
-- looprl: `looprl.train.run_training` itself (the code `looprl run` runs), into a temp
+- looprl: `looprl.loop.train.run_training` itself (the code `looprl run` runs), into a temp
   folder; the per-step time is its own `perf/step_s` from RUN/metrics.jsonl: from
   sampling the step's tasks to after `update_policy` and the scheduler step. The
   baseline and final eval (set to 1 episode each), checkpointing and the report are
@@ -36,7 +36,7 @@ What is timed
 Settings, and how each maps onto both sides (all are flags; defaults shown)
 --------------------------------------------------------------------------
 - model smollm2-135m, float32, CPU: looprl `model.name/dtype/device`; TRL gets the model
-  and tokenizer that `looprl.models.load_causal_lm` / `load_tokenizer` load (same weights).
+  and tokenizer that `looprl.model.load.load_causal_lm` / `load_tokenizer` load (same weights).
 - LoRA r=16, alpha=32, dropout 0, all linear layers: looprl `model.lora.*` with
   `target_modules="all-linear"`; TRL `peft_config=LoraConfig(..., target_modules="all-linear")`.
 - 8 tasks x group 8 = 64 completions per step: looprl `rollout.tasks_per_step/group_size`
@@ -56,7 +56,7 @@ Settings, and how each maps onto both sides (all are flags; defaults shown)
   steps (one micro-batch each, since gradient_accumulation_steps=1). Because
   gradient_accumulation_steps (1) is not a multiple of 4, TRL recomputes the old
   logprobs of all 64 completions once before the updates, as looprl does. looprl splits
-  whole task groups into minibatches (`looprl.update.minibatches`), so it makes
+  whole task groups into minibatches (`looprl.loop.update.minibatches`), so it makes
   min(updates, tasks) updates; TRL is given that same number.
 - GSPO: looprl `algo.name=gspo` with its defaults eps_low=3e-4, eps_high=4e-4
   (`looprl.config.DEFAULT_CLIP`); TRL `importance_sampling_level="sequence"`,
@@ -87,7 +87,7 @@ the system prompt; TRL gets that text as a plain, non-conversational prompt, and
 TRL's own prompt tokenization (`GRPOTrainer._tokenize_prompts`) gives exactly the ids of
 `ChatRenderer.prompt_ids`, that TRL stops on the same EOS ids, and that both sides saw the
 same tasks at every step (looprl's transcripts vs the TRL reward calls). The TRL reward
-function scores a completion as `looprl.rollout._advance` does: decode the completion
+function scores a completion as `looprl.loop.rollout._advance` does: decode the completion
 ids with the renderer, parse them into an assistant message (`require_call=True`), and
 `env.step(message).reward` in a fresh env reset to the same task.
 
@@ -222,7 +222,7 @@ def settings_argv(s: Settings) -> list[str]:
 
 
 def step_seed(s: Settings, step: int) -> int:
-    """The task (and sampling) seed `looprl.train.run_training` uses at `step` (from 1)."""
+    """The task (and sampling) seed `looprl.loop.train.run_training` uses at `step` (from 1)."""
     return s.seed * 1_000_003 + step
 
 
@@ -264,7 +264,7 @@ def looprl_config(s: Settings) -> Any:
 
 def run_looprl(s: Settings) -> dict[str, Any]:
     """`run_training` into a temp folder; per-step numbers from its metrics and samples."""
-    from looprl.train import run_training
+    from looprl.loop.train import run_training
 
     with tempfile.TemporaryDirectory(prefix="looprl-bench-") as tmp:
         run = Path(tmp) / "run"
@@ -355,7 +355,7 @@ class RewardLog:
         return sum(len(set(g)) == 1 for g in groups)
 
     def score(self, ids: list[int], task_id: str, data: str, seed: int) -> float:
-        """What `looprl.rollout._advance` does with a completion, for a one-turn env."""
+        """What `looprl.loop.rollout._advance` does with a completion, for a one-turn env."""
         from looprl.envs import make_env
         from looprl.types import Task
 
@@ -436,7 +436,7 @@ def run_trl(s: Settings) -> dict[str, Any]:
     from peft import LoraConfig
 
     from looprl.chat import ChatRenderer
-    from looprl.models import load_causal_lm, load_tokenizer
+    from looprl.model.load import load_causal_lm, load_tokenizer
 
     tokenizer = load_tokenizer(s.model)
     model = load_causal_lm(s.model, torch.float32)

@@ -71,7 +71,7 @@ def run(
 ) -> None:
     """Baseline eval → GSPO post-training → retest on the same tasks → report."""
     from looprl.config import load_config
-    from looprl.train import run_training
+    from looprl.loop.train import run_training
 
     if resume and config is None and (out / "config.yaml").exists():
         config = out / "config.yaml"  # continue with the run's own config
@@ -91,7 +91,7 @@ def eval_cmd(
 ) -> None:
     """Evaluate a model (or a run's checkpoint) on the env's held-out tasks."""
     from looprl.config import load_config
-    from looprl.train import run_eval
+    from looprl.loop.train import run_eval
 
     cfg = load_config(config, set_)
     result = run_eval(cfg, checkpoint=checkpoint, out=out)
@@ -108,7 +108,7 @@ def export(
     ] = None,
 ) -> None:
     """Export a run's trained model as a plain transformers folder (LoRA merged)."""
-    from looprl.checkpoint import export_model
+    from looprl.loop.checkpoint import export_model
 
     if not (run_dir / "config.yaml").exists():
         fail(f"{run_dir} is not a run folder (no config.yaml)")
@@ -123,7 +123,7 @@ def export(
 @guarded
 def report(run_dir: Annotated[Path, typer.Argument(help="A run folder.")]) -> None:
     """Regenerate a run's report.md, report.html and plots/ from its run folder."""
-    from looprl.report import regenerate_report
+    from looprl.report.write import regenerate_report
 
     path = regenerate_report(run_dir)
     console.print(f"wrote {path}, {path.with_suffix('.html')} and {path.parent / 'plots'}/")
@@ -151,8 +151,8 @@ def serve(
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
 ) -> None:
     """Serve a model, or a run's trained and baseline model, over an OpenAI-compatible API."""
-    from looprl.inference import load_chat_model
-    from looprl.serve import model_ids, run_server
+    from looprl.apps.inference import load_chat_model
+    from looprl.apps.serve import model_ids, run_server
 
     if variant not in (None, "trained", "baseline", "base"):
         fail(f"--variant {variant}: use trained or baseline (a plain model has only base)")
@@ -181,10 +181,30 @@ def play(
     port: Annotated[int, typer.Option(help="Port of the --web page on 127.0.0.1.")] = 8765,
 ) -> None:
     """Play tic-tac-toe against a model, or a run's trained model, in the terminal or --web."""
-    from looprl.play import run_play
+    from looprl.apps.inference import load_chat_model
+    from looprl.apps.play import (
+        PlayError,
+        PlaySession,
+        check_human,
+        check_temperature,
+        check_variant,
+        play_in_terminal,
+    )
+    from looprl.apps.play_web import serve
 
-    run_play(model, human=human, variant=variant, checkpoint=checkpoint, temperature=temperature,
-             seed=seed, web=web, port=port, console=console)  # fmt: skip
+    mark, _ = check_human(human), check_temperature(temperature)
+    if variant is not None and variant not in ("trained", "baseline", "base"):
+        raise PlayError(f"--variant {variant}: expected trained or baseline")
+    chat_model = load_chat_model(model, checkpoint=checkpoint)
+    chosen = check_variant(chat_model, variant)
+    if web:
+        serve(chat_model, port=port, human=mark, variant=chosen, temperature=temperature,
+              seed=seed, console=console)  # fmt: skip
+    else:
+        play_in_terminal(
+            lambda: PlaySession(chat_model, mark, chosen, temperature=temperature, seed=seed),
+            console,
+        )
 
 
 # ---------------------------------------------------------------- envs
@@ -218,7 +238,7 @@ def envs_show(
     """Print one task exactly as the model sees it: rendered prompt and tool schemas."""
     from looprl.chat import ChatRenderer
     from looprl.envs import make_env
-    from looprl.models import load_tokenizer
+    from looprl.model.load import load_tokenizer
 
     env = make_env(name, _env_args(arg))
     if not callable(getattr(env, "reset", None)):

@@ -7,7 +7,7 @@ import torch
 from hypothesis import settings
 
 from looprl.chat import ChatRenderer
-from looprl.models import load_causal_lm, load_tokenizer
+from looprl.model.load import load_causal_lm, load_tokenizer
 
 # The tiny model is far too small for intra-op threads to pay off; with a busy machine
 # they make every forward pass orders of magnitude slower.

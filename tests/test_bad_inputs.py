@@ -99,7 +99,7 @@ def test_no_eval_or_exec_anywhere_in_looprl():
 def test_remote_code_only_when_the_config_says_so(monkeypatch):
     import transformers
 
-    import looprl.models as models
+    import looprl.model.load as models
 
     seen = []
 

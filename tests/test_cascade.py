@@ -17,10 +17,11 @@ from test_engine import (
     scored_with_grads,
 )
 
-from looprl.engine import GenerationRequest, SamplingParams, cascade
+from looprl.engine import GenerationRequest, SamplingParams
 from looprl.engine.hf import HFEngine
 from looprl.envs.extraction import Extraction
 from looprl.envs.tictactoe import TicTacToeMove
+from looprl.forward import cascade
 
 
 def plain_attention(query, keys, values, mask, scale):
@@ -104,7 +105,7 @@ def tictactoe_requests(renderer, n=4, seed=11):
 
 
 def test_engine_keeps_the_head_once_and_samples_the_same_tokens(tiny_model, tokenizer, renderer):
-    from looprl.engine.hf import shared_prefill
+    from looprl.forward.prefix import shared_prefill
 
     requests = tictactoe_requests(renderer)
     prompts = [r.prompt_ids for r in requests]
@@ -176,8 +177,8 @@ def test_trainer_logprobs_and_gradients_match_without_cascade(tokenizer, rendere
 def test_half_precision_models_attend_in_float32(tokenizer, renderer):
     """A bfloat16 model: the cascade's scores and softmax run in float32 (as SDPA's do),
     so its logprobs are as close to the float32 model's as with plain SDPA."""
-    from looprl.models import load_causal_lm
-    from looprl.policy import sequence_logprobs
+    from looprl.loop.policy import sequence_logprobs
+    from looprl.model.load import load_causal_lm
 
     requests = tictactoe_requests(renderer, n=4)
     exact = load_causal_lm("tiny-random", torch.float32).eval()
@@ -202,7 +203,7 @@ def test_half_precision_models_attend_in_float32(tokenizer, renderer):
 def test_trainer_shares_a_single_prompt_without_copies(tokenizer, renderer, monkeypatch):
     """One distinct prompt (no common head to split off): its KV is still one level that
     all G episodes read, and the results equal the copying path's."""
-    from looprl.models import load_causal_lm
+    from looprl.model.load import load_causal_lm
 
     torch.manual_seed(1)
     model = load_causal_lm("tiny-random", torch.float32)
@@ -238,7 +239,7 @@ def test_inference_kernel_path_equals_the_autograd_path(q_len):
     """Without gradients on the CPU each level runs through the flash kernel and the
     levels merge by log-sum-exp; that equals the autograd function's result, including a
     query that sees none of its own columns (left padding)."""
-    from looprl.engine.cascade import _FLASH_CPU, _Cascade, _flash_levels
+    from looprl.forward.cascade import _FLASH_CPU, _Cascade, _flash_levels
 
     if _FLASH_CPU is None:
         pytest.skip("this PyTorch has no CPU flash-attention kernel")
@@ -267,7 +268,7 @@ def test_inference_kernel_path_equals_the_autograd_path(q_len):
 def test_trainer_packs_suffixes_of_different_lengths(tokenizer, renderer, monkeypatch, split_head):
     """Suffixes of different lengths run as one row of their real tokens (no padding
     through the linear layers); logprobs and LoRA gradients equal the padded call's."""
-    from looprl import policy
+    from looprl.loop import policy
 
     model = lora_tiny_model(seed=3)
     if not split_head:  # the plain path: full logits from the model, then unpacked

@@ -39,7 +39,7 @@ def lora_tiny_model(seed: int):
 def scored_with_grads(model, sequences, masks, temperature: float, pack: bool = True):
     """The trainer's logprobs at the loss-masked positions, and the gradients of their
     sum with respect to the trainable parameters."""
-    from looprl.policy import sequence_logprobs
+    from looprl.loop.policy import sequence_logprobs
 
     model.zero_grad()
     logp_BS, mask_BS = sequence_logprobs(
@@ -231,7 +231,7 @@ def test_finished_rows_leave_and_waiting_ones_join(tiny_model, tokenizer, render
 def test_shared_prefix_runs_once(tiny_model, tokenizer, renderer, free_requests):
     """The tic-tac-toe prompts share their system prompt and tool schema: prefill runs it
     once at batch 1, then only the distinct tails (5 of them)."""
-    from looprl.engine.hf import shared_prefill
+    from looprl.forward.prefix import shared_prefill
 
     shapes: list[tuple[int, ...]] = []
     hook = tiny_model.register_forward_hook(
@@ -275,7 +275,7 @@ def test_models_with_other_cache_layers_keep_working(tokenizer, renderer, free_r
 def test_trainer_logprobs_only_at_masked_positions(tiny_model, tokenizer, renderer, free_requests):
     """The trainer's masked-position path (hidden states, then the output projection
     in chunks) gives the plain full-logits path's values and gradients."""
-    from looprl.policy import decoder_and_head
+    from looprl.loop.policy import decoder_and_head
 
     model = lora_tiny_model(seed=0)
     engine = HFEngine(model, tokenizer, renderer.eos_ids)
@@ -291,7 +291,7 @@ def test_trainer_logprobs_only_at_masked_positions(tiny_model, tokenizer, render
 
 
 def load_causal_lm_fresh():
-    from looprl.models import load_causal_lm
+    from looprl.model.load import load_causal_lm
 
     return load_causal_lm("tiny-random", torch.float32)
 
@@ -413,7 +413,7 @@ def test_inverse_cdf_matches_a_full_float64_cumsum():
     would (random rows, masked tokens, trailing zeros, a vocabulary that is no multiple of
     the block, targets exactly on block boundaries), never a zero-probability token, and
     the last token with p > 0 when the target reaches the total."""
-    from looprl.engine.hf import CDF_BLOCK, inverse_cdf
+    from looprl.engine.sampling import CDF_BLOCK, inverse_cdf
 
     def full(probs, uniform):
         cdf = probs.cumsum(-1, dtype=torch.float64)

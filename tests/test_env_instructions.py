@@ -22,7 +22,7 @@ from looprl.envs.instructions import (
     split_of,
 )
 from looprl.errors import EnvError
-from looprl.sft import demo_episode
+from looprl.loop.sft import demo_episode
 from looprl.types import Message, Task
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from looprl.config import config_from_dict
 from looprl.errors import LoopRLError
-from looprl.train import run_training
+from looprl.loop.train import run_training
 
 
 def _config(budget: int) -> dict:

@@ -1,4 +1,4 @@
-"""`looprl.inference`: chat on a model or a run, forced calls, batching, variants."""
+"""`looprl.apps.inference`: chat on a model or a run, forced calls, batching, variants."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from looprl.checkpoint import trainable_state
+from looprl.apps.inference import ChatModel, InferenceError, load_chat_model
 from looprl.config import config_from_dict, to_yaml
-from looprl.inference import ChatModel, InferenceError, load_chat_model
-from looprl.policy import load_policy
+from looprl.loop.checkpoint import trainable_state
+from looprl.loop.policy import load_policy
 from looprl.types import Message, ToolCall
 
 SQUARE = {

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-import looprl.train as train
+import looprl.loop.train as train
 from looprl.config import config_from_dict
 
 

@@ -12,10 +12,10 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
+from looprl.apps.play import PlayError, PlaySession, move_prompt, play_in_terminal, swap_marks
 from looprl.cli import app
 from looprl.envs.tictactoe import CHOOSE_SQUARE_TOOL, TicTacToeMove
 from looprl.envs.tictactoe_board import render_board
-from looprl.play import PlayError, PlaySession, move_prompt, play_in_terminal, swap_marks
 from looprl.types import Message, Task, ToolCall
 
 ENV = {"COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from looprl.play import PlaySession, check_variant
-from looprl.play_web import PlayServer
+from looprl.apps.play import PlaySession, check_variant
+from looprl.apps.play_web import PlayServer
 from tests.test_play import ScriptedModel
 
 CHROMIUM = "/usr/bin/chromium"
@@ -154,7 +154,7 @@ def test_page_switches_variants_and_shows_a_forfeit(browser):
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    from looprl.inference import load_chat_model
+    from looprl.apps.inference import load_chat_model
 
     return load_chat_model("tiny-random", device="cpu")
 
@@ -182,8 +182,8 @@ def test_a_busy_port_is_a_clear_error():
 
     from rich.console import Console
 
-    from looprl.play import PlayError
-    from looprl.play_web import serve
+    from looprl.apps.play import PlayError
+    from looprl.apps.play_web import serve
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import looprl.update as update
-from looprl.checkpoint import list_checkpoints, load_weights, save_checkpoint
+import looprl.loop.update as update
 from looprl.config import Config, config_from_dict
 from looprl.errors import LoopRLError
-from looprl.train import run_training
+from looprl.loop.checkpoint import list_checkpoints, load_weights, save_checkpoint
+from looprl.loop.train import run_training
 
 TOY = [
     "--set", "model.name=tiny-random",
@@ -111,7 +111,7 @@ def test_killed_checkpoint_writer_leaves_the_previous_checkpoint(tmp_path):
 import os, signal, sys, torch
 sys.path.insert(0, {str(TESTS)!r})
 from pathlib import Path
-import looprl.checkpoint as ck
+import looprl.loop.checkpoint as ck
 model = torch.nn.Linear(3, 3)
 opt = torch.optim.AdamW(model.parameters())
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from looprl.config import load_config, to_yaml
-from looprl.report import paired_difference, paired_stats, regenerate_report, write_report
+from looprl.report.write import paired_difference, paired_stats, regenerate_report, write_report
 
 DATA_URI = '<img src="data:image/png;base64,'
 HOSTILE = "<script>document.title='PWNED'</script> ``` </pre> & |"

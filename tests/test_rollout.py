@@ -23,7 +23,7 @@ from looprl.envs.tictactoe import (
     positions,
     winning_moves,
 )
-from looprl.rollout import run_episodes
+from looprl.loop.rollout import run_episodes
 from looprl.types import ENV_ERROR, PARSE_FAILURES, TRUNCATED, Episode, Task, ToolCall
 
 TOOLS = [CHOOSE_SQUARE_TOOL]

@@ -16,8 +16,8 @@ import openai
 import pytest
 import uvicorn
 
-from looprl.inference import ChatModel, InferenceError, load_chat_model
-from looprl.serve import create_app
+from looprl.apps.inference import ChatModel, InferenceError, load_chat_model
+from looprl.apps.serve import create_app
 from tests.test_inference import RESIGN, SQUARE, count_engine_calls
 
 TOOLS = [SQUARE, RESIGN]
@@ -329,7 +329,7 @@ def test_cli_serve_help_and_early_errors():
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     from looprl.config import config_from_dict
-    from looprl.train import run_training
+    from looprl.loop.train import run_training
 
     cfg = config_from_dict(
         {

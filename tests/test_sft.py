@@ -7,8 +7,8 @@ import json
 
 from looprl.config import config_from_dict
 from looprl.envs.tictactoe import TicTacToeMove, score_move
-from looprl.sft import demo_episode
-from looprl.train import run_training
+from looprl.loop.sft import demo_episode
+from looprl.loop.train import run_training
 
 
 def test_demo_episode_tokens_and_mask(renderer, tokenizer):

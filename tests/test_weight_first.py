@@ -9,10 +9,11 @@ import torch
 import torch.nn.functional as F
 from test_engine import reference_generate
 
-from looprl.engine import GenerationRequest, SamplingParams, weight_first
+from looprl.engine import GenerationRequest, SamplingParams
 from looprl.engine.hf import HFEngine
 from looprl.envs.tictactoe import TicTacToeMove
-from looprl.models import load_causal_lm
+from looprl.forward import weight_first
+from looprl.model.load import load_causal_lm
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -28,9 +28,11 @@ from typing import Any
 
 import torch
 
-from looprl.engine import Completion, GenerationRequest, SamplingParams, cascade, weight_first
+from looprl.engine import Completion, GenerationRequest, SamplingParams
 from looprl.engine.grammar import GrammarCache
-from looprl.engine.kv import (
+from looprl.engine.sampling import filter_top_k_top_p, inverse_cdf
+from looprl.forward import cascade, weight_first
+from looprl.forward.kv import (
     Part,
     Retained,
     bufferable,
@@ -40,104 +42,8 @@ from looprl.engine.kv import (
     retain,
     select,
 )
-from looprl.memory import release_free_memory
-
-MIN_SHARED_PREFIX = 16  # shorter common prefixes are not worth a pass of their own
-
-
-def shared_prefill(
-    model: Any,
-    prompts: list[list[int]],
-    pad_id: int,
-    device: torch.device,
-    min_shared: int = MIN_SHARED_PREFIX,
-    use_cascade: bool | None = None,
-) -> Part:
-    """Prefill with prefix sharing at two levels.
-
-    1. The G samples of a task have the same prompt: each distinct prompt is prefilled
-       once (cache row), and its rows point at it (`Part.cache_rows`).
-    2. The distinct prompts of one env usually share a long head (system prompt, tool
-       schemas): that common prefix is run once, at batch 1, and each distinct prompt
-       runs only its own tail on top of it. With cascade attention (`cascade.enable`)
-       the head's KV stays one copy, the part's `prefix`, and the cache holds only the
-       tails; otherwise the head is copied to every cache row, the tails left-padded
-       after it (the gap masked). Positions count real tokens, so every token sees
-       exactly the positions and keys a plain forward of its own prompt would give it.
-    Only the last position's logits are computed. Under autograd the shared passes
-    receive the gradients of every row that uses them (the trainer relies on that)."""
-    unique: dict[tuple[int, ...], int] = {}
-    rows_of = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
-    distinct = list(unique)
-    shared = 0
-    if len(distinct) > 1:
-        # keep >= 1 own token per prompt: its last logits come from the tail pass
-        shared = min(len(_common_prefix(distinct)), min(len(p) for p in distinct) - 1)
-        shared = shared if shared >= min_shared else 0
-    rows = torch.tensor(rows_of, dtype=torch.long, device=device)
-    empty = torch.empty((len(distinct), 0), dtype=torch.long, device=device)
-    start = Part(None, rows, empty, torch.zeros(len(distinct), dtype=torch.long, device=device))
-    if shared:
-        head = torch.tensor([distinct[0][:shared]], dtype=torch.long, device=device)
-        cache = model(input_ids=head, use_cache=True, logits_to_keep=1).cache
-        next_pos = torch.full_like(start.next_pos_C, shared)
-        if use_cascade is None:
-            use_cascade = cascade.enabled(model)
-        if use_cascade and bufferable(cache):
-            level = cascade.Level(
-                [layer.keys for layer in cache.layers],
-                [layer.values for layer in cache.layers],
-                tokens=tuple(distinct[0][:shared]),
-            )
-            start = Part(None, rows, empty, next_pos, prefix=cascade.Prefix([level]))
-        else:
-            cache.batch_select_indices(torch.zeros(len(distinct), dtype=torch.long, device=device))
-            attention = torch.ones((len(distinct), shared), dtype=torch.long, device=device)
-            start = Part(cache, rows, attention, next_pos)
-    return extend(model, start, [p[shared:] for p in distinct], pad_id)
-
-
-def extend(model: Any, part: Part, tails: list[list[int]], pad_id: int) -> Part:
-    """Run each cache row's own tail (>= 1 token) on top of its cached columns (and the
-    part's prefix), left-padded after them (the gap masked); positions continue from each
-    row's next position. Returns the extended part with the logits that predict each
-    row's next token."""
-    device = part.next_pos_C.device
-    longest = max(len(t) for t in tails)
-    ids_CT = torch.full((len(tails), longest), pad_id, dtype=torch.long)
-    attention_CT = torch.zeros((len(tails), longest), dtype=torch.long)
-    for row, tail in enumerate(tails):
-        ids_CT[row, longest - len(tail) :] = torch.tensor(tail, dtype=torch.long)
-        attention_CT[row, longest - len(tail) :] = 1
-    ids_CT, attention_CT = ids_CT.to(device), attention_CT.to(device)
-    positions_CT = part.next_pos_C[:, None] + (attention_CT.cumsum(-1) - 1).clamp(min=0)
-    attention_CL = torch.cat([part.attention_CL[:, : part.width], attention_CT], 1)
-    out = model(
-        input_ids=ids_CT,
-        attention_mask=attention_CL,
-        position_ids=positions_CT,
-        cache=part.cache,
-        use_cache=True,
-        logits_to_keep=1,
-        **prefix_kwargs(part.prefix),
-    )
-    next_pos = positions_CT[:, -1] + 1
-    return Part(
-        out.cache, part.cache_rows, attention_CL, next_pos, out.logits[:, -1, :], None, part.prefix
-    )
-
-
-def prefix_kwargs(prefix: cascade.Prefix | None) -> dict[str, Any]:
-    """The model-call kwargs that make cascade attention read `prefix` (none without)."""
-    return {} if prefix is None else {cascade.PREFIX_KWARG: prefix}
-
-
-def _common_prefix(seqs: list[tuple[int, ...]]) -> tuple[int, ...]:
-    first, last = min(seqs), max(seqs)  # lexicographic extremes bound every common prefix
-    n = 0
-    while n < min(len(first), len(last)) and first[n] == last[n]:
-        n += 1
-    return first[:n]
+from looprl.forward.prefix import extend, prefix_kwargs, shared_prefill
+from looprl.model.memory import release_free_memory
 
 
 class HFEngine:
@@ -498,7 +404,7 @@ class HFEngine:
             if params.temperature <= 0:
                 chosen_L = candidates_LV.argmax(dim=-1)
             else:
-                candidates_LV = _filter_top_k_top_p(candidates_LV, params.top_k, params.top_p)
+                candidates_LV = filter_top_k_top_p(candidates_LV, params.top_k, params.top_p)
                 uniform_L = torch.cat(
                     [torch.rand(1, generator=rows[j].generator, dtype=torch.float64) for j in live]
                 )
@@ -538,52 +444,3 @@ class _Row:
     done: bool = False
     finish: str = "length"
     fed: int = 0  # generated tokens that went through the model (their KV is cached)
-
-
-CDF_BLOCK = 512  # tokens per block of the two-level inverse CDF
-
-
-def inverse_cdf(probs_LV: torch.Tensor, uniform_L: torch.Tensor) -> torch.Tensor:
-    """Per row, the first token whose cumulative probability (float64) exceeds U * total:
-    a draw from the row's distribution for U ~ U[0, 1). A token chosen this way has
-    p > 0 (its cumulative sum steps past the target there).
-
-    Two levels instead of one cumsum over the vocabulary: float64 block sums and their
-    cumsum find the block that holds the target, then a cumsum within that block alone
-    finds the token. Identical to the full cumsum except where the target lies within
-    float64 rounding (~1e-16) of a boundary; a full float64 cumsum over 32 x 49,152
-    probabilities takes ~8.6 ms on 2 CPU cores, this ~0.7 ms. Where rounding puts the
-    target past the end of its block (or of the distribution), the last token with p > 0
-    up to there is taken."""
-    rows, vocab = probs_LV.shape
-    pad = (-vocab) % CDF_BLOCK
-    padded = torch.nn.functional.pad(probs_LV, (0, pad)) if pad else probs_LV
-    blocks_LNB = padded.reshape(rows, -1, CDF_BLOCK)
-    n_blocks = blocks_LNB.shape[1]
-    block_cdf_LN = blocks_LNB.sum(-1, dtype=torch.float64).cumsum(-1)
-    target_L = uniform_L.to(torch.float64) * block_cdf_LN[:, -1]
-    block_L = torch.searchsorted(block_cdf_LN, target_L[:, None], right=True).squeeze(-1)
-    inside_L = block_L.clamp(max=n_blocks - 1)
-    index_L = torch.arange(rows, device=probs_LV.device)
-    before_L = block_cdf_LN[index_L, (inside_L - 1).clamp(min=0)].masked_fill(inside_L == 0, 0.0)
-    cdf_LB = blocks_LNB[index_L, inside_L].cumsum(-1, dtype=torch.float64) + before_L[:, None]
-    offset_L = torch.searchsorted(cdf_LB, target_L[:, None], right=True).squeeze(-1)
-    chosen_L = inside_L * CDF_BLOCK + offset_L
-    for row in ((block_L >= n_blocks) | (offset_L >= CDF_BLOCK)).nonzero().flatten().tolist():
-        end = min(int(inside_L[row]) * CDF_BLOCK + CDF_BLOCK, vocab)
-        chosen_L[row] = (probs_LV[row, :end] > 0).nonzero().max()
-    return chosen_L
-
-
-def _filter_top_k_top_p(logits_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if top_k > 0 and top_k < logits_BV.shape[-1]:
-        kth = torch.topk(logits_BV, top_k, dim=-1).values[:, -1:]
-        logits_BV = logits_BV.masked_fill(logits_BV < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, sorted_idx = torch.sort(logits_BV, descending=True, dim=-1)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        # drop a token when the mass *before* it already reaches top_p (keeps >= 1 token)
-        drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
-        drop = drop_sorted.scatter(-1, sorted_idx, drop_sorted)
-        logits_BV = logits_BV.masked_fill(drop, float("-inf"))
-    return logits_BV

@@ -79,7 +79,7 @@ def _import_class(spec: str) -> type:
     cls = getattr(module, attr, None)
     if cls is None:
         raise EnvError(f"module {module_name!r} has no attribute {attr!r}")
-    # An agent environment (looprl.agents) has `run_agent` instead of `reset` and `step`.
+    # An agent environment (looprl.openai.agents) has `run_agent` instead of `reset` and `step`.
     needed = ("tasks", "run_agent") if hasattr(cls, "run_agent") else ("tasks", "reset", "step")
     missing = [m for m in needed if not callable(getattr(cls, m, None))]
     if missing:

@@ -17,9 +17,9 @@ from looprl.chat import ChatRenderer
 from looprl.config import Config
 from looprl.envs import demonstrations
 from looprl.errors import EnvError
-from looprl.policy import Policy, sequence_logprobs
+from looprl.loop.policy import Policy, sequence_logprobs
+from looprl.loop.update import micro_batches
 from looprl.types import Episode, Task
-from looprl.update import micro_batches
 
 
 def demo_episode(env: Any, task: Task, renderer: ChatRenderer) -> Episode:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from looprl.engine.cascade import Prefix
+from looprl.forward.cascade import Prefix
 
 
 class BufferLayer(DynamicLayer):

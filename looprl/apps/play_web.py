@@ -1,4 +1,4 @@
-"""`looprl play --web`: the game of `looprl.play` in a small local web page.
+"""`looprl play --web`: the game of `looprl.apps.play` in a small local web page.
 
 A stdlib HTTP server on 127.0.0.1 serves one self-contained page (inline CSS and JS, no
 external assets) and three JSON endpoints; games are `PlaySession`s kept in memory and
@@ -23,12 +23,12 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
-from looprl.play import PlayError, PlaySession
+from looprl.apps.play import PlayError, PlaySession
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from looprl.inference import ChatModel
+    from looprl.apps.inference import ChatModel
 
 MAX_GAMES = 256  # the oldest games are forgotten beyond this
 

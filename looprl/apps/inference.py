@@ -32,12 +32,12 @@ from typing import Any
 import jsonschema
 
 from looprl.chat import ChatRenderer
-from looprl.checkpoint import list_checkpoints, load_weights
 from looprl.config import Config, config_from_dict, load_config
 from looprl.engine import GenerationRequest, SamplingParams, ToolConstraint
 from looprl.engine.hf import HFEngine
 from looprl.errors import ChatError, ConfigError, LoopRLError
-from looprl.policy import Policy, load_policy, pick_device, pick_dtype
+from looprl.loop.checkpoint import list_checkpoints, load_weights
+from looprl.loop.policy import Policy, load_policy, pick_device, pick_dtype
 from looprl.types import Message
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -303,7 +303,7 @@ class ChatModel:
     def _load_baseline_engine(self) -> HFEngine:
         """Full fine-tune: the untouched base weights, as a second model (first use only)."""
         if self._baseline_engine is None:
-            from looprl.models import load_causal_lm
+            from looprl.model.load import load_causal_lm
 
             model_cfg = self._cfg.model
             device = pick_device(model_cfg.device)

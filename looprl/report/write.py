@@ -7,7 +7,7 @@ final evaluation play the same episodes in the same order, so the headline numbe
 paired difference, with a bootstrap CI that resamples whole tasks: the episodes of one
 task share a board and are not independent of each other.
 
-Both formats are rendered (in looprl/plots.py) from one list of blocks, so they cannot
+Both formats are rendered (in looprl/report/plots.py) from one list of blocks, so they cannot
 disagree.
 """
 
@@ -23,7 +23,7 @@ import numpy as np
 
 from looprl.config import Config, load_config
 from looprl.errors import ConfigError
-from looprl.plots import finite, render_html, render_markdown
+from looprl.report.plots import finite, render_html, render_markdown
 
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 0
@@ -171,7 +171,7 @@ def write_report(
 ) -> Path:
     """Write RUN/report.md, RUN/report.html and RUN/plots/*.png; return report.md's path.
     `final` is None for a run that stopped before its retest (a partial report)."""
-    from looprl.plots import plot_before_after, plot_curves, plot_outcomes
+    from looprl.report.plots import plot_before_after, plot_curves, plot_outcomes
 
     rows = read_metrics(run_dir)
     plots = run_dir / "plots"

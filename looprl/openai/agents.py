@@ -6,7 +6,7 @@ An agent environment is a class with `name`, `description`, `outcomes`, `reward_
     async def run_agent(self, client, task) -> AgentResult(reward, outcome, info)
 
 where `client` is an `openai.AsyncOpenAI` answered in-process by the policy being trained
-(see looprl/proxy.py for what a call may ask and how calls become one token trajectory).
+(see looprl/openai/proxy.py for what a call may ask and how calls become one token trajectory).
 `run_agents` plays a rollout of such episodes with the same signature as
 `rollout.run_episodes`, so training, evaluation, reports and resume work unchanged.
 
@@ -161,7 +161,7 @@ async def _play(
     max_turns: int,
     max_episode_tokens: int,
 ) -> list[Episode]:
-    from looprl.proxy import AgentSession
+    from looprl.openai.proxy import AgentSession
 
     batcher = _Batcher(engine, params, live=len(tasks))
     sessions = [
@@ -196,7 +196,7 @@ async def _episode(
     task: Task, make_env: Callable[[], Any], session: Any, batcher: _Batcher
 ) -> Episode:
     """Run one agent and turn its session into an Episode."""
-    from looprl.proxy import openai_client
+    from looprl.openai.proxy import openai_client
 
     episode = Episode(task=task, messages=[], token_ids=[], loss_mask=[], logprobs=[])
     result: AgentResult | None = None
@@ -228,7 +228,7 @@ async def _with_timeout(agent: Any) -> Any:
         await asyncio.gather(running, return_exceptions=True)
         raise AgentResultError(
             f"the agent was still running after {EPISODE_TIMEOUT_S:.0f} s "
-            "(looprl.agents.EPISODE_TIMEOUT_S)"
+            "(looprl.openai.agents.EPISODE_TIMEOUT_S)"
         )
     return running.result()
 
@@ -241,7 +241,7 @@ def _check_result(result: Any, env: Any) -> AgentResult:
     if not isinstance(result, AgentResult):
         raise AgentResultError(
             f"run_agent returned {type(result).__name__} {result!r:.80}; it must return "
-            "looprl.agents.AgentResult(reward, outcome, info)"
+            "looprl.openai.agents.AgentResult(reward, outcome, info)"
         )
     reward, outcome = result.reward, result.outcome
     if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):

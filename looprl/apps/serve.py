@@ -1,7 +1,7 @@
 """`looprl serve`: an OpenAI-compatible HTTP server in front of a `ChatModel`.
 
 Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/chat/completions` (wire format in
-`looprl/openai_api.py`). A served run answers to three model ids: "NAME" (the variant
+`looprl/openai/wire.py`). A served run answers to three model ids: "NAME" (the variant
 chosen with `--variant`, "trained" by default), "NAME:trained" and "NAME:baseline".
 
 Batching: one worker thread owns the model. It takes the first waiting request, keeps
@@ -31,8 +31,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from looprl.inference import ChatModel, InferenceError
-from looprl.openai_api import (
+from looprl.apps.inference import ChatModel, InferenceError
+from looprl.openai.wire import (
     APIError,
     ChatCompletionRequest,
     chat_kwargs,
@@ -43,7 +43,7 @@ from looprl.openai_api import (
     validation_error,
 )
 
-log = logging.getLogger("looprl.serve")
+log = logging.getLogger("looprl.apps.serve")
 DEFAULT_MAX_TOKENS = 256  # when a request sets neither max_tokens nor max_completion_tokens
 
 

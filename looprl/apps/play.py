@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -41,7 +40,7 @@ from looprl.errors import LoopRLError
 from looprl.types import Message
 
 if TYPE_CHECKING:
-    from looprl.inference import ChatModel
+    from looprl.apps.inference import ChatModel
 
 MAX_TOKENS = 64  # a forced choose_square call takes ~25 tokens in any call syntax
 STATUS_TEXT = {
@@ -284,37 +283,3 @@ def _play_one_game(session: PlaySession, console: Console, ask: Callable[[str], 
             show_turn(console, turn)
         console.print(board_table(session.board))
     console.print(f"[bold]{STATUS_TEXT[session.status]}[/]")
-
-
-def run_play(
-    spec: str,
-    *,
-    human: str,
-    variant: str | None,
-    checkpoint: Path | None,
-    temperature: float,
-    seed: int | None,
-    web: bool,
-    port: int,
-    console: Console,
-    ask: Callable[[str], str] | None = None,
-) -> None:
-    """`looprl play`: check the options, load the model, then play in the terminal or web."""
-    mark, _ = check_human(human), check_temperature(temperature)
-    if variant is not None and variant not in ("trained", "baseline", "base"):
-        raise PlayError(f"--variant {variant}: expected trained or baseline")
-    from looprl.inference import load_chat_model
-
-    model = load_chat_model(spec, checkpoint=checkpoint)
-    chosen = check_variant(model, variant)
-
-    def new_session() -> PlaySession:
-        return PlaySession(model, mark, chosen, temperature=temperature, seed=seed)
-
-    if web:
-        from looprl.play_web import serve
-
-        serve(model, port=port, human=mark, variant=chosen, temperature=temperature,
-              seed=seed, console=console)  # fmt: skip
-    else:
-        play_in_terminal(new_session, console, ask)

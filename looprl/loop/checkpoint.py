@@ -119,7 +119,7 @@ def export_model(run_dir: Path, out: Path, checkpoint: Path | None = None) -> Pa
     """Write a plain transformers model folder (LoRA merged into the weights) plus the
     tokenizer, loadable with `AutoModelForCausalLM.from_pretrained(out)`."""
     from looprl.config import load_config
-    from looprl.policy import load_policy
+    from looprl.loop.policy import load_policy
 
     cfg = load_config(run_dir / "config.yaml", ["model.device=cpu"])
     checkpoints = list_checkpoints(run_dir)

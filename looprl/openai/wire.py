@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from looprl.inference import ChatChoice
+from looprl.apps.inference import ChatChoice
 from looprl.types import Message, ToolCall
 
 # ---------------------------------------------------------------- errors

@@ -43,11 +43,11 @@ from typing import Any
 
 import pydantic
 
+from looprl.apps.inference import ChatChoice, InferenceError, _check_tool_choice, parse_reply
 from looprl.chat import ChatRenderer
 from looprl.engine import Completion, GenerationRequest, ToolConstraint
 from looprl.errors import ChatError
-from looprl.inference import ChatChoice, InferenceError, _check_tool_choice, parse_reply
-from looprl.openai_api import (
+from looprl.openai.wire import (
     APIError,
     ChatCompletionRequest,
     chat_kwargs,

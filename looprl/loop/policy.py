@@ -11,11 +11,12 @@ import torch
 from looprl.algo import head_logprobs, token_logprobs
 from looprl.chat import ChatRenderer
 from looprl.config import Config
-from looprl.engine import cascade
-from looprl.engine.hf import HFEngine, prefix_kwargs, shared_prefill
-from looprl.engine.kv import bufferable
+from looprl.engine.hf import HFEngine
 from looprl.errors import ConfigError
-from looprl.models import base_model, load_causal_lm, load_tokenizer
+from looprl.forward import cascade
+from looprl.forward.kv import bufferable
+from looprl.forward.prefix import prefix_kwargs, shared_prefill
+from looprl.model.load import base_model, load_causal_lm, load_tokenizer
 
 
 @dataclass

@@ -34,23 +34,23 @@ import numpy as np
 import torch
 
 from looprl.algo import batch_advantages, dynamic_sampling_keep
-from looprl.checkpoint import (
+from looprl.config import Config, to_yaml
+from looprl.engine import SamplingParams
+from looprl.envs import make_env
+from looprl.errors import ConfigError, LoopRLError
+from looprl.loop.checkpoint import (
     list_checkpoints,
     load_training_state,
     load_weights,
     save_checkpoint,
 )
-from looprl.config import Config, to_yaml
-from looprl.engine import SamplingParams
-from looprl.envs import make_env
-from looprl.errors import ConfigError, LoopRLError
-from looprl.evaluate import eval_result, summarize
-from looprl.log import MetricsLogger, write_samples
-from looprl.policy import Policy, load_policy
-from looprl.report import write_report
-from looprl.rollout import run_episodes
+from looprl.loop.evaluate import eval_result, summarize
+from looprl.loop.log import MetricsLogger, write_samples
+from looprl.loop.policy import Policy, load_policy
+from looprl.loop.rollout import run_episodes
+from looprl.loop.update import UpdateState, update_policy
+from looprl.report.write import write_report
 from looprl.types import ENV_ERROR
-from looprl.update import UpdateState, update_policy
 
 # ============================================================================ the loop
 
@@ -307,8 +307,8 @@ def evaluate(
 
 def player(cfg: Config, policy: Policy, probe: Any) -> Any:
     """`play(tasks, params=...) -> episodes` with this policy, in fresh env instances
-    (agent environments, which have `run_agent`, are played by looprl.agents)."""
-    from looprl.agents import is_agent_env, run_agents
+    (agent environments, which have `run_agent`, are played by looprl.openai.agents)."""
+    from looprl.openai.agents import is_agent_env, run_agents
 
     return partial(
         run_agents if is_agent_env(probe) else run_episodes,
@@ -371,7 +371,7 @@ def prepare_run_dir(out: Path, force: bool, resume: bool) -> Path:
 
 def warm_start(policy: Policy, probe: Any, cfg: Config, run_dir: Path) -> None:
     """SFT steps on demonstrations of train tasks; checkpointed as step 0 (weights only)."""
-    from looprl.sft import demo_episode, sft_step
+    from looprl.loop.sft import demo_episode, sft_step
 
     optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=cfg.sft.lr)
     with (run_dir / "sft_metrics.jsonl").open("w") as log:

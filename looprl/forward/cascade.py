@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from looprl.models import base_model
+from looprl.model.load import base_model
 
 NAME = "looprl_sdpa"
 PREFIX_KWARG = "looprl_prefix"

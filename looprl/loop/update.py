@@ -19,8 +19,8 @@ import torch
 from looprl.algo import LOSSES
 from looprl.config import Config
 from looprl.errors import LoopRLError
-from looprl.memory import release_free_memory
-from looprl.policy import Policy, prompt_length, sequence_logprobs
+from looprl.loop.policy import Policy, prompt_length, sequence_logprobs
+from looprl.model.memory import release_free_memory
 from looprl.types import Episode
 
 log = logging.getLogger("looprl")
