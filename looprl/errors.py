@@ -19,3 +19,12 @@ class ModelError(LoopRLError):
 
 class ChatError(LoopRLError):
     """A chat template or tool schema that cannot be rendered."""
+
+
+class RequestError(LoopRLError):
+    """A model request (chat, agent call) that cannot be served as asked; `param` names
+    the culprit field, OpenAI-style (e.g. "tool_choice" or "messages[2].role")."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

@@ -109,7 +109,7 @@ def test_canonical_tokens_under_jump_forward(tiny_model, tokenizer, renderer, fo
 
 def test_forced_grammar_keeps_the_schema_property_order(tokenizer, renderer):
     """A call written in the schema's property order (as demonstrations are) is accepted."""
-    from looprl.chat.parsers import format_tool_call
+    from looprl.chat.formats import format_tool_call
     from looprl.engine.grammar import GrammarCache
     from looprl.types import ToolCall
 

@@ -10,7 +10,8 @@ from datetime import date
 import jsonschema
 import pytest
 
-from looprl.chat.parsers import FORMATS, format_tool_call, parse_tool_calls, validate_arguments
+from looprl.chat.formats import FORMATS, format_tool_call
+from looprl.chat.parsers import parse_tool_calls, validate_arguments
 from looprl.engine import ToolConstraint
 from looprl.engine.grammar import GrammarCache
 from looprl.envs.base import Environment, demonstrations

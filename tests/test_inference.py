@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from looprl.apps.inference import ChatModel, InferenceError, load_chat_model
+from looprl.apps.inference import ChatModel, load_chat_model
 from looprl.config import config_from_dict, to_yaml
+from looprl.errors import RequestError
 from looprl.loop.checkpoint import trainable_state
 from looprl.loop.policy import load_policy
 from looprl.types import Message, ToolCall
@@ -137,7 +138,7 @@ def test_chat_many_shares_engine_calls(model, monkeypatch):
     ],
 )
 def test_bad_requests_name_the_field(model, kwargs, param):
-    with pytest.raises(InferenceError) as err:
+    with pytest.raises(RequestError) as err:
         model.chat(**{"messages": HI, **kwargs})
     assert err.value.param == param, str(err.value)
 
@@ -148,7 +149,7 @@ def test_return_exceptions_keeps_the_good_requests(model):
         return_exceptions=True,
     )
     assert isinstance(good, list) and len(good) == 1
-    assert isinstance(bad, InferenceError) and isinstance(odd, InferenceError)
+    assert isinstance(bad, RequestError) and isinstance(odd, RequestError)
 
 
 def test_stop_strings_are_cut_off(model):
@@ -173,7 +174,7 @@ def test_multi_turn_tool_conversation_renders(model):
 
 def test_prompt_longer_than_the_context_is_an_error(model):
     long = [Message(role="user", content="word " * 5000)]
-    with pytest.raises(InferenceError, match="shorten"):
+    with pytest.raises(RequestError, match="shorten"):
         model.chat(long, max_tokens=4)
 
 

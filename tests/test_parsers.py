@@ -8,15 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from looprl.chat.parsers import (
-    FORMATS,
-    ParseResult,
-    detect_format,
-    format_tool_call,
-    format_tool_calls,
-    parse_tool_calls,
-    validate_arguments,
-)
+from looprl.chat.formats import FORMATS, detect_format, format_tool_call, format_tool_calls
+from looprl.chat.parsers import ParseResult, parse_tool_calls, validate_arguments
 from looprl.types import PARSE_FAILURES, ToolCall
 
 

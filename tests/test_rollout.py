@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from looprl.chat.parsers import format_tool_call
+from looprl.chat.formats import format_tool_call
 from looprl.engine import Completion, GenerationRequest, SamplingParams, ToolConstraint
 from looprl.engine.hf import HFEngine
 from looprl.envs.tictactoe import (

@@ -16,8 +16,9 @@ import openai
 import pytest
 import uvicorn
 
-from looprl.apps.inference import ChatModel, InferenceError, load_chat_model
+from looprl.apps.inference import ChatModel, load_chat_model
 from looprl.apps.serve import create_app
+from looprl.errors import RequestError
 from tests.test_inference import RESIGN, SQUARE, count_engine_calls
 
 TOOLS = [SQUARE, RESIGN]
@@ -347,7 +348,7 @@ def run_dir(tmp_path_factory) -> Path:
 
 def test_serving_a_run_answers_as_trained_and_baseline(run_dir):
     run = load_chat_model(str(run_dir), device="cpu")
-    with pytest.raises(InferenceError, match="variants"):
+    with pytest.raises(RequestError, match="variants"):
         create_app(run, default_variant="base")
     with serving(create_app(run)) as base:
         client = client_for(base)

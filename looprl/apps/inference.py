@@ -24,47 +24,27 @@ import contextlib
 import inspect
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import jsonschema
 
 from looprl.chat import ChatRenderer
 from looprl.config import Config, config_from_dict, load_config
 from looprl.engine import GenerationRequest, SamplingParams, ToolConstraint
 from looprl.engine.hf import HFEngine
-from looprl.errors import ChatError, ConfigError, LoopRLError
+from looprl.engine.requests import check_tools, generation_request
+from looprl.errors import ChatError, ConfigError, LoopRLError, RequestError
 from looprl.loop.checkpoint import list_checkpoints, load_weights
 from looprl.loop.policy import Policy, load_policy, pick_device, pick_dtype
+from looprl.openai.wire import ChatChoice
 from looprl.types import Message
 
 ROLES = ("system", "user", "assistant", "tool")
 
 
-class InferenceError(LoopRLError):
-    """A chat request that cannot be served as asked; `param` names the culprit field
-    (OpenAI-style, e.g. "tool_choice" or "messages[2].role") when there is one."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
 @dataclass
-class ChatChoice:
-    message: Message  # parsed assistant Message (tool_calls with ids "call_…", or content)
-    text: str  # the raw decoded completion (stop strings cut off)
-    prompt_ids: list[int]  # exact prompt token ids sent to the engine
-    completion_ids: list[int]  # exact sampled ids (never re-tokenised)
-    logprobs: list[float]  # per completion token (the engine's sampling logprobs)
-    finish_reason: str  # "stop" | "length" | "tool_calls"
-    reasoning: str | None = None  # text of <think> blocks, kept out of `message.content`
-
-
-@dataclass
-class _Prepared:
+class ChatRequest:
     """One validated request, rendered to prompt ids, ready for the engine."""
 
     prompt_ids: list[int]
@@ -83,28 +63,6 @@ class _Prepared:
         """Requests with equal keys share one engine call (per-request max_tokens and
         constraints are per-row in the engine; the rest are call-wide settings)."""
         return (self.variant, self.temperature, self.top_p, tuple(self.stop), self.seed)
-
-
-def parse_reply(
-    renderer: ChatRenderer,
-    text: str,
-    tools: list[dict[str, Any]] | None,
-    forced: bool,
-    call_id: Callable[[int, Any], str],
-) -> tuple[Message, str | None]:
-    """The assistant Message a completion's text stands for, and its <think> text: with
-    tools, calls are parsed (a forced call that is missing is a parse failure) and call j
-    gets the id `call_id(j, call)`; without tools the text is the content."""
-    if not tools:
-        return Message(role="assistant", content=text), None
-    parsed = renderer.parse(text, tools, require_call=forced)
-    for j, call in enumerate(parsed.calls):
-        call.id = call_id(j, call)
-    message = Message(
-        role="assistant", content=parsed.content, tool_calls=parsed.calls,
-        parse_failure=parsed.failure, parse_detail=parsed.detail,
-    )  # fmt: skip
-    return message, parsed.reasoning
 
 
 class ChatModel:
@@ -166,7 +124,7 @@ class ChatModel:
         With `return_exceptions`, a request that fails puts its exception in its slot
         instead of failing the others (the server relies on this)."""
         with self._lock:  # rendering and grammar compiling share state with the engine
-            prepared: list[_Prepared | Exception] = []
+            prepared: list[ChatRequest | Exception] = []
             for request in requests:
                 try:
                     prepared.append(self._prepare(request))
@@ -176,7 +134,7 @@ class ChatModel:
                     prepared.append(err)
             groups: dict[tuple, list[int]] = {}
             for i, item in enumerate(prepared):
-                if isinstance(item, _Prepared):
+                if isinstance(item, ChatRequest):
                     key = item.batch_key() if item.seed is None else (item.batch_key(), i)
                     groups.setdefault(key, []).append(i)
             results: list[Any] = list(prepared)
@@ -193,13 +151,13 @@ class ChatModel:
 
     # ------------------------------------------------------------ preparing
 
-    def _prepare(self, request: dict[str, Any]) -> _Prepared:
+    def _prepare(self, request: dict[str, Any]) -> ChatRequest:
         """Validate one request (chat()'s keyword arguments; its defaults fill the gaps)
         and render its prompt."""
         try:
             bound = inspect.signature(self.chat).bind(**request)
         except TypeError as err:
-            raise InferenceError(f"bad chat() arguments: {err}") from None
+            raise RequestError(f"bad chat() arguments: {err}") from None
         bound.apply_defaults()
         args = bound.arguments
         messages, tools, tool_choice = args["messages"], args["tools"], args["tool_choice"]
@@ -207,55 +165,37 @@ class ChatModel:
         max_tokens, stop, seed = args["max_tokens"], args["stop"], args["seed"]
         variant = self.variants[0] if args["variant"] is None else args["variant"]
         if variant not in self.variants:
-            raise InferenceError(
+            raise RequestError(
                 f"unknown variant {variant!r}; {self.name} has: {', '.join(self.variants)}",
                 "model",
             )
         _check_sampling(n, temperature, top_p, max_tokens, stop)
         _check_messages(messages)
-        tools = list(tools or []) or None
-        _check_tool_choice(tools, tool_choice)
-        if tool_choice == "none":
-            tools = None
+        tools = check_tools(tools, tool_choice)
         try:
             prompt_ids = self.renderer.prompt_ids(messages, tools)
         except ChatError as err:
-            raise InferenceError(str(err), "messages") from None
-        constraint = None
-        if tools and tool_choice != "auto":
-            constraint = ToolConstraint(tools, tool_choice, self.renderer.format)
-            self._compile(constraint)
+            raise RequestError(str(err), "messages") from None
+        constraint = generation_request(
+            prompt_ids, tools, tool_choice, self.renderer.format, engine=self.engine
+        ).constraint
         if self.context_length is not None:
             room = self.context_length - len(prompt_ids)
             if room < 1:
-                raise InferenceError(
+                raise RequestError(
                     f"the prompt has {len(prompt_ids)} tokens, and {self.name} reads at "
                     f"most {self.context_length}; shorten the conversation",
                     "messages",
                 )
             max_tokens = min(max_tokens, room)
-        return _Prepared(
+        return ChatRequest(
             prompt_ids, tools, tool_choice, constraint, n, max_tokens, variant,
             float(temperature), float(top_p), list(stop or []), seed,
         )  # fmt: skip
 
-    def _compile(self, constraint: ToolConstraint) -> None:
-        """Compile the forced-call grammar now (cached for the engine), so a schema it
-        cannot express is this request's error, not a failure of a whole batch."""
-        try:
-            self.engine.grammars().matcher(constraint)
-        except ChatError as err:
-            raise InferenceError(str(err), "tool_choice") from None
-        except Exception as err:  # xgrammar rejects some schemas (RuntimeError, ...)
-            raise InferenceError(
-                f"cannot force a call with these tool schemas: {err}; "
-                "use tool_choice=auto or simplify the schema",
-                "tools",
-            ) from None
-
     # ------------------------------------------------------------ generating
 
-    def _generate(self, batch: list[_Prepared]) -> list[list[ChatChoice]]:
+    def _generate(self, batch: list[ChatRequest]) -> list[list[ChatChoice]]:
         first = batch[0]
         params = SamplingParams(
             temperature=first.temperature,
@@ -278,10 +218,10 @@ class ChatModel:
             pos += p.n
         return out
 
-    def _choice(self, p: _Prepared, completion: Any) -> ChatChoice:
+    def _choice(self, p: ChatRequest, completion: Any) -> ChatChoice:
         text = _cut_at_stop(self.renderer.decode(completion.ids), p.stop)
-        message, reasoning = parse_reply(
-            self.renderer, text, p.tools, p.constraint is not None,
+        message, reasoning = self.renderer.assistant_reply(
+            text, p.tools, p.constraint is not None,
             lambda j, call: call.id or f"call_{uuid.uuid4().hex[:24]}",
         )  # fmt: skip
         finish = "tool_calls" if message.tool_calls else completion.finish_reason
@@ -387,72 +327,29 @@ def _check_sampling(
     n: int, temperature: float, top_p: float, max_tokens: int, stop: list[str] | None
 ) -> None:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise InferenceError(f"n must be an integer >= 1, not {n!r}", "n")
+        raise RequestError(f"n must be an integer >= 1, not {n!r}", "n")
     if not isinstance(temperature, (int, float)) or not 0 <= temperature <= 5:
-        raise InferenceError(f"temperature must be in [0, 5], not {temperature!r}", "temperature")
+        raise RequestError(f"temperature must be in [0, 5], not {temperature!r}", "temperature")
     if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise InferenceError(f"top_p must be in (0, 1], not {top_p!r}", "top_p")
+        raise RequestError(f"top_p must be in (0, 1], not {top_p!r}", "top_p")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise InferenceError(
-            f"max_tokens must be an integer >= 1, not {max_tokens!r}", "max_tokens"
-        )
+        raise RequestError(f"max_tokens must be an integer >= 1, not {max_tokens!r}", "max_tokens")
     for s in stop or []:
         if not isinstance(s, str) or not s:
-            raise InferenceError(f"stop strings must be non-empty strings, not {s!r}", "stop")
+            raise RequestError(f"stop strings must be non-empty strings, not {s!r}", "stop")
 
 
 def _check_messages(messages: list[Message]) -> None:
     if not isinstance(messages, list) or not messages:
-        raise InferenceError("messages must be a non-empty list of messages", "messages")
+        raise RequestError("messages must be a non-empty list of messages", "messages")
     for i, m in enumerate(messages):
         if not isinstance(m, Message):
-            raise InferenceError(
-                f"messages[{i}] is a {type(m).__name__}, not a Message", "messages"
-            )
+            raise RequestError(f"messages[{i}] is a {type(m).__name__}, not a Message", "messages")
         if m.role not in ROLES:
-            raise InferenceError(
+            raise RequestError(
                 f"messages[{i}] has role {m.role!r}; known roles: {', '.join(ROLES)}",
                 f"messages[{i}].role",
             )
-
-
-def tool_name(tool: dict[str, Any]) -> str | None:
-    """The name of an OpenAI function-format (or bare) tool schema."""
-    fn = tool.get("function", tool) if isinstance(tool, dict) else None
-    name = fn.get("name") if isinstance(fn, dict) else None
-    return name if isinstance(name, str) else None
-
-
-def _check_tool_choice(tools: list[dict] | None, tool_choice: str) -> None:
-    names: list[str] = []
-    for i, tool in enumerate(tools or []):
-        name = tool_name(tool)
-        if not name:
-            raise InferenceError(f"tools[{i}] has no function name", f"tools[{i}]")
-        if name in names:
-            raise InferenceError(f"two tools are called {name!r}", f"tools[{i}].function.name")
-        names.append(name)
-        params = tool.get("function", tool).get("parameters")
-        if params is not None:
-            try:
-                jsonschema.validators.validator_for(params).check_schema(params)
-            except Exception as err:
-                detail = getattr(err, "message", str(err))
-                raise InferenceError(
-                    f"tools[{i}] ({name}): parameters is not a valid JSON schema: {detail}",
-                    f"tools[{i}].function.parameters",
-                ) from None
-    if not isinstance(tool_choice, str):
-        raise InferenceError("tool_choice must be a string", "tool_choice")
-    if tool_choice in ("auto", "none"):
-        return
-    if not names:
-        raise InferenceError(f"tool_choice={tool_choice!r} needs tools", "tool_choice")
-    if tool_choice != "required" and tool_choice not in names:
-        raise InferenceError(
-            f"tool_choice names {tool_choice!r}, which is not one of the tools: {', '.join(names)}",
-            "tool_choice",
-        )
 
 
 def _cut_at_stop(text: str, stop: list[str]) -> str:

@@ -31,7 +31,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from looprl.apps.inference import ChatModel, InferenceError
+from looprl.apps.inference import ChatModel
+from looprl.errors import RequestError
 from looprl.openai.wire import (
     APIError,
     ChatCompletionRequest,
@@ -120,7 +121,7 @@ def create_app(
 ) -> FastAPI:
     """The FastAPI app serving `model`; its batcher runs while the app does."""
     if default_variant is not None and default_variant not in model.variants:
-        raise InferenceError(
+        raise RequestError(
             f"--variant {default_variant}: {model.name} has the variants "
             f"{', '.join(model.variants)}"
         )
@@ -185,8 +186,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, err: APIError) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status)
 
-    @app.exception_handler(InferenceError)
-    async def inference_error(request: Request, err: InferenceError) -> JSONResponse:
+    @app.exception_handler(RequestError)
+    async def inference_error(request: Request, err: RequestError) -> JSONResponse:
         return JSONResponse(error_body(str(err), param=err.param), status_code=400)
 
     @app.exception_handler(RequestValidationError)

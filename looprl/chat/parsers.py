@@ -1,4 +1,5 @@
-"""Parse and render tool calls in the text formats open chat models are trained to emit.
+"""Parse tool calls out of the text formats open chat models are trained to emit
+(formats.py writes them).
 
 Formats (names as in `FORMATS`):
 - hermes (Qwen, Hermes): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks.
@@ -36,9 +37,8 @@ from typing import Any
 import jsonschema
 from jsonschema.exceptions import best_match
 
+from looprl.chat.formats import FORMATS
 from looprl.types import ToolCall
-
-FORMATS = ("hermes", "llama3", "glm", "mistral")
 
 _DETAIL_MAX = 200
 _DECODER = json.JSONDecoder()
@@ -74,11 +74,6 @@ class _Raw:
 
 def _short(text: str) -> str:
     return text if len(text) <= _DETAIL_MAX else text[: _DETAIL_MAX - 3] + "..."
-
-
-def _dumps(value: Any) -> str:
-    # HF's `tojson` filter keeps non-ASCII as is, so this matches what templates render.
-    return json.dumps(value, ensure_ascii=False)
 
 
 def _split_think(text: str) -> tuple[str, str | None]:
@@ -399,57 +394,3 @@ def parse_tool_calls(
             return ParseResult([], visible.strip(), reasoning, built[0], built[1])
         calls.append(built)
     return ParseResult(calls, _tidy(outside), reasoning)
-
-
-def format_tool_call(call: ToolCall, fmt: str) -> str:
-    """The exact text a model trained on `fmt` emits for one call."""
-    if fmt == "hermes":
-        body = _dumps({"name": call.name, "arguments": call.arguments})
-        return f"<tool_call>\n{body}\n</tool_call>"
-    if fmt == "llama3":
-        return _dumps({"name": call.name, "parameters": call.arguments})
-    if fmt == "glm":
-        parts = [f"<tool_call>{call.name}\n"]
-        for key, value in call.arguments.items():
-            text = value if isinstance(value, str) else _dumps(value)
-            parts.append(f"<arg_key>{key}</arg_key>\n<arg_value>{text}</arg_value>\n")
-        parts.append("</tool_call>")
-        return "".join(parts)
-    if fmt == "mistral":
-        return format_tool_calls([call], fmt)
-    raise ValueError(f"unknown tool-call format {fmt!r}; expected one of {FORMATS}")
-
-
-def format_tool_calls(calls: list[ToolCall], fmt: str) -> str:
-    """Several calls in one message; mistral puts them in one list, the others one per line."""
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown tool-call format {fmt!r}; expected one of {FORMATS}")
-    if fmt == "mistral":
-        # Mistral's templates echo the call id in the list, so keep it when there is one.
-        items = [
-            {"name": c.name, "arguments": c.arguments, **({"id": c.id} if c.id else {})}
-            for c in calls
-        ]
-        return "[TOOL_CALLS]" + _dumps(items) if items else ""
-    return "\n".join(format_tool_call(call, fmt) for call in calls)
-
-
-def detect_format(chat_template: str | None, model_name: str = "") -> str:
-    """Pick the tool-call format from the chat template text, else the model name."""
-    template = chat_template or ""
-    if "<arg_key>" in template:
-        return "glm"  # checked before <tool_call>, which glm templates also contain
-    if "[TOOL_CALLS]" in template:
-        return "mistral"
-    if "<|python_tag|>" in template or "ipython" in template:
-        return "llama3"
-    if "<tool_call>" in template:
-        return "hermes"
-    name = model_name.lower()
-    if "glm" in name or re.search(r"(?<![a-z])ling", name):
-        return "glm"
-    if "mistral" in name:
-        return "mistral"
-    if "llama-3" in name or "llama3" in name:
-        return "llama3"
-    return "hermes"

@@ -16,15 +16,11 @@ Tools reach the prompt in one of two ways:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
-from looprl.chat.parsers import (
-    ParseResult,
-    detect_format,
-    format_tool_call,
-    format_tool_calls,
-    parse_tool_calls,
-)
+from looprl.chat.formats import detect_format, format_tool_call, format_tool_calls
+from looprl.chat.parsers import ParseResult, parse_tool_calls
 from looprl.errors import ChatError
 from looprl.types import Message, ToolCall
 
@@ -157,17 +153,38 @@ class ChatRenderer:
         return parse_tool_calls(text, tools, self.format, require_call=require_call)
 
     def assistant_message(
-        self, text: str, tools: list[dict[str, Any]], require_call: bool = True
+        self, text: str, tools: list[dict[str, Any]] | None, require_call: bool = True
     ) -> Message:
         """Parse model text into an assistant `Message` (calls or a classified failure)."""
+        return self.assistant_reply(text, tools, require_call)[0]
+
+    def assistant_reply(
+        self,
+        text: str,
+        tools: list[dict[str, Any]] | None,
+        require_call: bool = True,
+        call_id: Callable[[int, ToolCall], str] | None = None,
+    ) -> tuple[Message, str | None]:
+        """The assistant `Message` a completion's text stands for, and its <think> text.
+
+        With `tools` (a list, even empty) the text is parsed: calls, or a classified
+        failure (a missing call is one when `require_call`); call j gets the id
+        `call_id(j, call)` when given. `tools=None` means plain chat: the text is the
+        content as it is, nothing is parsed."""
+        if tools is None:
+            return Message(role="assistant", content=text), None
         result = self.parse(text, tools, require_call=require_call)
-        return Message(
+        if call_id is not None:
+            for j, call in enumerate(result.calls):
+                call.id = call_id(j, call)
+        message = Message(
             role="assistant",
             content=result.content,
             tool_calls=result.calls,
             parse_failure=result.failure,
             parse_detail=result.detail,
         )
+        return message, result.reasoning
 
     # ------------------------------------------------------------ internals
 

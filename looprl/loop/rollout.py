@@ -15,7 +15,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from looprl.chat import ChatRenderer
-from looprl.engine import GenerationRequest, RolloutEngine, SamplingParams, ToolConstraint
+from looprl.engine import GenerationRequest, RolloutEngine, SamplingParams
+from looprl.engine.requests import generation_request
 from looprl.types import ENV_ERROR, TRUNCATED, Episode, Message, Observation, Task, Turn
 
 
@@ -61,11 +62,9 @@ def _append(
 
 
 def _request(live: _Live, renderer: ChatRenderer) -> GenerationRequest:
-    choice = live.obs.tool_choice
-    constraint = None
-    if choice not in ("auto", "none") and live.obs.tools:
-        constraint = ToolConstraint(live.obs.tools, choice, renderer.format)
-    return GenerationRequest(prompt_ids=list(live.episode.token_ids), constraint=constraint)
+    """The episode's next model call: its whole token record so far as the prompt."""
+    obs = live.obs
+    return generation_request(live.episode.token_ids, obs.tools, obs.tool_choice, renderer.format)
 
 
 def run_episodes(

@@ -43,12 +43,13 @@ from typing import Any
 
 import pydantic
 
-from looprl.apps.inference import ChatChoice, InferenceError, _check_tool_choice, parse_reply
 from looprl.chat import ChatRenderer
-from looprl.engine import Completion, GenerationRequest, ToolConstraint
-from looprl.errors import ChatError
+from looprl.engine import Completion, GenerationRequest
+from looprl.engine.requests import check_tools, generation_request
+from looprl.errors import ChatError, RequestError
 from looprl.openai.wire import (
     APIError,
+    ChatChoice,
     ChatCompletionRequest,
     chat_kwargs,
     completion_response,
@@ -87,7 +88,9 @@ class ModelCall:
 
 
 @dataclass
-class _Prepared:
+class AgentCall:
+    """One agent call, validated and stitched, ready for the engine (nothing recorded yet)."""
+
     request: ChatCompletionRequest
     messages: list[Message]
     tools: list[dict[str, Any]] | None
@@ -138,7 +141,7 @@ class AgentSession:
         )
         return 200, response, request
 
-    def _prepare(self, request: ChatCompletionRequest) -> _Prepared:
+    def _prepare(self, request: ChatCompletionRequest) -> AgentCall:
         """Validate, apply the limits and build the prompt; nothing is recorded yet."""
         if self.closed:
             raise APIError(400, "this episode is over: its agent has returned", code=LIMIT_CODE)
@@ -154,13 +157,11 @@ class AgentSession:
                 "sampled tokens whole; stop in your agent's code instead",
                 "stop",
             )
-        tools, tool_choice = kwargs["tools"], kwargs["tool_choice"]
+        tool_choice = kwargs["tool_choice"]
         try:
-            _check_tool_choice(tools, tool_choice)
-        except InferenceError as err:
+            tools = check_tools(kwargs["tools"], tool_choice)
+        except RequestError as err:
             raise APIError(400, str(err), err.param) from None
-        if tool_choice == "none":
-            tools = None
         if self.accepted >= self.max_turns:
             self._truncate(f"the episode reached max_turns={self.max_turns} model calls")
         messages = kwargs["messages"]
@@ -171,32 +172,21 @@ class AgentSession:
                 f"the prompt has {len(prompt_ids)} tokens, the episode's limit is "
                 f"rollout.max_episode_tokens={self.max_episode_tokens}"
             )
-        constraint = None
-        if tools and tool_choice not in ("auto", "none"):
-            constraint = ToolConstraint(tools, tool_choice, self.renderer.format)
-            self._compile(constraint)
         limit = min(kwargs["max_tokens"], self.max_new_tokens, room)
-        generation = GenerationRequest(prompt_ids, constraint, limit)
+        try:
+            generation = generation_request(
+                prompt_ids, tools, tool_choice, self.renderer.format, limit, self.engine
+            )
+        except RequestError as err:
+            raise APIError(400, str(err), err.param) from None
         self.accepted += 1
-        return _Prepared(
+        return AgentCall(
             request, messages, tools, generation, extends, mismatch, self.trajectory_calls
         )
 
     def _truncate(self, why: str) -> None:
         self.truncated = f"{why}; looprl ends this episode as truncated"
         raise APIError(400, self.truncated, code=LIMIT_CODE)
-
-    def _compile(self, constraint: ToolConstraint) -> None:
-        """A schema the grammar compiler rejects is this request's 400, not a failed batch."""
-        grammars = getattr(self.engine, "grammars", None)
-        if grammars is None:
-            return
-        try:
-            grammars().matcher(constraint)
-        except Exception as err:
-            raise APIError(
-                400, f"cannot force a call with these tool schemas: {err}", "tool_choice"
-            ) from None
 
     # ------------------------------------------------------------ stitching
 
@@ -284,13 +274,13 @@ class AgentSession:
         out["got"] = decode(fresh[max(0, pos - 8) : pos + 8])
         return out
 
-    def _record(self, prepared: _Prepared, completion: Completion) -> ChatChoice:
+    def _record(self, prepared: AgentCall, completion: Completion) -> ChatChoice:
         """Keep the call, grow the trajectory, and build the reply the agent sees."""
         renderer, tools = self.renderer, prepared.tools
         text = renderer.decode(completion.ids)
         k = len(self.calls)
-        reply, reasoning = parse_reply(
-            renderer, text, tools, prepared.generation.constraint is not None,
+        reply, reasoning = renderer.assistant_reply(
+            text, tools, prepared.generation.constraint is not None,
             lambda j, _call: f"call_{k}_{j}",
         )  # fmt: skip
         prompt_ids = prepared.generation.prompt_ids

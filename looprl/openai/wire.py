@@ -19,12 +19,28 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from looprl.apps.inference import ChatChoice
 from looprl.types import Message, ToolCall
+
+# ---------------------------------------------------------------- replies
+
+
+@dataclass
+class ChatChoice:
+    """One generated reply: the parsed message and the exact tokens behind it."""
+
+    message: Message  # parsed assistant Message (tool_calls with ids "call_…", or content)
+    text: str  # the raw decoded completion (stop strings cut off)
+    prompt_ids: list[int]  # exact prompt token ids sent to the engine
+    completion_ids: list[int]  # exact sampled ids (never re-tokenised)
+    logprobs: list[float]  # per completion token (the engine's sampling logprobs)
+    finish_reason: str  # "stop" | "length" | "tool_calls"
+    reasoning: str | None = None  # text of <think> blocks, kept out of `message.content`
+
 
 # ---------------------------------------------------------------- errors
 

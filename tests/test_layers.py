@@ -1,0 +1,140 @@
+"""The import graph stays layered (docs/architecture.md): a module imports only from its
+own package or from a lower layer, and no two modules import each other, directly or
+around a circle. Imports inside functions and under TYPE_CHECKING count too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "looprl"
+
+# bottom to top; packages on one rank do not import each other
+LAYERS: list[tuple[str, ...]] = [
+    ("errors", "types"),
+    ("config", "algo", "chat"),
+    ("envs",),
+    ("model",),
+    ("forward",),
+    ("engine",),
+    ("report", "openai"),
+    ("loop",),
+    ("apps",),
+    ("cli",),
+    ("__main__",),
+]
+RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every looprl module `path` imports (`from looprl.x import y` counts y when y is a
+    module of its own)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("looprl"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("looprl"):
+                continue
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.add(sub if module_path(sub) is not None else target)
+    found.discard(name)
+    return found
+
+
+def module_path(name: str) -> Path | None:
+    rel = Path(*name.split(".")[1:])
+    for candidate in (ROOT / rel.with_suffix(".py"), ROOT / rel / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "looprl"
+
+
+GRAPH = {module_name(p): imported_modules(p) for p in sorted(ROOT.rglob("*.py"))}
+
+
+def test_every_package_has_a_layer():
+    unknown = {layer_of(m) for m in GRAPH} - set(RANK) - {"looprl"}
+    assert not unknown, f"give these a layer in tests/test_layers.py and docs: {unknown}"
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from a module to a package on its own rank or a higher one."""
+    return sorted(
+        f"{module} -> {dep}"
+        for module, deps in graph.items()
+        if module != "looprl"
+        for dep in deps
+        if layer_of(module) != layer_of(dep) and RANK[layer_of(dep)] >= RANK[layer_of(module)]
+    )
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (its modules, the first repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        state[module] = 1
+        for dep in sorted(graph.get(module, ())):
+            if state.get(dep) == 1:
+                return path[path.index(dep) :] + [dep]
+            if dep not in state and (cycle := visit(dep, [*path, dep])):
+                return cycle
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (cycle := visit(module, [module])):
+            return cycle
+    return None
+
+
+def test_imports_go_down_the_layers():
+    upward = upward_imports(GRAPH)
+    assert not upward, "imports that go up or sideways:\n" + "\n".join(upward)
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(GRAPH)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_checks_catch_what_they_guard():
+    """An upward import (even a lazy one inside a function) and a circle are reported."""
+    source = "def late():\n    from looprl.loop import train\n"
+    assert "looprl.loop.train" in imported_modules_of(source, "looprl.chat.render")
+    graph = dict(GRAPH, **{"looprl.chat.render": {"looprl.loop.train"}})
+    assert upward_imports(graph) == ["looprl.chat.render -> looprl.loop.train"]
+    circle = {
+        "looprl.apps.play": {"looprl.apps.play_web"},
+        "looprl.apps.play_web": {"looprl.apps.play"},
+    }
+    assert find_cycle(circle) == ["looprl.apps.play", "looprl.apps.play_web", "looprl.apps.play"]
+
+
+def imported_modules_of(source: str, name: str) -> set[str]:
+    path = ROOT.joinpath(*name.split(".")[1:]).with_suffix(".py")
+    probe = path.with_name(f"_layers_probe_{path.name}")
+    probe.write_text(source)
+    try:
+        return imported_modules(probe)
+    finally:
+        probe.unlink()
