@@ -138,3 +138,21 @@ def imported_modules_of(source: str, name: str) -> set[str]:
         return imported_modules(probe)
     finally:
         probe.unlink()
+
+
+def package_arrows(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Package -> the other packages its modules import."""
+    arrows: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        for dep in deps:
+            if layer_of(module) not in (layer_of(dep), "looprl"):
+                arrows.setdefault(layer_of(module), set()).add(layer_of(dep))
+    return arrows
+
+
+if __name__ == "__main__":  # `python tests/test_layers.py` prints the graph of docs/architecture.md
+    arrows = package_arrows(GRAPH)
+    for rank in range(len(LAYERS) - 1, -1, -1):
+        for package in LAYERS[rank]:
+            targets = sorted(arrows.get(package, ()), key=lambda t: (-RANK[t], t))
+            print(f"{rank:>2}  {package:<9} ─► {', '.join(targets) or '(nothing)'}")
