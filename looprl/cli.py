@@ -65,18 +65,49 @@ def guarded(fn: Any) -> Any:
 def run(
     config: ConfigArg = None,
     set_: SetOpt = None,
-    out: Annotated[Path, typer.Option("--out", "-o", help="Run folder.")] = Path("runs/latest"),
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Run folder (default: runs/latest).")
+    ] = None,
     force: Annotated[bool, typer.Option(help="Overwrite an existing run folder.")] = False,
-    resume: Annotated[bool, typer.Option(help="Continue the run in --out.")] = False,
+    resume: Annotated[
+        bool, typer.Option(help="Continue the run in --out (or the run folder given as CONFIG).")
+    ] = False,
 ) -> None:
     """Baseline eval → GSPO post-training → retest on the same tasks → report."""
     from looprl.config import load_config
     from looprl.loop.train import run_training
+    from looprl.report.headline import headline
 
+    config, out = _run_paths(config, out, resume)
+    cfg = load_config(config, set_)
+    result = run_training(cfg, out, force=force, resume=resume)
+    console.print()
+    for line in headline(
+        result["baseline"], result["final"], Path(result["report"]), result["after_sft"]
+    ):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def _run_paths(config: Path | None, out: Path | None, resume: bool) -> tuple[Path | None, Path]:
+    """The config file and run folder `looprl run` means. A run folder where the config
+    file goes (`looprl run --resume runs/demo`) means that run: with --resume it is
+    continued, otherwise refused with the two commands the user may have meant."""
+    if config is not None and config.is_dir():
+        if not (config / "config.yaml").is_file():
+            fail(f"{config} is a folder, not a config file (and not a run folder: no config.yaml)")
+        if resume and (out is None or out.resolve() == config.resolve()):
+            return config / "config.yaml", config
+        other = f" and --out names another folder ({out})" if resume else ""
+        fail(
+            f"{config} is a run folder, not a config file{other}. To continue that run:\n"
+            f"  looprl run --out {config} --resume\n"
+            f"To start a new run from its config:\n"
+            f"  looprl run {config / 'config.yaml'} --out {out if resume else 'NEW'}"
+        )
+    out = Path("runs/latest") if out is None else out
     if resume and config is None and (out / "config.yaml").exists():
         config = out / "config.yaml"  # continue with the run's own config
-    cfg = load_config(config, set_)
-    run_training(cfg, out, force=force, resume=resume)
+    return config, out
 
 
 @app.command("eval")

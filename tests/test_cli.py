@@ -221,6 +221,13 @@ def test_run_with_bad_config_fails_before_training(runner, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_run_with_a_folder_that_is_no_run_as_config(runner, tmp_path):
+    res = invoke(runner, "run", str(tmp_path), "--resume")
+    assert res.exit_code == 2
+    assert f"{tmp_path} is a folder, not a config file" in res.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 # ------------------------------------------------------------------ precedence / defaults
 
 

@@ -56,11 +56,25 @@ def metrics(run: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
+def first_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     run = tmp_path_factory.mktemp("smoke") / "run"
     res = looprl("run", *SMALL, "--set", "train.steps=2", "--out", run)
     assert res.returncode == 0, res.stderr[-3000:]
-    return run
+    return run, res
+
+
+@pytest.fixture(scope="module")
+def run_dir(first_run) -> Path:
+    return first_run[0]
+
+
+def files(run: Path) -> dict[str, tuple[int, int]]:
+    """Every file under `run` with its size and modification time."""
+    return {
+        str(p.relative_to(run)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in run.rglob("*")
+        if p.is_file()
+    }
 
 
 def test_run_folder_contract(run_dir):
@@ -79,6 +93,66 @@ def test_run_folder_contract(run_dir):
     assert baseline["n"] == 4 * 4  # eval.tasks × eval.samples_per_task
     assert (run_dir / "checkpoints" / "step_000002" / "trainable.safetensors").exists()
     assert "before" in (run_dir / "report.md").read_text()
+
+
+def test_run_shows_each_phase_and_ends_with_the_headline(first_run):
+    run, res = first_run
+    starts = [line for line in res.stderr.splitlines() if line.startswith("▶ ")]
+    assert starts == [
+        "▶ load model",
+        "▶ baseline eval (16 episodes)",
+        "▶ training (2 steps)",
+        "▶ final eval (16 episodes)",
+        "▶ write report",
+    ]
+    for title in ("load model", "baseline eval", "training", "final eval", "write report"):
+        assert f"✓ {title}: " in res.stderr, title
+    baseline = json.loads((run / "eval/baseline.json").read_text())
+    final = json.loads((run / "eval/final.json").read_text())
+
+    def reward(result: dict) -> str:
+        lo, hi = result["reward_ci95"]
+        return f"{result['reward_mean']:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+
+    reward_line, paired_line, report_line = res.stdout.strip().splitlines()
+    assert reward_line == (
+        f"held-out reward, 16 episodes, mean [95% CI]: before {reward(baseline)} → "
+        f"after {reward(final)}"
+    )
+    assert paired_line.startswith("paired difference, after − before: ")
+    assert f"over {len(set(baseline['task_ids']))} tasks" in paired_line
+    assert report_line == f"report: {run / 'report.md'}, {run / 'report.html'}"
+    # the paired figure is the report's own
+    figure = paired_line.split(": ", 1)[1].split(" over ")[0]  # "+0.000 [95% CI …]"
+    assert (
+        f"Paired difference (after − before, episode by episode): {figure}"
+        in (run / "report.md").read_text()
+    )
+
+
+def test_a_run_folder_given_as_the_config_resumes_only_with_resume(run_dir, tmp_path):
+    import shutil
+
+    run = tmp_path / "demo"
+    shutil.copytree(run_dir, run)
+    before = files(run)
+    new = tmp_path / "other"
+    for args in ([run], [run, "--force"], [run, "--resume", "--out", new]):
+        res = looprl("run", *args)
+        assert res.returncode == 2, (args, res.stderr[-3000:])
+        assert f"{run} is a run folder, not a config file" in res.stderr
+        assert f"looprl run --out {run} --resume" in res.stderr
+        assert f"looprl run {run / 'config.yaml'} --out " in res.stderr
+        assert "Traceback" not in res.stderr
+        assert files(run) == before and not new.exists()  # nothing written
+
+    # the newcomer's `looprl run --resume runs/demo`: continues that run in place
+    res = looprl("run", "--resume", run)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "(resumed)" in res.stderr and "✓ baseline eval: kept from" in res.stderr
+    assert [r["step"] for r in metrics(run)] == [1, 2]  # all steps were done already
+    assert files(run)["eval/final.json"] != before["eval/final.json"]  # retested
+    assert f"report: {run / 'report.md'}" in res.stdout
 
 
 def test_tensorboard_has_scalars(run_dir):
@@ -117,6 +191,8 @@ def test_eval_a_checkpoint(run_dir, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads(out.read_text())
     final = json.loads((run_dir / "eval/final.json").read_text())
+    assert json.loads(res.stdout) == result  # progress goes to stderr: stdout stays JSON
+    assert "▶ eval (16 episodes)" in res.stderr and "✓ eval: reward " in res.stderr
     # same weights, same tasks, same greedy decoding: the same rewards
     assert result["rewards"] == final["rewards"]
 

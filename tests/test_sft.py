@@ -3,10 +3,14 @@ masks, and a short SFT stage teaches a tiny model a tool call it could not make.
 
 from __future__ import annotations
 
+import io
 import json
+
+from rich.console import Console
 
 from looprl.config import config_from_dict
 from looprl.envs.tictactoe import TicTacToeMove, score_move
+from looprl.loop.progress import Progress
 from looprl.loop.sft import demo_episode
 from looprl.loop.train import run_training
 
@@ -39,7 +43,9 @@ def test_sft_teaches_a_free_form_tool_call(tmp_path):
         "logging": {"tensorboard": False},
     }
     run = tmp_path / "run"
-    result = run_training(config_from_dict(cfg), run)
+    shown = io.StringIO()
+    progress = Progress(console=Console(file=shown, width=200))
+    result = run_training(config_from_dict(cfg), run, progress=progress)
     after_sft = json.loads((run / "eval" / "after_sft.json").read_text())
     assert result["baseline"]["valid_tool_call_rate"] < 0.2
     assert after_sft["valid_tool_call_rate"] > 0.8
@@ -50,3 +56,14 @@ def test_sft_teaches_a_free_form_tool_call(tmp_path):
     assert losses[-1] < losses[0] / 2
     report = (run / "report.md").read_text()
     assert "| metric | before | after SFT | after |" in report
+    starts = [line for line in shown.getvalue().splitlines() if line.startswith("▶ ")]
+    assert starts == [
+        "▶ load model",
+        "▶ baseline eval (4 episodes)",
+        "▶ SFT warm start (100 steps)",
+        "▶ eval after SFT (4 episodes)",
+        "▶ training (1 step)",
+        "▶ final eval (4 episodes)",
+        "▶ write report",
+    ]
+    assert result["after_sft"] == after_sft

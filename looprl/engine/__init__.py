@@ -6,6 +6,7 @@ place of the default `hf` engine without touching the rollout or the trainer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,6 +39,9 @@ class GenerationRequest:
     # multi-turn: the caller may send this request's continuation next; inside an engine
     # session its KV is then kept, so that the next turn prefills only its new tokens
     keep_kv: bool = False
+    # a progress display's hook: called once this request's completion is ready, possibly
+    # before `generate` returns; an engine may also never call it (nothing depends on it)
+    on_complete: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass

@@ -167,6 +167,8 @@ class HFEngine:
                     break
                 for row in self._step(running, rows, params):
                     results[row.index] = Completion(row.ids, row.logprobs, row.finish)
+                    if requests[row.index].on_complete is not None:
+                        requests[row.index].on_complete()
         finally:
             self.model.train(was_training)
             release_free_memory()

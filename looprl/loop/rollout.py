@@ -12,6 +12,7 @@ import traceback
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from looprl.chat import ChatRenderer
@@ -75,11 +76,17 @@ def run_episodes(
     params: SamplingParams,
     max_turns: int,
     max_episode_tokens: int,
+    on_progress: Callable[[int], None] | None = None,
 ) -> list[Episode]:
     """Play one episode per entry of `tasks` (repeat a task for a group) and return them
     in the same order. Malformed model output is an outcome; an environment that raises
-    ends only its own episode with outcome `env_error`."""
+    ends only its own episode with outcome `env_error`. `on_progress(n)` hears how many
+    episodes have ended, as they end (for a progress display; it changes nothing)."""
     lives = [_start(task, make_env, renderer) for task in tasks]
+    ended = _Ended(on_progress)
+    for lv in lives:
+        if lv.episode.outcome == ENV_ERROR:
+            ended(lv)
     active = [lv for lv in lives if lv.episode.outcome != ENV_ERROR]
     turn = 0
     # an episode's next turn extends its last one: the engine keeps that KV meanwhile
@@ -89,6 +96,7 @@ def run_episodes(
             for lv in active:
                 if len(lv.episode.token_ids) >= max_episode_tokens:
                     lv.episode.outcome = TRUNCATED
+                    ended(lv)
             active = [lv for lv in active if lv.episode.outcome != TRUNCATED]
             room = [max_episode_tokens - len(lv.episode.token_ids) for lv in active]
             if not active:
@@ -97,19 +105,38 @@ def run_episodes(
                 params, seed=None if params.seed is None else params.seed + 7919 * turn
             )
             requests = [_request(lv, renderer) for lv in active]
-            for request, left in zip(requests, room):
+            for lv, request, left in zip(active, requests, room):
                 request.max_new_tokens = min(params.max_new_tokens, left)
                 request.keep_kv = turn + 1 < max_turns
+                if on_progress is not None and not request.keep_kv:  # its last turn
+                    request.on_complete = partial(ended, lv)
             completions = engine.generate(requests, turn_params)
             still: list[_Live] = []
             for lv, completion in zip(active, completions):
                 if _advance(lv, completion, renderer, last_turn=turn + 1 >= max_turns):
                     still.append(lv)
+                else:
+                    ended(lv)
             active = still
             turn += 1
     for lv in lives:
         lv.episode.messages = lv.history
     return [lv.episode for lv in lives]
+
+
+class _Ended:
+    """Counts episodes as they end, each once, and tells `report` the count. An episode
+    in its last allowed turn has ended as soon as its completion is ready: the engine
+    says so (`on_complete`) before the whole batch is back."""
+
+    def __init__(self, report: Callable[[int], None] | None) -> None:
+        self.report = report
+        self.seen: set[int] = set()
+
+    def __call__(self, live: _Live) -> None:
+        if self.report is not None and id(live) not in self.seen:
+            self.seen.add(id(live))
+            self.report(len(self.seen))
 
 
 def _advance(live: _Live, completion: Any, renderer: ChatRenderer, last_turn: bool) -> bool:

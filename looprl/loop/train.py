@@ -47,15 +47,25 @@ from looprl.loop.checkpoint import (
 from looprl.loop.evaluate import eval_result, summarize
 from looprl.loop.log import MetricsLogger, write_samples
 from looprl.loop.policy import Policy, load_policy
+from looprl.loop.progress import DONE, Progress
 from looprl.loop.rollout import run_episodes
 from looprl.loop.update import UpdateState, update_policy
-from looprl.report.write import write_report
+from looprl.report.write import reward_with_ci, write_report
 from looprl.types import ENV_ERROR
 
 # ============================================================================ the loop
 
 
-def run_training(cfg: Config, out: Path, force: bool = False, resume: bool = False) -> dict:
+def run_training(
+    cfg: Config,
+    out: Path,
+    force: bool = False,
+    resume: bool = False,
+    progress: Progress | None = None,
+) -> dict:
+    """Returns the EvalResults (`baseline`, `after_sft` or None, `final`), `run_dir` and
+    `report` (report.md's path); `progress` shows each phase (default: on stderr)."""
+    progress = progress or Progress()
     # ---- everything that can be wrong is checked before anything is written
     check_run_dir(out, force=force, resume=resume)
     probe = make_env(cfg.env.name, cfg.env.args)
@@ -66,7 +76,11 @@ def run_training(cfg: Config, out: Path, force: bool = False, resume: bool = Fal
         )
     seed_everything(cfg.seed)
     started = time.time()
-    policy = load_policy(cfg)
+    progress.note(
+        f"looprl run: {cfg.env.name} · {cfg.model.name} · {cfg.algo.name} · "
+        f"{cfg.train.steps} steps → {out}{' (resumed)' if resume else ''}"
+    )
+    policy = load_model(cfg, progress)
     run_dir = prepare_run_dir(out, force=force, resume=resume)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     play = player(cfg, policy, probe)
@@ -75,13 +89,15 @@ def run_training(cfg: Config, out: Path, force: bool = False, resume: bool = Fal
     eval_tasks = probe.tasks("eval", n=cfg.eval.tasks, seed=cfg.eval.seed)
     baseline = load_json(run_dir / "eval" / "baseline.json")
     if baseline is None:
-        baseline = evaluate(policy, play, eval_tasks, cfg, run_dir, "baseline")
+        baseline = evaluate(policy, play, eval_tasks, cfg, run_dir, "baseline", progress)
+    else:
+        progress.note(f"{DONE} baseline eval: kept from {run_dir / 'eval' / 'baseline.json'}")
 
     # ---- optional SFT warm start on the env's demonstrations, then its own eval
     after_sft = load_json(run_dir / "eval" / "after_sft.json") if cfg.sft.enabled else None
     if cfg.sft.enabled and after_sft is None:
-        warm_start(policy, probe, cfg, run_dir)
-        after_sft = evaluate(policy, play, eval_tasks, cfg, run_dir, "after_sft")
+        warm_start(policy, probe, cfg, run_dir, progress)
+        after_sft = evaluate(policy, play, eval_tasks, cfg, run_dir, "after_sft", progress)
 
     # ---- optimizer, schedule, resume
     optimizer = torch.optim.AdamW(
@@ -101,10 +117,11 @@ def run_training(cfg: Config, out: Path, force: bool = False, resume: bool = Fal
         )  # fmt: skip
 
     # ---- training steps
-    from rich.progress import Progress
-
-    with Progress(transient=False) as progress, StopOnSignal() as stop:
-        bar = progress.add_task("training", total=cfg.train.steps, completed=start)
+    with (
+        progress.phase("training", total=cfg.train.steps, unit="step") as phase,
+        StopOnSignal() as stop,
+    ):
+        phase.update(start)
         for step in range(start + 1, cfg.train.steps + 1):
             t0 = time.time()
             tasks = probe.tasks(
@@ -200,11 +217,10 @@ def run_training(cfg: Config, out: Path, force: bool = False, resume: bool = Fal
             last = step == cfg.train.steps
             if last or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
                 checkpoint(step)
-            progress.update(
-                bar,
+            phase.update(
                 advance=1,
-                description=f"step {step} reward {metrics['rollout/rewards_mean']:+.3f} "
-                f"{metrics['perf/step_s']:.1f}s/step",
+                detail=f"step {step} · reward {metrics['rollout/rewards_mean']:+.3f} · "
+                f"{metrics['perf/step_s']:.1f} s/step",
             )
             if loop.bad_steps >= cfg.train.max_bad_steps or stop.requested:
                 checkpoint(step)
@@ -223,9 +239,17 @@ def run_training(cfg: Config, out: Path, force: bool = False, resume: bool = Fal
     logger.close()
 
     # ---- retest on exactly the same tasks and seeds, then report
-    final = evaluate(policy, play, eval_tasks, cfg, run_dir, "final")
-    write_report(run_dir, cfg, baseline, final, time.time() - started, peak_rss_gb())
-    return {"baseline": baseline, "final": final, "run_dir": str(run_dir)}
+    final = evaluate(policy, play, eval_tasks, cfg, run_dir, "final", progress)
+    with progress.phase("write report") as phase:
+        report = write_report(run_dir, cfg, baseline, final, time.time() - started, peak_rss_gb())
+        phase.done(f"{report.name}, {report.with_suffix('.html').name}, plots/")
+    return {
+        "baseline": baseline,
+        "after_sft": after_sft,
+        "final": final,
+        "run_dir": str(run_dir),
+        "report": str(report),
+    }
 
 
 @dataclass
@@ -285,8 +309,17 @@ class StopOnSignal:
 # ============================================================================ plumbing
 
 
+EVAL_TITLES = {"baseline": "baseline eval", "after_sft": "eval after SFT", "final": "final eval"}
+
+
 def evaluate(
-    policy: Policy, play: Any, tasks: list, cfg: Config, run_dir: Path | None, name: str
+    policy: Policy,
+    play: Any,
+    tasks: list,
+    cfg: Config,
+    run_dir: Path | None,
+    name: str,
+    progress: Progress | None = None,
 ) -> dict:
     """Play the eval tasks with the eval sampling settings; write eval/NAME.json."""
     params = SamplingParams(
@@ -296,8 +329,15 @@ def evaluate(
         max_new_tokens=cfg.rollout.max_new_tokens,
         seed=cfg.eval.seed,
     )
-    episodes = play([t for t in tasks for _ in range(cfg.eval.samples_per_task)], params=params)
-    result = eval_result(episodes, cfg.env.name, cfg.model.name, cfg.eval.seed)
+    repeated = [t for t in tasks for _ in range(cfg.eval.samples_per_task)]
+    title = EVAL_TITLES.get(name, name)
+    with (progress or Progress(quiet=True)).phase(title, len(repeated), "episode") as phase:
+        episodes = play(repeated, params=params, on_progress=phase.update)
+        result = eval_result(episodes, cfg.env.name, cfg.model.name, cfg.eval.seed)
+        phase.done(
+            f"reward {reward_with_ci(result)} · valid calls "
+            f"{result['valid_tool_call_rate']:.0%} · {result['n']} episodes"
+        )
     if run_dir is not None:
         (run_dir / "eval").mkdir(parents=True, exist_ok=True)
         (run_dir / "eval" / f"{name}.json").write_text(json.dumps(result, indent=2))
@@ -320,21 +360,41 @@ def player(cfg: Config, policy: Policy, probe: Any) -> Any:
     )
 
 
-def run_eval(cfg: Config, checkpoint: Path | None = None, out: Path | None = None) -> dict:
+def run_eval(
+    cfg: Config,
+    checkpoint: Path | None = None,
+    out: Path | None = None,
+    progress: Progress | None = None,
+) -> dict:
     """`looprl eval`: evaluate a model, or a run's checkpoint, on the held-out tasks."""
-    policy = load_policy(cfg)
+    progress = progress or Progress()
+    if checkpoint is not None and not (checkpoint / "trainable.safetensors").exists():
+        raise ConfigError(f"{checkpoint} is not a looprl checkpoint folder")
+    policy = load_model(cfg, progress)
     if checkpoint is not None:
-        if not (checkpoint / "trainable.safetensors").exists():
-            raise ConfigError(f"{checkpoint} is not a looprl checkpoint folder")
         load_weights(policy.model, checkpoint)
+        progress.note(f"{DONE} weights from {checkpoint}")
     probe = make_env(cfg.env.name, cfg.env.args)
     play = player(cfg, policy, probe)
     tasks = probe.tasks("eval", n=cfg.eval.tasks, seed=cfg.eval.seed)
-    result = evaluate(policy, play, tasks, cfg, None, "eval")
+    result = evaluate(policy, play, tasks, cfg, None, "eval", progress)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
     return result
+
+
+def load_model(cfg: Config, progress: Progress) -> Policy:
+    """`load_policy` as a phase of its own: the first minute of a run on a slow disk."""
+    with progress.phase("load model") as phase:
+        policy = load_policy(cfg)
+        params = list(policy.model.parameters())
+        trained = sum(p.numel() for p in params if p.requires_grad)
+        phase.done(
+            f"{cfg.model.name} on {policy.device} · {trained:,} of "
+            f"{sum(p.numel() for p in params):,} parameters trained"
+        )
+    return policy
 
 
 def check_run_dir(out: Path, force: bool, resume: bool) -> None:
@@ -369,22 +429,27 @@ def prepare_run_dir(out: Path, force: bool, resume: bool) -> Path:
     return out
 
 
-def warm_start(policy: Policy, probe: Any, cfg: Config, run_dir: Path) -> None:
+def warm_start(
+    policy: Policy, probe: Any, cfg: Config, run_dir: Path, progress: Progress | None = None
+) -> None:
     """SFT steps on demonstrations of train tasks; checkpointed as step 0 (weights only)."""
     from looprl.loop.sft import demo_episode, sft_step
 
     optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=cfg.sft.lr)
-    with (run_dir / "sft_metrics.jsonl").open("w") as log:
+    with (
+        (progress or Progress(quiet=True)).phase("SFT warm start", cfg.sft.steps, "step") as phase,
+        (run_dir / "sft_metrics.jsonl").open("w") as log,
+    ):
         for step in range(1, cfg.sft.steps + 1):
             tasks = probe.tasks("train", n=cfg.sft.batch_size, seed=cfg.seed * 999_983 + step)
             episodes = [
                 demo_episode(make_env(cfg.env.name, cfg.env.args), t, policy.renderer)
                 for t in tasks
             ]
-            log.write(
-                json.dumps({"step": step, **sft_step(policy, optimizer, episodes, cfg)}) + "\n"
-            )
+            stats = sft_step(policy, optimizer, episodes, cfg)
+            log.write(json.dumps({"step": step, **stats}) + "\n")
             log.flush()
+            phase.update(step, detail=f"loss {stats['sft/loss']:.3f}")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     save_checkpoint(run_dir, 0, policy.model, optimizer, scheduler, {"stage": "sft"}, 1_000_000)
 

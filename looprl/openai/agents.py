@@ -75,8 +75,15 @@ class _Pending:
 class _Batcher:
     """Gathers the model calls of concurrent agents into `engine.generate` batches."""
 
-    def __init__(self, engine: RolloutEngine, params: SamplingParams, live: int) -> None:
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        params: SamplingParams,
+        live: int,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> None:
         self.engine, self.params, self.live = engine, params, live
+        self.total, self.on_progress = live, on_progress
         self.pending: list[_Pending] = []
         self.batches = 0
         self.oldest = 0.0  # when the oldest pending call arrived (monotonic seconds)
@@ -96,6 +103,8 @@ class _Batcher:
     def finished(self) -> None:
         self.live -= 1
         self._wake.set()
+        if self.on_progress is not None:
+            self.on_progress(self.total - self.live)
 
     async def run(self) -> None:
         """Until every agent has finished: flush when all live agents wait (or on timeout)."""
@@ -140,10 +149,14 @@ def run_agents(
     params: SamplingParams,
     max_turns: int,
     max_episode_tokens: int,
+    on_progress: Callable[[int], None] | None = None,
 ) -> list[Episode]:
     """Play one agent episode per entry of `tasks` (repeat a task for a group), all
-    concurrently, and return them in the same order (see the module doc)."""
-    play = _play(tasks, make_env, engine, renderer, params, max_turns, max_episode_tokens)
+    concurrently, and return them in the same order (see the module doc). `on_progress(n)`
+    hears how many episodes have ended, as they end, like `rollout.run_episodes`."""
+    play = _play(
+        tasks, make_env, engine, renderer, params, max_turns, max_episode_tokens, on_progress
+    )
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -160,10 +173,11 @@ async def _play(
     params: SamplingParams,
     max_turns: int,
     max_episode_tokens: int,
+    on_progress: Callable[[int], None] | None,
 ) -> list[Episode]:
     from looprl.openai.proxy import AgentSession
 
-    batcher = _Batcher(engine, params, live=len(tasks))
+    batcher = _Batcher(engine, params, live=len(tasks), on_progress=on_progress)
     sessions = [
         AgentSession(
             renderer,

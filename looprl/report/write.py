@@ -272,7 +272,8 @@ def _fmt(value: Any, spec: str) -> str:
     return "n/a" if math.isnan(number) else format(number, spec)
 
 
-def _reward(result: dict) -> str:
+def reward_with_ci(result: dict) -> str:
+    """'+0.123 [+0.045, +0.201]': an EvalResult's reward mean and its 95% CI."""
     mean, lo, hi = _mean_ci(result)
     return f"{_fmt(mean, '+.3f')} [{_fmt(lo, '+.3f')}, {_fmt(hi, '+.3f')}]"
 
@@ -280,7 +281,7 @@ def _reward(result: dict) -> str:
 def _summary_rows(sides: list[dict]) -> list[list[str]]:
     labels = sorted({label for r in sides for label in r.get("outcomes") or {}})
     rows = [
-        ["reward mean [95% CI]", *(_reward(r) for r in sides)],
+        ["reward mean [95% CI]", *(reward_with_ci(r) for r in sides)],
         ["valid tool-call rate", *(_fmt(r.get("valid_tool_call_rate"), ".1%") for r in sides)],
         ["response_len (tokens)", *(_fmt(r.get("response_len"), ".1f") for r in sides)],
     ]
