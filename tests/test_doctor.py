@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from looprl.apps.doctor import doctor_table, run_checks
 from looprl.apps.doctor.check import Check
@@ -47,6 +48,7 @@ from looprl.apps.doctor.model import (
     model_checks,
 )
 from looprl.chat import ChatRenderer
+from looprl.cli import app
 from looprl.config import ModelConfig, load_config
 from looprl.engine import GenerationRequest
 from looprl.model import load
@@ -379,3 +381,33 @@ def test_run_checks_in_order(tmp_path):
     assert len(set(names)) == len(names) == 16
     assert not [c.name for c in checks if c.blocks_run]
     assert doctor_table(checks).row_count == 16
+
+
+# ------------------------------------------------------------------ CLI
+
+ENV = {"COLUMNS": "250", "NO_COLOR": "1", "TERM": "dumb"}
+
+
+def test_cli_doctor_tiny_random(tmp_path):
+    res = CliRunner(env=ENV).invoke(
+        app, ["doctor", "--set", "model.name=tiny-random", "--out", str(tmp_path / "run")]
+    )
+    assert res.exit_code == 0, res.output
+    for row in ("Python", "torch", "CUDA", "model cache", "run folder", "chat template",
+                "forced-call grammar", "1-token generate"):  # fmt: skip
+        assert re.search(rf"│ {re.escape(row)} +│ (OK|note) ", res.output), row
+    assert "│ problem" not in res.output and "a run with this config would start" in res.output
+
+
+def test_cli_doctor_missing_model(tmp_path):
+    res = CliRunner(env=ENV).invoke(
+        app, ["doctor", "--set", f"model.name={tmp_path / 'none'}", "--out", str(tmp_path / "r")]
+    )
+    assert res.exit_code == 1, res.output
+    assert re.search(r"│ model config +│ problem ", res.output)
+    assert "set model.name to a hub id" in res.output and "a run would not start" in res.output
+
+
+def test_cli_doctor_bad_config_is_exit_2():
+    res = CliRunner(env=ENV).invoke(app, ["doctor", "--set", "model.tool_format=nope"])
+    assert res.exit_code == 2 and "model.tool_format" in res.output
