@@ -131,6 +131,27 @@ def eval_cmd(
 
 @app.command()
 @guarded
+def doctor(
+    config: ConfigArg = None,
+    set_: SetOpt = None,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Run folder.")] = Path("runs/latest"),
+) -> None:
+    """Check what a first run needs: Python, torch, devices, model, disk; say how to fix."""
+    from looprl.apps.doctor import doctor_table, run_checks
+    from looprl.config import load_config
+
+    cfg = load_config(config, set_)
+    with console.status("checking"):
+        checks = run_checks(cfg, out)
+    console.print(doctor_table(checks))
+    problems = [check.name for check in checks if check.blocks_run]
+    if problems:
+        fail(f"a run would not start: fix the problems above ({', '.join(problems)})", code=1)
+    console.print("no problems: a run with this config would start", highlight=False)
+
+
+@app.command()
+@guarded
 def export(
     run_dir: Annotated[Path, typer.Argument(help="A run folder.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the exported model.")],
