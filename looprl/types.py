@@ -136,15 +136,3 @@ class Episode:
     @property
     def trainable(self) -> bool:
         return self.outcome != ENV_ERROR and self.response_len > 0
-
-
-@dataclass
-class Group:
-    """Episodes of the same task: the unit of group-relative advantages."""
-
-    task: Task
-    episodes: list[Episode]
-
-    @property
-    def rewards(self) -> list[float]:
-        return [e.reward for e in self.episodes]
