@@ -19,6 +19,8 @@ from looprl.algo import (
     k3_kl,
     masked_mean,
     masked_sum,
+    scoring_temperature,
+    tempered_log_softmax,
     token_logprobs,
 )
 
@@ -331,6 +333,16 @@ def test_token_logprobs_matches_log_softmax_and_chunking(temperature: float):
         torch.testing.assert_close(grad, ref_grad)
     with torch.no_grad():
         torch.testing.assert_close(token_logprobs(logits, targets, temperature, 2), ref)
+
+
+def test_scoring_temperature_and_tempered_log_softmax():
+    assert [scoring_temperature(t) for t in (0.0, 0.7, 1.0, 2.0)] == [1.0, 0.7, 1.0, 2.0]
+    logits = 3 * torch.randn(4, 50, generator=torch.Generator().manual_seed(12))
+    for t in (0.7, 1.0):
+        scaled, logp = tempered_log_softmax(logits, t)
+        assert torch.equal(scaled, logits / t)  # bit for bit: the ops the engine records
+        assert torch.equal(logp, torch.log_softmax(logits / t, dim=-1))
+    assert tempered_log_softmax(logits, 1.0)[0] is logits  # no copy at T = 1
 
 
 def test_token_logprobs_bf16_returns_float32():

@@ -1,7 +1,15 @@
 """Pure RL algorithm functions: advantages, per-token log-probs, policy-gradient losses."""
 
 from looprl.algo.advantages import batch_advantages, dynamic_sampling_keep, group_advantages
-from looprl.algo.logprobs import head_logprobs, masked_mean, masked_sum, token_logprobs
+from looprl.algo.logprobs import (
+    head_logprobs,
+    masked_mean,
+    masked_sum,
+    scale_logits,
+    scoring_temperature,
+    tempered_log_softmax,
+    token_logprobs,
+)
 from looprl.algo.losses import (
     LOSSES,
     dr_grpo_loss,
@@ -24,5 +32,8 @@ __all__ = [
     "k3_kl",
     "masked_mean",
     "masked_sum",
+    "scale_logits",
+    "scoring_temperature",
+    "tempered_log_softmax",
     "token_logprobs",
 ]

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from looprl.algo import LOSSES
+from looprl.algo import LOSSES, scoring_temperature
 from looprl.config import Config
 from looprl.errors import LoopRLError
 from looprl.loop.policy import Policy, prompt_length, sequence_logprobs
@@ -76,18 +76,19 @@ def update_policy(
     max_turns: int,
     state: UpdateState,
 ) -> dict[str, Any]:
-    """`num_minibatches` optimizer updates on one rollout batch (episode, advantage)."""
+    """`num_minibatches` optimizer updates on one rollout batch (episode, advantage).
+    Each episode is scored at its own sampling temperature."""
     out = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "ratio_max": 1.0,
            "logprob_gap": 0.0, "skipped": 0, "updated": 0, "tokens": 0}  # fmt: skip
     if not batch:
         return out
-    model, temperature = policy.model, cfg.rollout.temperature or 1.0
-    pad = policy.tokenizer.pad_token_id or 0
+    model, pad = policy.model, policy.tokenizer.pad_token_id or 0
 
     def logprobs(episodes: list[Episode]) -> tuple[torch.Tensor, torch.Tensor]:
+        # one temperature per micro-batch (see micro_batches)
         return sequence_logprobs(
             model, [e.token_ids for e in episodes], [e.loss_mask for e in episodes],
-            pad, policy.device, temperature,
+            pad, policy.device, scoring_temperature(episodes[0].temperature),
         )  # fmt: skip
 
     def masked_values(episodes: list[Episode], budget: int) -> dict[int, torch.Tensor]:
@@ -205,7 +206,8 @@ def minibatches(
 
 def micro_batches(episodes: list[Episode], token_budget: int) -> list[list[Episode]]:
     """Greedy split, in order, so that the tokens one forward pass processes stay within
-    the budget: each distinct prompt once plus (rows × longest suffix)."""
+    the budget: each distinct prompt once plus (rows × longest suffix). A forward pass
+    scores at one temperature: episodes sampled at another start a new micro-batch."""
     chunks: list[list[Episode]] = []
     current: list[Episode] = []
 
@@ -215,7 +217,10 @@ def micro_batches(episodes: list[Episode], token_budget: int) -> list[list[Episo
         return sum(len(p) for p in prompts) + len(chunk) * suffix
 
     for episode in episodes:
-        if current and cost(current + [episode]) > token_budget:
+        if current and (
+            episode.temperature != current[0].temperature
+            or cost(current + [episode]) > token_budget
+        ):
             chunks.append(current)
             current = []
         current.append(episode)
