@@ -9,6 +9,7 @@ import torch
 
 from looprl.algo import (
     LOSSES,
+    Normalizer,
     batch_advantages,
     dr_grpo_loss,
     dynamic_sampling_keep,
@@ -25,13 +26,10 @@ from looprl.algo import (
 )
 
 ALL_LOSSES = sorted(LOSSES)
-MAX_TOKENS = 16
 
 
 def call(name: str, *args, **kwargs):
-    """Call a loss by name; dr_grpo additionally needs its constant `max_tokens`."""
-    if name == "dr_grpo":
-        kwargs.setdefault("max_tokens", MAX_TOKENS)
+    """Call a loss by name: every loss takes the same arguments."""
     return LOSSES[name](*args, **kwargs)
 
 
@@ -160,7 +158,7 @@ def test_microbatch_sum_equals_full_batch(name: str, splits: list[int]):
     (full_grad,) = torch.autograd.grad(full_loss, logp)
     assert 0 < stats["clip_frac"] < 1
 
-    n = mask.sum().item() if name == "grpo" else 8.0  # the whole minibatch's normaliser
+    n = Normalizer.of(mask)  # the whole minibatch's counts; each loss picks its own
     total = torch.zeros((), dtype=torch.float64)
     start = 0
     for size in splits:
@@ -238,8 +236,30 @@ def test_grpo_and_dr_grpo_hand_values():
     loss, stats = grpo_loss(logp, old, adv, mask)
     assert loss.item() == pytest.approx(-sum(objs) / 4, rel=1e-6)  # token mean over 4 tokens
     assert stats["clip_frac"] == pytest.approx(0.25) and stats["count"] == 4.0
-    loss, _ = dr_grpo_loss(logp, old, adv, mask, max_tokens=10)
+    loss, _ = dr_grpo_loss(logp, old, adv, mask, normalizer=Normalizer.of(mask, max_tokens=10))
     assert loss.item() == pytest.approx(-(sum(objs[:3]) / 10 + objs[3] / 10) / 2, rel=1e-6)
+    loss, _ = dr_grpo_loss(logp, old, adv, mask)  # default constant length: T = 4
+    assert loss.item() == pytest.approx(-(sum(objs[:3]) / 4 + objs[3] / 4) / 2, rel=1e-6)
+
+
+def test_normalizer_counts_and_dr_grpo_is_grpo_at_mean_length():
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    n = Normalizer.of(mask, max_tokens=64)
+    assert (n.sequences, float(n.tokens), n.max_tokens) == (3.0, 4.0, 64)
+    assert Normalizer.of(torch.zeros(2, 5)).tokens == 1  # never a division by 0
+    assert Normalizer.of(mask).max_tokens == 4.0
+    # sum / L_max / N_seq == sum / N_tok when L_max = N_tok / N_seq: the two share one body
+    logp, old, adv, mask, _ = make_batch(b=6, t=5, seed=11)
+    tokens = mask.sum().item()
+    l_grpo, s_grpo = grpo_loss(logp, old, adv, mask)
+    (g_grpo,) = torch.autograd.grad(l_grpo, logp)
+    l_dr, s_dr = dr_grpo_loss(logp, old, adv, mask, normalizer=Normalizer.of(mask, tokens / 6))
+    (g_dr,) = torch.autograd.grad(l_dr, logp)
+    torch.testing.assert_close(l_dr, l_grpo)
+    torch.testing.assert_close(g_dr, g_grpo)
+    assert s_dr == pytest.approx(s_grpo)
+    with pytest.raises(ValueError, match="max_tokens"):
+        dr_grpo_loss(logp, old, adv, mask, normalizer=Normalizer.of(mask, max_tokens=0))
 
 
 def test_kl_k3_zero_at_ref_positive_elsewhere_and_in_loss():

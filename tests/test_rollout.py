@@ -527,7 +527,7 @@ def test_update_scores_each_episode_at_its_own_sampling_temperature(
     """One batch of episodes sampled at T = 0.5, 1 and 0 (greedy, scored at T = 1): the
     trainer's old logprobs reproduce the engine's for every one of them."""
     import looprl.loop.update as update
-    from looprl.config import config_from_dict
+    from looprl.config import AlgoConfig, TrainConfig
     from looprl.loop.policy import Policy
 
     batch = []
@@ -541,8 +541,10 @@ def test_update_scores_each_episode_at_its_own_sampling_temperature(
 
     def gap() -> float:
         state = update.UpdateState(micro_batch_tokens=1 << 16)  # one micro-batch, if allowed
-        cfg = config_from_dict({"rollout": {"group_size": 2}, "algo": {"num_minibatches": 1}})
-        stats = update.update_policy(policy, optimizer, batch, cfg, 0, 1, state)
+        stats = update.update_policy(
+            policy, optimizer, batch, AlgoConfig(num_minibatches=1), TrainConfig(),
+            group_size=2, max_tokens=12, seed=0, state=state,
+        )  # fmt: skip
         return stats["logprob_gap"]
 
     training = tiny_model.training

@@ -1,6 +1,7 @@
 """Pure RL algorithm functions: advantages, per-token log-probs, policy-gradient losses."""
 
 from looprl.algo.advantages import batch_advantages, dynamic_sampling_keep, group_advantages
+from looprl.algo.kl import k3_kl
 from looprl.algo.logprobs import (
     head_logprobs,
     masked_mean,
@@ -12,15 +13,16 @@ from looprl.algo.logprobs import (
 )
 from looprl.algo.losses import (
     LOSSES,
+    Normalizer,
     dr_grpo_loss,
     grpo_loss,
     gspo_loss,
     gspo_token_loss,
-    k3_kl,
 )
 
 __all__ = [
     "LOSSES",
+    "Normalizer",
     "batch_advantages",
     "dr_grpo_loss",
     "dynamic_sampling_keep",

@@ -153,7 +153,11 @@ def run_training(cfg: Config, out: Path, force: bool = False, resume: bool = Fal
 
             # policy update
             t1 = time.time()
-            stats = update_policy(policy, optimizer, batch, cfg, step, probe.max_turns, loop.update)
+            stats = update_policy(
+                policy, optimizer, batch, cfg.algo, cfg.train, group_size=cfg.rollout.group_size,
+                max_tokens=cfg.rollout.max_new_tokens * probe.max_turns,
+                seed=cfg.seed * 7 + step, state=loop.update,
+            )  # fmt: skip
             train_s = time.time() - t1
             if stats["skipped"]:
                 loop.bad_steps += 1
