@@ -13,6 +13,7 @@ from looprl.algo import (
     batch_advantages,
     dr_grpo_loss,
     dynamic_sampling_keep,
+    episode_advantages,
     group_advantages,
     grpo_loss,
     gspo_loss,
@@ -324,6 +325,29 @@ def test_batch_advantages_and_zero_std_flag():
     assert zero_std_G.tolist() == [False, True, False]
     adv_B, _ = batch_advantages([[2.0, 0.0]], scale=False)
     torch.testing.assert_close(adv_B, torch.tensor([1.0, -1.0]))
+
+
+def test_episode_advantages_by_hand():
+    # group_size 3: [1, 0, (untrainable)] -> mean 0.5, std 0.5; [0.5]*3 -> all equal;
+    # [0, 2, 1] -> mean 1, std sqrt(2/3); an all-untrainable group is no group at all
+    rewards = [1.0, 0.0, 5.0, 0.5, 0.5, 0.5, 0.0, 2.0, 1.0, 3.0, 3.0, 3.0]
+    trainable = [True, True, False] + [True] * 6 + [False] * 3
+    s = math.sqrt(2 / 3) + 1e-6
+    h = 0.5 / (0.5 + 1e-6)
+    adv, zero_std = episode_advantages(rewards, trainable, 3)
+    assert adv[2] is None and adv[9:] == [None] * 3 and zero_std == 1
+    assert adv[:2] == pytest.approx([h, -h]) and adv[3:6] == [0.0] * 3
+    assert adv[6:9] == pytest.approx([-1 / s, 1 / s, 0.0])
+    adv, _ = episode_advantages(rewards, trainable, 3, scale=False)
+    assert adv[:2] == [0.5, -0.5] and adv[6:9] == [-1.0, 1.0, 0.0]
+    adv, zero_std = episode_advantages(rewards, trainable, 3, dynamic_sampling=True)
+    assert adv[3:6] == [None] * 3 and zero_std == 1  # dropped, and still counted
+    assert adv[:2] == pytest.approx([h, -h]) and adv[6:9] == pytest.approx([-1 / s, 1 / s, 0.0])
+    # a short last group: one episode, so one reward, so all equal
+    adv, zero_std = episode_advantages([1.0, 0.0, 7.0], [True] * 3, 2)
+    assert adv == pytest.approx([h, -h, 0.0]) and zero_std == 1
+    with pytest.raises(ValueError):
+        episode_advantages([1.0, 0.0], [True], 2)
 
 
 def test_dynamic_sampling_keep():

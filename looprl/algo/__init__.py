@@ -1,6 +1,11 @@
 """Pure RL algorithm functions: advantages, per-token log-probs, policy-gradient losses."""
 
-from looprl.algo.advantages import batch_advantages, dynamic_sampling_keep, group_advantages
+from looprl.algo.advantages import (
+    batch_advantages,
+    dynamic_sampling_keep,
+    episode_advantages,
+    group_advantages,
+)
 from looprl.algo.kl import k3_kl
 from looprl.algo.logprobs import (
     head_logprobs,
@@ -26,6 +31,7 @@ __all__ = [
     "batch_advantages",
     "dr_grpo_loss",
     "dynamic_sampling_keep",
+    "episode_advantages",
     "group_advantages",
     "head_logprobs",
     "grpo_loss",
