@@ -18,7 +18,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from looprl.errors import ConfigError
 
-ALGORITHMS = ("gspo", "gspo_token", "grpo", "dr_grpo")
 # Clip ranges (eps_low, eps_high) used when the config leaves them unset:
 # GSPO paper (arXiv 2507.18071) sequence-level ranges; DAPO clip-higher for token ratios.
 DEFAULT_CLIP = {

@@ -121,6 +121,19 @@ def test_calls_of_one_conversation_stitch_into_one_trajectory(tokenizer, rendere
     assert roles == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
 
 
+def test_episodes_record_the_sampling_temperature(tokenizer, renderer):
+    async def agent(client, task):
+        await converse(client, 2)
+        return AgentResult(1.0, "hit")
+
+    engine = ScriptedEngine(tokenizer, lambda prompt: encode(tokenizer, PICK))
+    env = ScriptedAgentEnv(agent)
+    params = SamplingParams(temperature=0.3, max_new_tokens=64, seed=0)
+    episodes = run_agents(env.tasks("train", 2), lambda: env, engine, renderer, params, 4, 2048)
+    assert [e.temperature for e in episodes] == [0.3, 0.3]
+    assert {used.temperature for _, used in engine.calls} == {0.3}
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_model, tokenizer, renderer):
     return HFEngine(tiny_model, tokenizer, renderer.eos_ids)

@@ -9,9 +9,11 @@ import torch
 
 from looprl.algo import (
     LOSSES,
+    Normalizer,
     batch_advantages,
     dr_grpo_loss,
     dynamic_sampling_keep,
+    episode_advantages,
     group_advantages,
     grpo_loss,
     gspo_loss,
@@ -19,17 +21,16 @@ from looprl.algo import (
     k3_kl,
     masked_mean,
     masked_sum,
+    scoring_temperature,
+    tempered_log_softmax,
     token_logprobs,
 )
 
 ALL_LOSSES = sorted(LOSSES)
-MAX_TOKENS = 16
 
 
 def call(name: str, *args, **kwargs):
-    """Call a loss by name; dr_grpo additionally needs its constant `max_tokens`."""
-    if name == "dr_grpo":
-        kwargs.setdefault("max_tokens", MAX_TOKENS)
+    """Call a loss by name: every loss takes the same arguments."""
     return LOSSES[name](*args, **kwargs)
 
 
@@ -158,7 +159,7 @@ def test_microbatch_sum_equals_full_batch(name: str, splits: list[int]):
     (full_grad,) = torch.autograd.grad(full_loss, logp)
     assert 0 < stats["clip_frac"] < 1
 
-    n = mask.sum().item() if name == "grpo" else 8.0  # the whole minibatch's normaliser
+    n = Normalizer.of(mask)  # the whole minibatch's counts; each loss picks its own
     total = torch.zeros((), dtype=torch.float64)
     start = 0
     for size in splits:
@@ -236,8 +237,30 @@ def test_grpo_and_dr_grpo_hand_values():
     loss, stats = grpo_loss(logp, old, adv, mask)
     assert loss.item() == pytest.approx(-sum(objs) / 4, rel=1e-6)  # token mean over 4 tokens
     assert stats["clip_frac"] == pytest.approx(0.25) and stats["count"] == 4.0
-    loss, _ = dr_grpo_loss(logp, old, adv, mask, max_tokens=10)
+    loss, _ = dr_grpo_loss(logp, old, adv, mask, normalizer=Normalizer.of(mask, max_tokens=10))
     assert loss.item() == pytest.approx(-(sum(objs[:3]) / 10 + objs[3] / 10) / 2, rel=1e-6)
+    loss, _ = dr_grpo_loss(logp, old, adv, mask)  # default constant length: T = 4
+    assert loss.item() == pytest.approx(-(sum(objs[:3]) / 4 + objs[3] / 4) / 2, rel=1e-6)
+
+
+def test_normalizer_counts_and_dr_grpo_is_grpo_at_mean_length():
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    n = Normalizer.of(mask, max_tokens=64)
+    assert (n.sequences, float(n.tokens), n.max_tokens) == (3.0, 4.0, 64)
+    assert Normalizer.of(torch.zeros(2, 5)).tokens == 1  # never a division by 0
+    assert Normalizer.of(mask).max_tokens == 4.0
+    # sum / L_max / N_seq == sum / N_tok when L_max = N_tok / N_seq: the two share one body
+    logp, old, adv, mask, _ = make_batch(b=6, t=5, seed=11)
+    tokens = mask.sum().item()
+    l_grpo, s_grpo = grpo_loss(logp, old, adv, mask)
+    (g_grpo,) = torch.autograd.grad(l_grpo, logp)
+    l_dr, s_dr = dr_grpo_loss(logp, old, adv, mask, normalizer=Normalizer.of(mask, tokens / 6))
+    (g_dr,) = torch.autograd.grad(l_dr, logp)
+    torch.testing.assert_close(l_dr, l_grpo)
+    torch.testing.assert_close(g_dr, g_grpo)
+    assert s_dr == pytest.approx(s_grpo)
+    with pytest.raises(ValueError, match="max_tokens"):
+        dr_grpo_loss(logp, old, adv, mask, normalizer=Normalizer.of(mask, max_tokens=0))
 
 
 def test_kl_k3_zero_at_ref_positive_elsewhere_and_in_loss():
@@ -304,6 +327,29 @@ def test_batch_advantages_and_zero_std_flag():
     torch.testing.assert_close(adv_B, torch.tensor([1.0, -1.0]))
 
 
+def test_episode_advantages_by_hand():
+    # group_size 3: [1, 0, (untrainable)] -> mean 0.5, std 0.5; [0.5]*3 -> all equal;
+    # [0, 2, 1] -> mean 1, std sqrt(2/3); an all-untrainable group is no group at all
+    rewards = [1.0, 0.0, 5.0, 0.5, 0.5, 0.5, 0.0, 2.0, 1.0, 3.0, 3.0, 3.0]
+    trainable = [True, True, False] + [True] * 6 + [False] * 3
+    s = math.sqrt(2 / 3) + 1e-6
+    h = 0.5 / (0.5 + 1e-6)
+    adv, zero_std = episode_advantages(rewards, trainable, 3)
+    assert adv[2] is None and adv[9:] == [None] * 3 and zero_std == 1
+    assert adv[:2] == pytest.approx([h, -h]) and adv[3:6] == [0.0] * 3
+    assert adv[6:9] == pytest.approx([-1 / s, 1 / s, 0.0])
+    adv, _ = episode_advantages(rewards, trainable, 3, scale=False)
+    assert adv[:2] == [0.5, -0.5] and adv[6:9] == [-1.0, 1.0, 0.0]
+    adv, zero_std = episode_advantages(rewards, trainable, 3, dynamic_sampling=True)
+    assert adv[3:6] == [None] * 3 and zero_std == 1  # dropped, and still counted
+    assert adv[:2] == pytest.approx([h, -h]) and adv[6:9] == pytest.approx([-1 / s, 1 / s, 0.0])
+    # a short last group: one episode, so one reward, so all equal
+    adv, zero_std = episode_advantages([1.0, 0.0, 7.0], [True] * 3, 2)
+    assert adv == pytest.approx([h, -h, 0.0]) and zero_std == 1
+    with pytest.raises(ValueError):
+        episode_advantages([1.0, 0.0], [True], 2)
+
+
 def test_dynamic_sampling_keep():
     assert dynamic_sampling_keep([[1, 1, 1], [0, 1, 0], [0, 0], [0.5], [0.2, 0.3]]) == [
         False,
@@ -331,6 +377,16 @@ def test_token_logprobs_matches_log_softmax_and_chunking(temperature: float):
         torch.testing.assert_close(grad, ref_grad)
     with torch.no_grad():
         torch.testing.assert_close(token_logprobs(logits, targets, temperature, 2), ref)
+
+
+def test_scoring_temperature_and_tempered_log_softmax():
+    assert [scoring_temperature(t) for t in (0.0, 0.7, 1.0, 2.0)] == [1.0, 0.7, 1.0, 2.0]
+    logits = 3 * torch.randn(4, 50, generator=torch.Generator().manual_seed(12))
+    for t in (0.7, 1.0):
+        scaled, logp = tempered_log_softmax(logits, t)
+        assert torch.equal(scaled, logits / t)  # bit for bit: the ops the engine records
+        assert torch.equal(logp, torch.log_softmax(logits / t, dim=-1))
+    assert tempered_log_softmax(logits, 1.0)[0] is logits  # no copy at T = 1
 
 
 def test_token_logprobs_bf16_returns_float32():

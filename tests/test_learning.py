@@ -38,13 +38,13 @@ def test_reward_rises(tmp_path):
 
 
 def test_flipped_advantage_lowers_reward(tmp_path, monkeypatch):
-    real = train.batch_advantages
+    real = train.episode_advantages
 
-    def flipped(rewards, scale=True):
-        adv_B, zero_std_G = real(rewards, scale=scale)
-        return -adv_B, zero_std_G
+    def flipped(*args, **kwargs):
+        advantages, zero_std_groups = real(*args, **kwargs)
+        return [None if a is None else -a for a in advantages], zero_std_groups
 
-    monkeypatch.setattr(train, "batch_advantages", flipped)
+    monkeypatch.setattr(train, "episode_advantages", flipped)
     cfg = _config()
     result = train.run_training(config_from_dict(cfg), tmp_path / "run")
     early, late = _hit_rate(tmp_path / "run", 4, 4)

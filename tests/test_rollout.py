@@ -519,3 +519,51 @@ def test_hf_rollout_with_forced_calls_only_yields_move_outcomes(engine, renderer
         n = len(ep.turns[0].completion_ids)
         assert ep.loss_mask[-n:] == [1] * n and ep.response_len == n
         check_alignment(ep)
+
+
+def test_update_scores_each_episode_at_its_own_sampling_temperature(
+    engine, tiny_model, tokenizer, renderer, monkeypatch
+):
+    """One batch of episodes sampled at T = 0.5, 1 and 0 (greedy, scored at T = 1): the
+    trainer's old logprobs reproduce the engine's for every one of them."""
+    import looprl.loop.update as update
+    from looprl.config import AlgoConfig, TrainConfig
+    from looprl.loop.policy import Policy
+
+    batch = []
+    for temperature in (0.5, 1.0, 0.0):
+        params = SamplingParams(temperature=temperature, max_new_tokens=12, seed=4)
+        episodes = run_episodes(winnable_tasks(2), TicTacToeMove, engine, renderer, params, 1, 512)
+        assert [e.temperature for e in episodes] == [temperature] * 2
+        batch += [(e, 1.0) for e in episodes]
+    policy = Policy(tiny_model, tokenizer, renderer, engine, torch.device("cpu"))
+    optimizer = torch.optim.SGD(policy.trainable_parameters(), lr=0.0)  # weights stay
+
+    def gap() -> float:
+        state = update.UpdateState(micro_batch_tokens=1 << 16)  # one micro-batch, if allowed
+        stats = update.update_policy(
+            policy, optimizer, batch, AlgoConfig(num_minibatches=1), TrainConfig(),
+            group_size=2, max_tokens=12, seed=0, state=state,
+        )  # fmt: skip
+        return stats["logprob_gap"]
+
+    training = tiny_model.training
+    try:
+        assert gap() < 1e-4
+        monkeypatch.setattr(update, "scoring_temperature", lambda t: 1.0)  # one T for all
+        assert gap() > 1e-3
+    finally:
+        tiny_model.train(training)
+
+
+def test_micro_batches_never_mix_temperatures(tokenizer):
+    from looprl.loop.update import micro_batches
+
+    def episode(temperature: float) -> Episode:
+        ids = [1, 2, 3, 4]
+        return Episode(Task("t", {}), [], ids, [0, 0, 1, 1], [0.0] * 4, temperature=temperature)
+
+    episodes = [episode(t) for t in (1.0, 1.0, 0.5, 0.5, 1.0)]
+    chunks = micro_batches(episodes, token_budget=1_000)
+    assert [[e.temperature for e in chunk] for chunk in chunks] == [[1.0, 1.0], [0.5, 0.5], [1.0]]
+    assert [len(c) for c in micro_batches(episodes[:2], token_budget=1_000)] == [2]

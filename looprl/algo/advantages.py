@@ -71,3 +71,41 @@ def dynamic_sampling_keep(rewards: list[list[float]]) -> list[bool]:
     the gradient but still dilutes the batch; the caller drops it (and may resample).
     """
     return [len(set(group)) > 1 for group in rewards]
+
+
+def episode_advantages(
+    rewards: list[float],
+    trainable: list[bool],
+    group_size: int,
+    *,
+    scale: bool = True,
+    dynamic_sampling: bool = False,
+) -> tuple[list[float | None], int]:
+    """The advantage of every episode of a rollout batch, None for one that takes no part.
+
+    Consecutive runs of `group_size` episodes are one task's group. Within a group only the
+    entries flagged trainable count: their rewards form the group of `batch_advantages`
+    (normalised among themselves), the others get None. With `dynamic_sampling` a group
+    whose rewards are all equal gets None throughout.
+    Returns (advantages, zero_std_groups): one entry per episode, in order, and the number
+    of groups (with a trainable entry) whose rewards are all equal, dropped or not.
+    """
+    n = len(rewards)
+    if len(trainable) != n or group_size < 1:
+        raise ValueError(f"{n} rewards, {len(trainable)} trainable flags, group_size {group_size}")
+    # indices of each group's trainable episodes; a group with none drops out
+    groups = [
+        [k for k in range(i, min(i + group_size, n)) if trainable[k]]
+        for i in range(0, n, group_size)
+    ]
+    groups = [group for group in groups if group]
+    group_rewards = [[rewards[k] for k in group] for group in groups]
+    adv_B, zero_std_G = batch_advantages(group_rewards, scale=scale)
+    keep_G = dynamic_sampling_keep(group_rewards) if dynamic_sampling else [True] * len(groups)
+    advantages: list[float | None] = [None] * n
+    index_B = [k for group in groups for k in group]
+    keep_B = [keep for group, keep in zip(groups, keep_G, strict=True) for _ in group]
+    for k, keep, adv in zip(index_B, keep_B, adv_B.tolist(), strict=True):
+        if keep:
+            advantages[k] = adv
+    return advantages, int(zero_std_G.sum())

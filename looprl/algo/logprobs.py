@@ -11,7 +11,12 @@ is of course still a full [B, T, V] tensor (in the logits' dtype).
 
 Temperature: rollouts sampled at temperature tau came from softmax(z / tau), so the trainer
 must score them with the *same* tau, otherwise the importance ratio pi/pi_old is off even
-when the weights have not moved.
+when the weights have not moved. Greedy decoding (tau = 0) has no distribution of its own;
+its tokens are scored at tau = 1 (`scoring_temperature`), by the engine and the trainer.
+
+The engine records the logprob of each token it samples with `tempered_log_softmax` over
+the whole vocabulary (it needs the whole row to sample anyway); the trainer uses the
+gathered form above. The two agree to float32 rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -21,10 +26,24 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 
+def scoring_temperature(temperature: float) -> float:
+    """The tau a sample drawn at `temperature` is scored at: itself, or 1 for greedy (0)."""
+    return temperature if temperature > 0 else 1.0
+
+
+def scale_logits(logits: Tensor, temperature: float) -> Tensor:
+    """z / tau, the logits whose softmax is the distribution at tau (z itself at tau = 1)."""
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def tempered_log_softmax(logits_CV: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """(z / tau, log softmax(z / tau)) over the last dimension, for a sampling step."""
+    scaled_CV = scale_logits(logits_CV, temperature)
+    return scaled_CV, torch.log_softmax(scaled_CV, dim=-1)
+
+
 def _chunk_logprobs(logits_CTV: Tensor, target_ids_CT: Tensor, temperature: float) -> Tensor:
-    z_CTV = logits_CTV.float()
-    if temperature != 1.0:
-        z_CTV = z_CTV / temperature  # z / tau
+    z_CTV = scale_logits(logits_CTV.float(), temperature)  # z / tau
     lse_CT = torch.logsumexp(z_CTV, dim=-1)  # log sum_v exp(z_v / tau)
     picked_CT = z_CTV.gather(-1, target_ids_CT.unsqueeze(-1)).squeeze(-1)  # z_y / tau
     return picked_CT - lse_CT  # log softmax(z / tau)[y]

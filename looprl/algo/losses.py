@@ -1,18 +1,19 @@
 """Clipped policy-gradient losses: GSPO, GSPO-token, GRPO (DAPO token-mean), Dr.GRPO.
 
-Every loss has the same shape of call
+Every loss is called the same way
 
     loss, stats = fn(logp_BT, old_logp_BT, adv_B, mask_BT, *, eps_low, eps_high,
                      ref_logp_BT=None, kl_coef=0.0, normalizer=None, loss_scale=1.0)
 
-(`dr_grpo_loss` also needs `max_tokens`), and returns a 0-dim loss to minimise and a dict
-of python floats. Inputs:
+and returns a 0-dim loss to minimise and a dict of python floats, so a trainer picks one
+from `LOSSES` by name and never needs to know which. Inputs:
 
     logp_BT      log pi_theta(y_t) of the current policy, with grad        [B, T]
     old_logp_BT  log pi_old(y_t) of the policy that sampled (no grad)      [B, T]
     adv_B        one advantage per sequence (see advantages.py)            [B]
     mask_BT      1 on policy-generated tokens, 0 on prompt/tool/padding    [B, T]
     ref_logp_BT  log pi_ref(y_t) of the frozen reference, for the KL term  [B, T]
+    normalizer   the counts a loss divides by (`Normalizer`), see below
 
 Clipped surrogate (PPO, arXiv 1707.06347) with an asymmetric range (DAPO "clip-higher",
 arXiv 2503.14476):
@@ -26,21 +27,23 @@ sit there (padding, -inf) never reach the loss and get exactly zero gradient.
 
 Micro-batching and `normalizer`
 -------------------------------
-Each loss is a SUM of per-unit terms divided by one normaliser N:
+Each loss is a SUM of per-unit terms divided by its own normaliser, which it reads from
+the `Normalizer` it is given (N_seq sequences, N_tok masked tokens, L_max = max_tokens):
 
-    gspo, gspo_token, dr_grpo:  loss = sum_i term_i / N,   N = number of sequences
-    grpo (token mean):          loss = sum_{i,t} term_it / N, N = number of masked tokens
+    gspo, gspo_token:  loss = sum_i term_i / N_seq
+    grpo (token mean): loss = sum_{i,t} term_it / N_tok
+    dr_grpo:           loss = sum_i (sum_t term_it / L_max) / N_seq,  L_max a constant
 
-By default N is computed from this call (B, or sum(mask)). To split a minibatch into
-micro-batches and accumulate gradients, pass the *whole minibatch's* N to every call:
+By default (normalizer=None) every count comes from this call: N_seq = B,
+N_tok = sum(mask), L_max = T. To split a minibatch into micro-batches and accumulate
+gradients, pass the *whole minibatch's* counts to every call:
 
-    N = B_minibatch                      (gspo, gspo_token, dr_grpo)
-    N = mask_minibatch.sum()             (grpo)
-    loss(minibatch) == sum_k loss(micro_k, normalizer=N)      (value and gradient)
+    n = Normalizer.of(mask_minibatch, max_tokens=L_max)
+    loss(minibatch) == sum_k loss(micro_k, normalizer=n)      (value and gradient)
 
 so call backward() on each micro-batch loss as is, with no extra scaling. The KL term
-obeys the same convention (see `_kl_term`). A sequence whose mask is all 0 contributes
-nothing but still counts in the default N = B: drop such rows before the call, or pass N.
+obeys the same convention (see `kl.kl_term`). A sequence whose mask is all 0 contributes
+nothing but still counts in N_seq: drop such rows before the call, or pass the counts.
 `loss_scale` multiplies the final loss (e.g. 1/world_size); it does not touch the stats.
 
 Stats (python floats, for *this call* only; `count` lets the trainer weight them when
@@ -61,15 +64,38 @@ averaging over micro-batches):
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from looprl.algo.kl import MAX_LOG_RATIO, kl_term
 from looprl.algo.logprobs import masked_mean, masked_sum
 
-MAX_LOG_RATIO = 20.0  # exp(20) ~ 4.9e8: finite in float32/bf16, far past any clip range
-
 LossFn = Callable[..., tuple[Tensor, dict[str, float]]]
+
+
+@dataclass(frozen=True)
+class Normalizer:
+    """The counts a loss may divide its sum by; each loss uses its own (module doc).
+
+    Counted over the whole minibatch when it is split into micro-batches, so that the
+    micro-batch losses add up to the minibatch loss.
+    """
+
+    sequences: float | Tensor  # N_seq: sequences (empty rows included)
+    tokens: float | Tensor  # N_tok: loss-masked tokens
+    max_tokens: float  # L_max: Dr.GRPO's constant length, e.g. the generation budget
+
+    @classmethod
+    def of(cls, mask_BT: Tensor, max_tokens: float | None = None) -> Normalizer:
+        """Counts of one call: N_seq = B, N_tok = max(sum(mask), 1), L_max = max_tokens or T."""
+        tokens = mask_BT.bool().sum().clamp(min=1)
+        return cls(
+            sequences=float(mask_BT.shape[0]),
+            tokens=tokens,
+            max_tokens=float(mask_BT.shape[-1]) if max_tokens is None else max_tokens,
+        )
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -103,44 +129,6 @@ def _clipped_objective(
     # the clipped branch is active (grad 0) iff w left the range on the side A pushes it to
     clip_active = ((adv > 0) & (ratio > 1.0 + eps_high)) | ((adv < 0) & (ratio < 1.0 - eps_low))
     return obj, clip_active
-
-
-def k3_kl(logp_BT: Tensor, ref_logp_BT: Tensor) -> Tensor:
-    """Per-token k3 estimator of KL(pi || pi_ref) (Schulman, "Approximating KL divergence").
-
-    kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1 >= 0, unbiased under samples of pi,
-    zero iff ref_t == logp_t. The difference is clamped to [-20, 20] before exp.
-    """
-    d_BT = (ref_logp_BT.detach() - logp_BT).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    return torch.exp(d_BT) - d_BT - 1.0
-
-
-def _kl_term(
-    logp_BT: Tensor,
-    ref_logp_BT: Tensor,
-    m_BT: Tensor,
-    normalizer: float | Tensor,
-    per_sequence: bool,
-) -> tuple[Tensor, Tensor]:
-    """(KL contribution to the loss under `normalizer`, mean KL of this call for stats).
-
-    per_sequence=True (gspo, gspo_token, dr_grpo):  sum_i mean_t kl_it / N_sequences
-    per_sequence=False (grpo):                      sum_{i,t} kl_it / N_tokens
-    The aggregation follows the loss's own normaliser, so micro-batching stays exact.
-    """
-    # zero both inputs off the mask *before* the nonlinearity: kl = 0 there, and a NaN/-inf
-    # in the padding cannot turn the zero upstream gradient into 0 * nan
-    zeros_BT = torch.zeros_like(logp_BT)
-    kl_BT = k3_kl(
-        torch.where(m_BT, logp_BT, zeros_BT), torch.where(m_BT, ref_logp_BT.detach(), zeros_BT)
-    )
-    if per_sequence:
-        kl_B = masked_mean(kl_BT, m_BT, dim=-1)  # mean_t m_it kl_it, 0 for an empty row
-        valid_B = m_BT.any(dim=-1)
-        stat = kl_B.detach()[valid_B].mean() if valid_B.any() else kl_B.new_zeros(())
-        return kl_B.sum() / normalizer, stat
-    stat = masked_mean(kl_BT.detach(), m_BT)
-    return masked_sum(kl_BT, m_BT) / normalizer, stat
 
 
 def _stats(
@@ -189,7 +177,7 @@ def _finish(
     loss = pg_loss
     kl_stat = None
     if ref_logp_BT is not None:
-        kl_loss, kl_stat = _kl_term(logp_BT, ref_logp_BT, m_BT, normalizer, per_sequence)
+        kl_loss, kl_stat = kl_term(logp_BT, ref_logp_BT, m_BT, normalizer, per_sequence)
         if kl_coef > 0:
             loss = loss + kl_coef * kl_loss  # L = L_pg + beta * KL
     stats = _stats(ratio_U, clip_active_U, pg_loss, kl_stat)
@@ -217,7 +205,7 @@ def gspo_loss(
     eps_high: float = 4e-4,
     ref_logp_BT: Tensor | None = None,
     kl_coef: float = 0.0,
-    normalizer: float | None = None,
+    normalizer: Normalizer | None = None,
     loss_scale: float = 1.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """GSPO, Group Sequence Policy Optimization (arXiv 2507.18071), sequence-level ratio.
@@ -230,7 +218,7 @@ def gspo_loss(
     _check_shapes(logp_BT, old_logp_BT, adv_B, mask_BT)
     m_BT = mask_BT.bool()
     valid_B = m_BT.any(dim=-1)
-    n = float(logp_BT.shape[0]) if normalizer is None else normalizer
+    n = (normalizer or Normalizer.of(mask_BT)).sequences  # N_seq
     adv_B = adv_B.detach().to(logp_BT.dtype)
 
     s_B = torch.exp(_sequence_log_ratio(logp_BT, old_logp_BT, m_BT))
@@ -262,7 +250,7 @@ def gspo_token_loss(
     eps_high: float = 4e-4,
     ref_logp_BT: Tensor | None = None,
     kl_coef: float = 0.0,
-    normalizer: float | None = None,
+    normalizer: Normalizer | None = None,
     loss_scale: float = 1.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """GSPO-token (arXiv 2507.18071, sec. 4.3): sequence ratio value, per-token gradient path.
@@ -278,7 +266,7 @@ def gspo_token_loss(
     _check_shapes(logp_BT, old_logp_BT, adv_B, mask_BT)
     m_BT = mask_BT.bool()
     valid_B = m_BT.any(dim=-1)
-    n = float(logp_BT.shape[0]) if normalizer is None else normalizer
+    n = (normalizer or Normalizer.of(mask_BT)).sequences  # N_seq
     adv_B = adv_B.detach().to(logp_BT.dtype)
 
     s_B = torch.exp(_sequence_log_ratio(logp_BT, old_logp_BT, m_BT)).detach()  # sg[s_i]
@@ -304,6 +292,53 @@ def gspo_token_loss(
     )
 
 
+def _token_ratio_loss(
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    adv_B: Tensor,
+    mask_BT: Tensor,
+    *,
+    eps_low: float,
+    eps_high: float,
+    ref_logp_BT: Tensor | None,
+    kl_coef: float,
+    normalizer: Normalizer | None,
+    loss_scale: float,
+    token_mean: bool,
+) -> tuple[Tensor, dict[str, float]]:
+    """Token ratios r_it = exp(logp_it - old_it), clipped per token; GRPO and Dr.GRPO
+    differ only in how the sum over tokens is normalised (`token_mean`, see callers)."""
+    _check_shapes(logp_BT, old_logp_BT, adv_B, mask_BT)
+    m_BT = mask_BT.bool()
+    norm = normalizer or Normalizer.of(mask_BT)
+    adv_B = adv_B.detach().to(logp_BT.dtype)
+
+    log_r_BT = _masked_log_ratio(logp_BT, old_logp_BT, m_BT).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    r_BT = torch.exp(log_r_BT)
+    obj_BT, clip_active_BT = _clipped_objective(r_BT, adv_B[:, None], eps_low, eps_high)
+    if token_mean:
+        n = norm.tokens
+        pg_loss = -masked_sum(obj_BT, m_BT) / n  # -sum_{i,t} m_it obj_it / N_tok
+    else:
+        if norm.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be > 0, got {norm.max_tokens}")
+        n = norm.sequences
+        pg_loss = -masked_sum(obj_BT, m_BT) / norm.max_tokens / n  # -sum_i (sum_t / L_max) / N_seq
+
+    return _finish(
+        pg_loss,
+        logp_BT,
+        ref_logp_BT,
+        m_BT,
+        kl_coef=kl_coef,
+        normalizer=n,
+        per_sequence=not token_mean,
+        loss_scale=loss_scale,
+        ratio_U=r_BT[m_BT],
+        clip_active_U=clip_active_BT[m_BT],
+    )
+
+
 def grpo_loss(
     logp_BT: Tensor,
     old_logp_BT: Tensor,
@@ -314,39 +349,22 @@ def grpo_loss(
     eps_high: float = 0.28,
     ref_logp_BT: Tensor | None = None,
     kl_coef: float = 0.0,
-    normalizer: float | None = None,
+    normalizer: Normalizer | None = None,
     loss_scale: float = 1.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO with DAPO's token-level loss and clip-higher (arXiv 2503.14476).
 
     r_it = exp(logp_it - old_it)
-    L    = - sum_{i,t} m_it min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i) / N,
-    N    = number of masked tokens (in the whole minibatch when micro-batching).
+    L    = - sum_{i,t} m_it min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i) / N_tok,
+    N_tok = number of masked tokens (in the whole minibatch when micro-batching).
     Every token weighs the same, so long sequences are not down-weighted (DAPO sec. 3.3).
     The KL term is a token mean as well. clip_frac is over masked tokens.
     """
-    _check_shapes(logp_BT, old_logp_BT, adv_B, mask_BT)
-    m_BT = mask_BT.bool()
-    n = m_BT.sum().clamp(min=1).to(logp_BT.dtype) if normalizer is None else normalizer
-    adv_B = adv_B.detach().to(logp_BT.dtype)
-
-    log_r_BT = _masked_log_ratio(logp_BT, old_logp_BT, m_BT).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    r_BT = torch.exp(log_r_BT)
-    obj_BT, clip_active_BT = _clipped_objective(r_BT, adv_B[:, None], eps_low, eps_high)
-    pg_loss = -masked_sum(obj_BT, m_BT) / n
-
-    return _finish(
-        pg_loss,
-        logp_BT,
-        ref_logp_BT,
-        m_BT,
-        kl_coef=kl_coef,
-        normalizer=n,
-        per_sequence=False,
-        loss_scale=loss_scale,
-        ratio_U=r_BT[m_BT],
-        clip_active_U=clip_active_BT[m_BT],
-    )
+    return _token_ratio_loss(
+        logp_BT, old_logp_BT, adv_B, mask_BT, eps_low=eps_low, eps_high=eps_high,
+        ref_logp_BT=ref_logp_BT, kl_coef=kl_coef, normalizer=normalizer,
+        loss_scale=loss_scale, token_mean=True,
+    )  # fmt: skip
 
 
 def dr_grpo_loss(
@@ -355,47 +373,28 @@ def dr_grpo_loss(
     adv_B: Tensor,
     mask_BT: Tensor,
     *,
-    max_tokens: int,
     eps_low: float = 0.2,
     eps_high: float = 0.28,
     ref_logp_BT: Tensor | None = None,
     kl_coef: float = 0.0,
-    normalizer: float | None = None,
+    normalizer: Normalizer | None = None,
     loss_scale: float = 1.0,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Dr.GRPO (arXiv 2503.20783): token ratios, constant length normaliser.
+    """Dr.GRPO (arXiv 2503.20783): the token ratios of `grpo_loss`, a constant length.
 
     r_it = exp(logp_it - old_it)
-    L    = - sum_i [ sum_t m_it min(r_it A_i, clip(r_it) A_i) / max_tokens ] / N,
-    N    = number of sequences. Dividing by a constant (e.g. the generation budget) instead
-    of |y_i| removes GRPO's length bias (long wrong answers penalised less per token).
-    `max_tokens` is required and must be the same for every micro-batch. The KL term is a
-    per-sequence mean. Clip defaults follow grpo_loss (clip-higher); clip_frac is per token.
+    L    = - sum_i [ sum_t m_it min(r_it A_i, clip(r_it) A_i) / L_max ] / N_seq,
+    L_max = `normalizer.max_tokens`, N_seq = number of sequences. Dividing by a constant
+    (e.g. the generation budget) instead of |y_i| removes GRPO's length bias (long wrong
+    answers penalised less per token); it must be the same for every micro-batch. The KL
+    term is a per-sequence mean. Clip defaults follow grpo_loss (clip-higher); clip_frac
+    is per token.
     """
-    _check_shapes(logp_BT, old_logp_BT, adv_B, mask_BT)
-    if max_tokens <= 0:
-        raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
-    m_BT = mask_BT.bool()
-    n = float(logp_BT.shape[0]) if normalizer is None else normalizer
-    adv_B = adv_B.detach().to(logp_BT.dtype)
-
-    log_r_BT = _masked_log_ratio(logp_BT, old_logp_BT, m_BT).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    r_BT = torch.exp(log_r_BT)
-    obj_BT, clip_active_BT = _clipped_objective(r_BT, adv_B[:, None], eps_low, eps_high)
-    pg_loss = -masked_sum(obj_BT, m_BT) / max_tokens / n
-
-    return _finish(
-        pg_loss,
-        logp_BT,
-        ref_logp_BT,
-        m_BT,
-        kl_coef=kl_coef,
-        normalizer=n,
-        per_sequence=True,
-        loss_scale=loss_scale,
-        ratio_U=r_BT[m_BT],
-        clip_active_U=clip_active_BT[m_BT],
-    )
+    return _token_ratio_loss(
+        logp_BT, old_logp_BT, adv_B, mask_BT, eps_low=eps_low, eps_high=eps_high,
+        ref_logp_BT=ref_logp_BT, kl_coef=kl_coef, normalizer=normalizer,
+        loss_scale=loss_scale, token_mean=False,
+    )  # fmt: skip
 
 
 LOSSES: dict[str, LossFn] = {

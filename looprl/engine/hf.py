@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from looprl.algo.logprobs import scoring_temperature, tempered_log_softmax
 from looprl.engine import Completion, GenerationRequest, SamplingParams
 from looprl.engine.grammar import GrammarCache
 from looprl.engine.sampling import filter_top_k_top_p, inverse_cdf
@@ -267,13 +268,13 @@ class HFEngine:
     def _step(self, running: Part, rows: list[_Row], params: SamplingParams) -> list[_Row]:
         """Choose the next token(s) of every live row, run them through the model, and
         return the rows that finished."""
-        temperature = params.temperature if params.temperature > 0 else 1.0
+        temperature = scoring_temperature(params.temperature)
         next_CV = running.logits_CV.float().cpu()  # sampling runs on the CPU generators
         jump = self._jump_forward(rows)
         if jump is not None:
             tokens_CK = torch.tensor(jump, dtype=torch.long)
-            first_C = torch.log_softmax(next_CV / temperature, -1).gather(-1, tokens_CK[:, :1])
-            logp_CK = first_C
+            _, logp_CV = tempered_log_softmax(next_CV, temperature)
+            logp_CK = logp_CV.gather(-1, tokens_CK[:, :1])
         else:
             tokens_C, first_C = self._sample(next_CV, params, rows)
             tokens_CK, logp_CK = tokens_C[:, None], first_C[:, None]
@@ -282,8 +283,8 @@ class HFEngine:
         if k > 1 or not all(finished[j] or row.done for j, row in enumerate(rows)):
             logits_CKV = self._forward(running, tokens_CK, rows)
             if k > 1:  # forced tokens 2..k: their logprobs come from this pass
-                rest_CK = torch.log_softmax(logits_CKV[:, :-1] / temperature, -1)
-                rest_CK = rest_CK.gather(-1, tokens_CK[:, 1:, None]).squeeze(-1)
+                _, rest_CKV = tempered_log_softmax(logits_CKV[:, :-1], temperature)
+                rest_CK = rest_CKV.gather(-1, tokens_CK[:, 1:, None]).squeeze(-1)
                 logp_CK = torch.cat([logp_CK, rest_CK], dim=1)
         ended = []
         for j, row in enumerate(rows):
@@ -378,10 +379,10 @@ class HFEngine:
         logprob at temperature T. Sampling inverts the row's cumulative distribution at
         one uniform drawn from the row's own generator: a multinomial draw, independent
         of the other rows (cdf[i] > U * total >= cdf[i - 1] implies p[i] > 0)."""
-        temperature = params.temperature if params.temperature > 0 else 1.0
         logits_CV = logits_CV.contiguous()  # softmax over a strided vocabulary is slow
-        scaled_CV = logits_CV / temperature if temperature != 1.0 else logits_CV
-        logp_CV = torch.log_softmax(scaled_CV, dim=-1)
+        scaled_CV, logp_CV = tempered_log_softmax(
+            logits_CV, scoring_temperature(params.temperature)
+        )
         tokens_C = torch.full((len(rows),), self.pad_id, dtype=torch.long)
         live = [j for j, row in enumerate(rows) if not row.done]
         if live:

@@ -39,9 +39,13 @@ def _fail(live: _Live, err: BaseException) -> None:
     ep.error = "".join(traceback.format_exception(type(err), err, err.__traceback__))[-4000:]
 
 
-def _start(task: Task, make_env: Callable[[], Any], renderer: ChatRenderer) -> _Live:
+def _start(
+    task: Task, make_env: Callable[[], Any], renderer: ChatRenderer, temperature: float
+) -> _Live:
     env = make_env()
-    episode = Episode(task=task, messages=[], token_ids=[], loss_mask=[], logprobs=[])
+    episode = Episode(
+        task=task, messages=[], token_ids=[], loss_mask=[], logprobs=[], temperature=temperature
+    )
     live = _Live(env=env, episode=episode, obs=Observation(messages=[], tools=[]))
     try:
         live.obs = env.reset(task)
@@ -82,7 +86,7 @@ def run_episodes(
     in the same order. Malformed model output is an outcome; an environment that raises
     ends only its own episode with outcome `env_error`. `on_progress(n)` hears how many
     episodes have ended, as they end (for a progress display; it changes nothing)."""
-    lives = [_start(task, make_env, renderer) for task in tasks]
+    lives = [_start(task, make_env, renderer, params.temperature) for task in tasks]
     ended = _Ended(on_progress)
     for lv in lives:
         if lv.episode.outcome == ENV_ERROR:

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from looprl.algo import batch_advantages, dynamic_sampling_keep
+from looprl.algo import episode_advantages
 from looprl.config import Config, to_yaml
 from looprl.engine import SamplingParams
 from looprl.envs import make_env
@@ -153,24 +153,20 @@ def run_training(
                 )
 
             # advantages within each task group (env_error episodes take no part)
-            groups = [
-                [e for e in episodes[i : i + cfg.rollout.group_size] if e.trainable]
-                for i in range(0, len(episodes), cfg.rollout.group_size)
-            ]
-            groups = [g for g in groups if g]
-            rewards = [[e.reward for e in g] for g in groups]
-            adv_B, zero_std_G = batch_advantages(rewards, scale=cfg.algo.scale_advantages)
-            keep_G = dynamic_sampling_keep(rewards) if cfg.algo.dynamic_sampling else None
-            flat = [(i, e) for i, g in enumerate(groups) for e in g]
-            batch = [
-                (episode, float(adv_B[k]))
-                for k, (i, episode) in enumerate(flat)
-                if keep_G is None or keep_G[i]
-            ]
+            advantages, zero_std_groups = episode_advantages(
+                [e.reward for e in episodes], [e.trainable for e in episodes],
+                cfg.rollout.group_size, scale=cfg.algo.scale_advantages,
+                dynamic_sampling=cfg.algo.dynamic_sampling,
+            )  # fmt: skip
+            batch = [(e, a) for e, a in zip(episodes, advantages) if a is not None]
 
             # policy update
             t1 = time.time()
-            stats = update_policy(policy, optimizer, batch, cfg, step, probe.max_turns, loop.update)
+            stats = update_policy(
+                policy, optimizer, batch, cfg.algo, cfg.train, group_size=cfg.rollout.group_size,
+                max_tokens=cfg.rollout.max_new_tokens * probe.max_turns,
+                seed=cfg.seed * 7 + step, state=loop.update,
+            )  # fmt: skip
             train_s = time.time() - t1
             if stats["skipped"]:
                 loop.bad_steps += 1
@@ -196,7 +192,7 @@ def run_training(
                 "train/clip_frac": stats["clip_frac"],
                 "train/grad_norm": stats["grad_norm"],
                 "train/lr": optimizer.param_groups[0]["lr"],
-                "train/zero_std_groups": int(zero_std_G.sum()),
+                "train/zero_std_groups": zero_std_groups,
                 "train/skipped_steps": stats["skipped"],
                 "train/ratio_max": stats["ratio_max"],
                 "train/micro_batch_tokens": loop.update.micro_batch_tokens,

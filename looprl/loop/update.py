@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from looprl.algo import LOSSES
-from looprl.config import Config
+from looprl.algo import LOSSES, Normalizer, scoring_temperature
+from looprl.config import AlgoConfig, TrainConfig
 from looprl.errors import LoopRLError
 from looprl.loop.policy import Policy, prompt_length, sequence_logprobs
 from looprl.model.memory import release_free_memory
@@ -71,23 +71,31 @@ def update_policy(
     policy: Policy,
     optimizer: torch.optim.Optimizer,
     batch: list[tuple[Episode, float]],
-    cfg: Config,
-    step: int,
-    max_turns: int,
+    algo: AlgoConfig,
+    train: TrainConfig,
+    *,
+    group_size: int,
+    max_tokens: int,
+    seed: int,
     state: UpdateState,
 ) -> dict[str, Any]:
-    """`num_minibatches` optimizer updates on one rollout batch (episode, advantage)."""
+    """`algo.num_minibatches` optimizer updates on one rollout batch (episode, advantage).
+
+    `group_size` episodes of one task form a group; `max_tokens` is the generation budget
+    of one episode (the constant length of Dr.GRPO's normaliser); `seed` shuffles this
+    step's groups into minibatches. Each episode is scored at its own sampling temperature.
+    """
     out = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "ratio_max": 1.0,
            "logprob_gap": 0.0, "skipped": 0, "updated": 0, "tokens": 0}  # fmt: skip
     if not batch:
         return out
-    model, temperature = policy.model, cfg.rollout.temperature or 1.0
-    pad = policy.tokenizer.pad_token_id or 0
+    model, pad = policy.model, policy.tokenizer.pad_token_id or 0
 
     def logprobs(episodes: list[Episode]) -> tuple[torch.Tensor, torch.Tensor]:
+        # one temperature per micro-batch (see micro_batches)
         return sequence_logprobs(
             model, [e.token_ids for e in episodes], [e.loss_mask for e in episodes],
-            pad, policy.device, temperature,
+            pad, policy.device, scoring_temperature(episodes[0].temperature),
         )  # fmt: skip
 
     def masked_values(episodes: list[Episode], budget: int) -> dict[int, torch.Tensor]:
@@ -104,12 +112,12 @@ def update_policy(
     # the engine's sampling logprobs is the token-parity check. Only the episodes that
     # can move the loss need them: A = 0 episodes are skipped below (unless the KL term
     # needs them); with none left, one group still measures the gap.
-    learning = [e for e, a in batch if a != 0.0 or cfg.algo.kl_coef > 0]
-    episodes = learning or [e for e, _ in batch][: cfg.rollout.group_size]
+    learning = [e for e, a in batch if a != 0.0 or algo.kl_coef > 0]
+    episodes = learning or [e for e, _ in batch][:group_size]
     model.eval()
     old = retry_on_oom(lambda budget: masked_values(episodes, budget), state, optimizer)
     ref: dict[int, torch.Tensor] = {}
-    if cfg.algo.kl_coef > 0:
+    if algo.kl_coef > 0:
         with model.disable_adapter():
             ref = retry_on_oom(lambda budget: masked_values(episodes, budget), state, optimizer)
     model.train()
@@ -121,20 +129,19 @@ def update_policy(
         ])
     )  # fmt: skip
 
-    loss_fn = LOSSES[cfg.algo.name]
-    extra = (
-        {"max_tokens": cfg.rollout.max_new_tokens * max_turns} if cfg.algo.name == "dr_grpo" else {}
-    )
+    loss_fn = LOSSES[algo.name]
 
     def backward(minibatch: list[tuple[Episode, float]], budget: int) -> dict[str, float]:
         """Accumulate the gradient of one minibatch's loss over micro-batches."""
-        if cfg.algo.name == "grpo":
-            normalizer = float(sum(e.response_len for e, _ in minibatch))
-        else:
-            normalizer = float(len(minibatch))
+        # the whole minibatch's counts: each loss divides by its own (algo/losses.py)
+        normalizer = Normalizer(
+            sequences=float(len(minibatch)),
+            tokens=float(sum(e.response_len for e, _ in minibatch)),
+            max_tokens=max_tokens,
+        )
         # A = 0 sequences add nothing to the policy-gradient loss: skip their forward
         # pass (unless the KL term needs them); they still count in the normaliser.
-        active = [(e, a) for e, a in minibatch if a != 0.0 or cfg.algo.kl_coef > 0]
+        active = [(e, a) for e, a in minibatch if a != 0.0 or algo.kl_coef > 0]
         adv = {id(e): a for e, a in active}
         optimizer.zero_grad(set_to_none=True)
         acc = {"loss": 0.0, "units": 0.0, "clipped": 0.0, "ratio_max": 1.0, "tokens": 0}
@@ -149,8 +156,8 @@ def update_policy(
             adv_B = torch.tensor([adv[id(e)] for e in chunk], device=logp_BK.device)
             loss, st = loss_fn(
                 logp_BK, old_BK, adv_B, mask_BK.float(),
-                eps_low=cfg.algo.eps_low, eps_high=cfg.algo.eps_high,
-                ref_logp_BT=ref_BK, kl_coef=cfg.algo.kl_coef, normalizer=normalizer, **extra,
+                eps_low=algo.eps_low, eps_high=algo.eps_high,
+                ref_logp_BT=ref_BK, kl_coef=algo.kl_coef, normalizer=normalizer,
             )  # fmt: skip
             loss.backward()
             acc["loss"] += float(loss.detach())
@@ -161,15 +168,13 @@ def update_policy(
         return acc
 
     losses, clips, norms = [], [], []
-    for minibatch in minibatches(batch, cfg.algo.num_minibatches, seed=cfg.seed * 7 + step):
+    for minibatch in minibatches(batch, algo.num_minibatches, seed=seed):
         acc = retry_on_oom(lambda budget, mb=minibatch: backward(mb, budget), state, optimizer)
         if not acc["tokens"]:
             continue  # every advantage was 0: nothing to learn from this minibatch
         out["tokens"] += acc["tokens"]
         out["ratio_max"] = max(out["ratio_max"], acc["ratio_max"])
-        norm = torch.nn.utils.clip_grad_norm_(
-            policy.trainable_parameters(), cfg.train.max_grad_norm
-        )
+        norm = torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), train.max_grad_norm)
         if not (np.isfinite(acc["loss"]) and torch.isfinite(norm)):
             optimizer.zero_grad(set_to_none=True)  # skip: weights and optimizer untouched
             out["skipped"] += 1
@@ -205,7 +210,8 @@ def minibatches(
 
 def micro_batches(episodes: list[Episode], token_budget: int) -> list[list[Episode]]:
     """Greedy split, in order, so that the tokens one forward pass processes stay within
-    the budget: each distinct prompt once plus (rows × longest suffix)."""
+    the budget: each distinct prompt once plus (rows × longest suffix). A forward pass
+    scores at one temperature: episodes sampled at another start a new micro-batch."""
     chunks: list[list[Episode]] = []
     current: list[Episode] = []
 
@@ -215,7 +221,10 @@ def micro_batches(episodes: list[Episode], token_budget: int) -> list[list[Episo
         return sum(len(p) for p in prompts) + len(chunk) * suffix
 
     for episode in episodes:
-        if current and cost(current + [episode]) > token_budget:
+        if current and (
+            episode.temperature != current[0].temperature
+            or cost(current + [episode]) > token_budget
+        ):
             chunks.append(current)
             current = []
         current.append(episode)

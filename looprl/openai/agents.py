@@ -212,7 +212,14 @@ async def _episode(
     """Run one agent and turn its session into an Episode."""
     from looprl.openai.proxy import openai_client
 
-    episode = Episode(task=task, messages=[], token_ids=[], loss_mask=[], logprobs=[])
+    episode = Episode(
+        task=task,
+        messages=[],
+        token_ids=[],
+        loss_mask=[],
+        logprobs=[],
+        temperature=batcher.params.temperature,  # every batch samples with these params
+    )
     result: AgentResult | None = None
     reward_range = (0.0, 0.0)
     try:
