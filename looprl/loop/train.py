@@ -17,15 +17,8 @@ grammar (see engine/hf.py), and groups whose rewards are all equal produce no gr
 from __future__ import annotations
 
 import json
-import os
-import random
-import resource
-import shutil
-import signal
-import threading
 import time
 import warnings
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -39,8 +32,6 @@ from looprl.engine import SamplingParams
 from looprl.envs import make_env
 from looprl.errors import ConfigError, LoopRLError
 from looprl.loop.checkpoint import (
-    list_checkpoints,
-    load_training_state,
     load_weights,
     save_checkpoint,
 )
@@ -49,6 +40,17 @@ from looprl.loop.log import MetricsLogger, write_samples
 from looprl.loop.policy import Policy, load_policy
 from looprl.loop.progress import DONE, Progress
 from looprl.loop.rollout import run_episodes
+from looprl.loop.run_state import (
+    Interrupted,
+    LoopState,
+    StopOnSignal,
+    check_run_dir,
+    load_json,
+    peak_rss_gb,
+    prepare_run_dir,
+    resume_state,
+    seed_everything,
+)
 from looprl.loop.update import UpdateState, update_policy
 from looprl.report.write import reward_with_ci, write_report
 from looprl.types import ENV_ERROR
@@ -248,60 +250,6 @@ def run_training(
     }
 
 
-@dataclass
-class LoopState:
-    """Counters that outlive a step, saved with each checkpoint."""
-
-    update: UpdateState
-    env_errors: int = 0
-    bad_steps: int = 0
-
-    def to_meta(self) -> dict[str, int]:
-        return {
-            "env_errors": self.env_errors,
-            "bad_steps": self.bad_steps,
-            "micro_batch_tokens": self.update.micro_batch_tokens,
-        }
-
-    def load_meta(self, meta: dict[str, Any]) -> None:
-        self.env_errors = int(meta.get("env_errors", 0))
-        self.bad_steps = int(meta.get("bad_steps", 0))
-        self.update.micro_batch_tokens = int(
-            meta.get("micro_batch_tokens", self.update.micro_batch_tokens)
-        )
-
-
-class Interrupted(LoopRLError):
-    """SIGINT/SIGTERM: the run stopped cleanly after a step and can be resumed."""
-
-    exit_code = 130
-
-
-class StopOnSignal:
-    """First Ctrl-C / SIGTERM: finish the current step, checkpoint, stop. A second one
-    abandons the step at once (KeyboardInterrupt); the last checkpoint stays."""
-
-    def __init__(self) -> None:
-        self.requested: str | None = None
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = signal.Signals(signum).name
-        print(f"\n{self.requested}: finishing this step, then saving (again to abandon it)")
-
-    def __enter__(self) -> StopOnSignal:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
 # ============================================================================ plumbing
 
 
@@ -393,38 +341,6 @@ def load_model(cfg: Config, progress: Progress) -> Policy:
     return policy
 
 
-def check_run_dir(out: Path, force: bool, resume: bool) -> None:
-    """Refuse a run folder we must not touch, before anything is loaded or written."""
-    if resume:
-        if not (out / "config.yaml").exists():
-            raise ConfigError(f"--resume: {out} is not a run folder (no config.yaml)")
-        return
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} exists and is not a folder")
-    if out.exists() and any(out.iterdir()) and not force:
-        hint = " (it holds an unfinished run)" if list_checkpoints(out) else ""
-        raise ConfigError(
-            f"run folder {out} is not empty{hint}; pass --resume to continue it or "
-            f"--force to overwrite it"
-        )
-    parent = out.absolute()
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise ConfigError(f"cannot create the run folder {out}: {parent} is not a writable folder")
-
-
-def prepare_run_dir(out: Path, force: bool, resume: bool) -> Path:
-    check_run_dir(out, force=force, resume=resume)
-    try:
-        if not resume and out.exists() and force:
-            shutil.rmtree(out)
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ConfigError(f"cannot create the run folder {out}: {err.strerror}") from None
-    return out
-
-
 def warm_start(
     policy: Policy, probe: Any, cfg: Config, run_dir: Path, progress: Progress | None = None
 ) -> None:
@@ -450,30 +366,6 @@ def warm_start(
     save_checkpoint(run_dir, 0, policy.model, optimizer, scheduler, {"stage": "sft"}, 1_000_000)
 
 
-def resume_state(
-    run_dir: Path, policy: Policy, optimizer: Any, scheduler: Any, loop: LoopState
-) -> int:
-    """Load the newest checkpoint; drop metrics logged after it. Returns its step."""
-    checkpoints = list_checkpoints(run_dir)
-    if not checkpoints:
-        return 0
-    meta = load_weights(policy.model, checkpoints[-1])
-    if meta.get("stage") == "sft":  # only the warm-started weights: RL starts afresh
-        return 0
-    load_training_state(checkpoints[-1], optimizer, scheduler)
-    loop.load_meta(meta)
-    step = int(meta["step"])
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.exists():
-        kept = [
-            line
-            for line in metrics.read_text().splitlines()
-            if line and json.loads(line)["step"] <= step
-        ]
-        metrics.write_text("".join(line + "\n" for line in kept))
-    return step
-
-
 def lr_factor(step: int, cfg: Config) -> float:
     """Linear warmup, then constant / cosine / linear decay to 10% of the peak."""
     warm = cfg.train.warmup_steps
@@ -485,17 +377,3 @@ def lr_factor(step: int, cfg: Config) -> float:
     if cfg.train.lr_schedule == "linear":
         return 1.0 - 0.9 * progress
     return 0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * progress))
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
-
-
-def load_json(path: Path) -> dict | None:
-    return json.loads(path.read_text()) if path.exists() else None

@@ -260,7 +260,7 @@ def check_cache(folder: Path | None = None, min_free_gb: float = MIN_FREE_GB) ->
 def check_run_folder(out: Path, min_free_gb: float = MIN_FREE_GB) -> Check:
     """`--out` as `looprl run` takes it. A folder that already holds files is a note: the
     run then needs --resume or --force, which is the user's choice."""
-    from looprl.loop.train import check_run_dir
+    from looprl.loop.run_state import check_run_dir
 
     try:
         check_run_dir(out, force=True, resume=False)
