@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import time
 from itertools import count
 
@@ -26,12 +23,12 @@ from looprl.types import ENV_ERROR
 from tests.test_agents import (
     ASK,
     PICK,
-    ROOT,
     CountingEngine,
     ScriptedAgentEnv,
     ask,
     converse,
     play,
+    run_cli,
     sampled_mask,
 )
 from tests.test_rollout import ScriptedEngine, encode
@@ -275,17 +272,7 @@ def engine(tiny_model, tokenizer, renderer):
 
 def test_the_agents_sdk_example_trains_through_the_cli(tmp_path):
     run = tmp_path / "run"
-    cmd = [
-        sys.executable, "-m", "looprl.cli", "run", "--out", str(run),
-        "--set", "env.name=examples.agents_sdk_agent:TicTacToeSDKAgent",
-        "--set", "model.name=tiny-random", "--set", "train.steps=1",
-        "--set", "rollout.tasks_per_step=2", "--set", "rollout.group_size=2",
-        "--set", "rollout.max_new_tokens=48", "--set", "eval.tasks=2",
-        "--set", "eval.samples_per_task=1",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_cli("examples.agents_sdk_agent:TicTacToeSDKAgent", run)
     for name in ("config.yaml", "eval/baseline.json", "eval/final.json", "report.md"):
         assert (run / name).is_file(), name
     final = json.loads((run / "eval" / "final.json").read_text())
