@@ -321,7 +321,6 @@ def test_the_client_gets_openai_responses_and_openai_errors(tokenizer, renderer)
             "unknown tool": {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
             "no messages": {"messages": []},
             "bad role": {"messages": [{"role": "robot", "content": "hi"}]},
-            "n": {"n": 2},
             "stop": {"stop": ["x"]},
         }.items():
             try:
@@ -345,7 +344,7 @@ def test_the_client_gets_openai_responses_and_openai_errors(tokenizer, renderer)
     assert "not one of the tools" in seen["unknown tool"].message
     assert seen["no messages"].param == "messages"
     assert seen["bad role"].status_code == 400
-    assert seen["n"].param == "n" and seen["stop"].param == "stop"
+    assert seen["stop"].param == "stop"
     assert episode.info["calls"] == 2  # refused requests are no calls
 
 
@@ -401,13 +400,11 @@ def test_agent_pick_seven_learns(tmp_path):
     assert all(r["rollout/token_mismatch"] == 0 for r in rows)
 
 
-def test_tictactoe_agent_example_runs_through_the_cli(tmp_path):
-    report = check_env("examples.tictactoe_agent:TicTacToeAgent", n=8)
-    assert report.ok and "agent env" in report.checks[-1].name
-    run = tmp_path / "run"
+def run_cli(env_name: str, run: Path) -> None:
+    """`looprl run` for one step of a tiny-random run on `env_name`, in a subprocess."""
     cmd = [
         sys.executable, "-m", "looprl.cli", "run", "--out", str(run),
-        "--set", "env.name=examples.tictactoe_agent:TicTacToeAgent",
+        "--set", f"env.name={env_name}",
         "--set", "model.name=tiny-random", "--set", "train.steps=1",
         "--set", "rollout.tasks_per_step=2", "--set", "rollout.group_size=2",
         "--set", "rollout.max_new_tokens=48", "--set", "eval.tasks=2",
@@ -416,6 +413,13 @@ def test_tictactoe_agent_example_runs_through_the_cli(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as conftest does: the model is tiny
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_tictactoe_agent_example_runs_through_the_cli(tmp_path):
+    report = check_env("examples.tictactoe_agent:TicTacToeAgent", n=8)
+    assert report.ok and "agent env" in report.checks[-1].name
+    run = tmp_path / "run"
+    run_cli("examples.tictactoe_agent:TicTacToeAgent", run)
     final = json.loads((run / "eval" / "final.json").read_text())
     assert final["n"] == 2 and set(final["outcomes"]) <= set(TicTacToeAgent.outcomes)
     (row,) = [json.loads(line) for line in (run / "metrics.jsonl").open()]

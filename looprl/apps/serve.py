@@ -1,7 +1,9 @@
 """`looprl serve`: an OpenAI-compatible HTTP server in front of a `ChatModel`.
 
 Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/chat/completions` (wire format in
-`looprl/openai/wire.py`). A served run answers to three model ids: "NAME" (the variant
+`looprl/openai/wire.py`), `POST /v1/responses` (the Responses API, translated to the chat
+path by `looprl/openai/responses.py`; `previous_response_id` reads an in-memory store of
+the newest responses). A served run answers to three model ids: "NAME" (the variant
 chosen with `--variant`, "trained" by default), "NAME:trained" and "NAME:baseline".
 
 Batching: one worker thread owns the model. It takes the first waiting request, keeps
@@ -33,6 +35,7 @@ from starlette.exceptions import HTTPException
 
 from looprl.apps.inference import ChatModel
 from looprl.errors import RequestError
+from looprl.openai.responses import ResponseStore, respond, response_events
 from looprl.openai.wire import (
     APIError,
     ChatCompletionRequest,
@@ -156,8 +159,8 @@ def create_app(
     async def models() -> dict[str, Any]:
         return model_list(list(ids))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Any:
+    async def answer(body: ChatCompletionRequest) -> dict[str, Any]:
+        """The `chat.completion` body for a request (the Responses route uses it too)."""
         if body.model not in ids:
             raise APIError(
                 404,
@@ -168,15 +171,28 @@ def create_app(
         variant = ids[body.model]
         kwargs = chat_kwargs(body, variant, DEFAULT_MAX_TOKENS)
         choices = await asyncio.wrap_future(batcher.submit(kwargs))
-        response = completion_response(
+        return completion_response(
             choices, body.model, model.tokenizer, bool(body.logprobs), f"looprl-{variant}"
         )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest) -> Any:
+        response = await answer(body)
         if not body.stream:
             return response
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
             stream_events(response, include_usage), media_type="text/event-stream"
         )
+
+    store = ResponseStore()
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Any:
+        status, body, parsed = await respond(await request.body(), answer, store)
+        if status == 200 and parsed is not None and parsed.stream:
+            return StreamingResponse(response_events(body), media_type="text/event-stream")
+        return JSONResponse(body, status_code=status)
 
     return app
 

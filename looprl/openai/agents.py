@@ -7,14 +7,19 @@ An agent environment is a class with `name`, `description`, `outcomes`, `reward_
 
 where `client` is an `openai.AsyncOpenAI` answered in-process by the policy being trained
 (see looprl/openai/proxy.py for what a call may ask and how calls become one token trajectory).
+A plain `def run_agent(self, client, task)` gets an `openai.OpenAI` instead and runs in a
+thread of its own (looprl/openai/sync_proxy.py); its calls are answered on the event loop
+like the async ones, so batching, stitching and limits are the same.
 `run_agents` plays a rollout of such episodes with the same signature as
 `rollout.run_episodes`, so training, evaluation, reports and resume work unchanged.
 
 Batching. All episodes of a rollout run concurrently in one asyncio event loop. A
 scheduler collects the pending model calls and sends them to `engine.generate` as one
 batch as soon as every live agent is waiting for the model or finished; an agent busy
-elsewhere (slow I/O) holds a batch back at most `BATCH_WAIT_S`. Generation runs on the
-loop's thread (the tokenizer is shared with rendering), so agents pause meanwhile.
+elsewhere (slow I/O) holds a batch back at most `BATCH_WAIT_S`. A sync agent's thread
+that waits for its reply counts as waiting; every sync agent has its own thread (no pool),
+so all of them can wait at once. Generation runs on the loop's thread (the tokenizer is
+shared with rendering), so async agents pause meanwhile.
 Batch k samples with seed `params.seed + 7919 * k`, as run_episodes seeds turn k: agents
 that call in lock-step get the very tokens the built-in rollout would give them.
 
@@ -31,7 +36,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import math
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -210,8 +217,6 @@ async def _episode(
     task: Task, make_env: Callable[[], Any], session: Any, batcher: _Batcher
 ) -> Episode:
     """Run one agent and turn its session into an Episode."""
-    from looprl.openai.proxy import openai_client
-
     episode = Episode(
         task=task,
         messages=[],
@@ -225,11 +230,7 @@ async def _episode(
     try:
         env = make_env()
         reward_range = env.reward_range
-        client = openai_client(session)
-        try:
-            result = _check_result(await _with_timeout(env.run_agent(client, task)), env)
-        finally:
-            await client.close()
+        result = _check_result(await _with_timeout(_run_agent(env, task, session)), env)
     except Exception as err:
         if session.truncated is None:
             episode.outcome = ENV_ERROR
@@ -239,6 +240,65 @@ async def _episode(
         batcher.finished()
     _fill(episode, session, result, reward_range)
     return episode
+
+
+async def _run_agent(env: Any, task: Task, session: Any) -> Any:
+    """An `async def run_agent` on the loop with an AsyncOpenAI; a plain one in a thread
+    of its own with an OpenAI."""
+    from looprl.openai.proxy import openai_client
+    from looprl.openai.sync_proxy import sync_openai_client
+
+    if inspect.iscoroutinefunction(env.run_agent):
+        client = openai_client(session)
+        try:
+            return await env.run_agent(client, task)
+        finally:
+            await client.close()
+    loop = asyncio.get_running_loop()
+
+    def play() -> Any:
+        with sync_openai_client(session, loop) as client:
+            result = env.run_agent(client, task)
+        if inspect.isawaitable(result):
+            with contextlib.suppress(AttributeError):
+                result.close()  # a coroutine nobody will await
+            raise AgentResultError(
+                "run_agent returned an awaitable; declare it `async def run_agent` to get an "
+                "openai.AsyncOpenAI, or `def run_agent` for an openai.OpenAI"
+            )
+        return result
+
+    return await _in_thread(play)
+
+
+async def _in_thread(work: Callable[[], Any]) -> Any:
+    """Await `work()` run in a daemon thread. A thread, not a pool: every sync agent must
+    be able to wait for the model at once, and one that outlives its timeout is left
+    behind (a thread cannot be stopped; its later calls are refused)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # timed out
+            return
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = work()
+        except Exception as err:
+            error = err
+        except BaseException as err:  # SystemExit and the like: not for the event loop
+            error = RuntimeError(f"the agent thread ended with {type(err).__name__}: {err}")
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="looprl-agent", daemon=True).start()
+    return await future
 
 
 async def _with_timeout(agent: Any) -> Any:

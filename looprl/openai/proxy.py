@@ -25,9 +25,16 @@ continuation of it and the trainer scores one token sequence per episode.
 What the request decides and what it does not, while looprl trains:
 - sampling is the rollout's (`SamplingParams` from the config): the request's
   `temperature`, `top_p` and `seed` are ignored, so the recorded logprobs are those the
-  trainer recomputes; `n` must be 1 and `stop` unset (a cut completion would not be the
-  sampled tokens);
+  trainer recomputes; `stop` must be unset (a cut completion would not be the sampled
+  tokens);
+- `n` > 1 samples n replies in the same batch; the trajectory keeps choice 0 and the
+  others are returned but not trained on: choice 0 is a plain sample of the policy,
+  while the choice an agent goes on with may be a selection (the best of n), and
+  training on a selected sample as if the policy had drawn it would bias the update.
+  A call that continues another choice is a token mismatch, explained as such;
 - `tool_choice` "required" or a named tool is honoured (constrained decoding);
+- `POST /v1/responses` (the Responses API, looprl/openai/responses.py) is translated to
+  a chat call and served, recorded and stitched as one;
 - `max_tokens` is capped by `rollout.max_new_tokens` and the episode's token room;
 - a call beyond `max_turns`, or with no token room left (`rollout.max_episode_tokens`),
   gets HTTP 400 with code `looprl_episode_limit` (`openai.BadRequestError`), and the
@@ -36,9 +43,10 @@ What the request decides and what it does not, while looprl trains:
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pydantic
@@ -47,30 +55,20 @@ from looprl.chat import ChatRenderer
 from looprl.engine import Completion, GenerationRequest
 from looprl.engine.requests import check_tools, generation_request
 from looprl.errors import ChatError, RequestError
+from looprl.openai.responses import ResponseStore
+from looprl.openai.routes import answer, httpx
 from looprl.openai.wire import (
     APIError,
     ChatChoice,
     ChatCompletionRequest,
     chat_kwargs,
     completion_response,
-    error_body,
-    model_list,
-    stream_events,
     validation_error,
 )
 from looprl.types import Message
 
-try:  # the HTTP library the installed openai client is built on
-    import httpx2 as httpx
-except ImportError:  # pragma: no cover - openai < 3 uses httpx
-    try:
-        import httpx  # type: ignore[no-redef]
-    except ImportError:
-        raise ImportError("agent environments need the openai client: pip install openai") from None
-
 PROXY_URL = "http://looprl-proxy/v1"
 LIMIT_CODE = "looprl_episode_limit"
-MODEL_ID = "looprl-policy"  # what /v1/models lists; any model name is accepted
 
 
 @dataclass
@@ -85,6 +83,7 @@ class ModelCall:
     logprobs: list[float]
     text: str
     finish_reason: str
+    alternatives: list[Message] = field(default_factory=list)  # choices 1.. when n > 1
 
 
 @dataclass
@@ -119,6 +118,7 @@ class AgentSession:
     truncated: str | None = None  # why the episode was cut off
     accepted: int = 0  # calls accepted so far, those still being generated included
     closed: bool = False  # the agent has returned: later calls are refused
+    responses: ResponseStore = field(default_factory=ResponseStore)  # previous_response_id
 
     # ------------------------------------------------------------ serving
 
@@ -129,17 +129,21 @@ class AgentSession:
         except pydantic.ValidationError as err:
             return 400, validation_error(err.errors()).body(), None
         try:
-            prepared = self._prepare(request)
+            return 200, await self.complete(request), request
         except APIError as err:
             return err.status, err.body(), request
-        completion = await self.generate(prepared.generation)
-        choice = self._record(prepared, completion)
-        fingerprint = "looprl-rollout"
+
+    async def complete(self, request: ChatCompletionRequest) -> dict[str, Any]:
+        """The `chat.completion` body for a parsed request (APIError when refused); the
+        Responses route answers through it too."""
+        prepared = self._prepare(request)
+        first = prepared.generation  # n > 1: copies of it, sampled in the same batch
+        requests = [first, *(replace(first) for _ in range(request.n - 1))]
+        completions = await asyncio.gather(*(self.generate(r) for r in requests))
+        choices = self._record(prepared, list(completions))
         tokenizer = self.renderer.tokenizer
-        response = completion_response(
-            [choice], request.model, tokenizer, bool(request.logprobs), fingerprint
-        )
-        return 200, response, request
+        logprobs = bool(request.logprobs)
+        return completion_response(choices, request.model, tokenizer, logprobs, "looprl-rollout")
 
     def _prepare(self, request: ChatCompletionRequest) -> AgentCall:
         """Validate, apply the limits and build the prompt; nothing is recorded yet."""
@@ -148,8 +152,6 @@ class AgentSession:
         if self.truncated:
             raise APIError(400, self.truncated, code=LIMIT_CODE)
         kwargs = chat_kwargs(request, "policy", self.max_new_tokens)
-        if request.n != 1:
-            raise APIError(400, "n must be 1 while looprl plays the agent (one sample)", "n")
         if kwargs["stop"]:
             raise APIError(
                 400,
@@ -247,7 +249,13 @@ class AgentSession:
                 min(len(expected), len(messages)),
             )
             out["message"] = i
-            if i < min(len(expected), len(messages)):
+            choice = _alternative(tip, messages, i)
+            if choice:
+                out["reason"] = (
+                    f"call {call} continues choice {choice} of call {self.trajectory_calls - 1} "
+                    "(n > 1); the trajectory keeps choice 0, a plain sample of the policy"
+                )
+            elif i < min(len(expected), len(messages)):
                 out["reason"] = (
                     f"call {call}: message {i} ({messages[i].role}) differs from the "
                     f"conversation so far: expected {_short(expected[i])}, got "
@@ -274,26 +282,24 @@ class AgentSession:
         out["got"] = decode(fresh[max(0, pos - 8) : pos + 8])
         return out
 
-    def _record(self, prepared: AgentCall, completion: Completion) -> ChatChoice:
-        """Keep the call, grow the trajectory, and build the reply the agent sees."""
-        renderer, tools = self.renderer, prepared.tools
-        text = renderer.decode(completion.ids)
+    def _record(self, prepared: AgentCall, completions: list[Completion]) -> list[ChatChoice]:
+        """Keep the call (choice 0; the others as alternatives), grow the trajectory, and
+        build the replies the agent sees."""
         k = len(self.calls)
-        reply, reasoning = renderer.assistant_reply(
-            text, tools, prepared.generation.constraint is not None,
-            lambda j, _call: f"call_{k}_{j}",
-        )  # fmt: skip
+        choices = [self._choice(prepared, c, k, i) for i, c in enumerate(completions)]
+        first, completion = choices[0], completions[0]
         prompt_ids = prepared.generation.prompt_ids
         self.calls.append(
             ModelCall(
                 prepared.messages,
-                tools,
-                reply,
+                prepared.tools,
+                first.message,
                 list(prompt_ids),
                 list(completion.ids),
                 list(completion.logprobs),
-                text,
+                first.text,
                 completion.finish_reason,
+                [c.message for c in choices[1:]],
             )  # fmt: skip
         )
         extends = prepared.extends and self.mismatch is None
@@ -314,10 +320,21 @@ class AgentSession:
             self.loss_mask += [0] * len(new) + [1] * len(completion.ids)
             self.logprobs += [0.0] * len(new) + list(completion.logprobs)
             self.trajectory_calls = len(self.calls)
+        return choices
+
+    def _choice(self, prepared: AgentCall, completion: Completion, k: int, i: int) -> ChatChoice:
+        """Choice `i` of call `k` as the agent sees it (tool call ids `call_K_J`, or
+        `call_K_I_J` for the choices after the first)."""
+        text = self.renderer.decode(completion.ids)
+        prefix = f"call_{k}" if i == 0 else f"call_{k}_{i}"
+        reply, reasoning = self.renderer.assistant_reply(
+            text, prepared.tools, prepared.generation.constraint is not None,
+            lambda j, _call: f"{prefix}_{j}",
+        )  # fmt: skip
         finish = "tool_calls" if reply.tool_calls else completion.finish_reason
         return ChatChoice(
-            reply, text, list(prompt_ids), list(completion.ids), list(completion.logprobs),
-            finish, reasoning,
+            reply, text, list(prepared.generation.prompt_ids), list(completion.ids),
+            list(completion.logprobs), finish, reasoning,
         )  # fmt: skip
 
     def trajectory_messages(self) -> list[Message]:
@@ -329,6 +346,14 @@ class AgentSession:
 
 def _history(call: ModelCall) -> list[Message]:
     return [*call.messages, call.reply]
+
+
+def _alternative(tip: ModelCall, messages: list[Message], i: int) -> int:
+    """Which of the tip's other choices (1..) message `i` is, or 0 for none."""
+    if i != len(tip.messages) or i >= len(messages):
+        return 0
+    keys = [_key(m) for m in tip.alternatives]
+    return keys.index(_key(messages[i])) + 1 if _key(messages[i]) in keys else 0
 
 
 def _key(m: Message) -> tuple:
@@ -354,21 +379,7 @@ class ProxyTransport(httpx.AsyncBaseTransport):
         self.session = session
 
     async def handle_async_request(self, request: Any) -> Any:
-        path = request.url.path.rstrip("/")
-        if request.method == "POST" and path.endswith("/chat/completions"):
-            status, body, parsed = await self.session.chat(await request.aread())
-            if status == 200 and parsed is not None and parsed.stream:
-                usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-                events = "".join(stream_events(body, usage)).encode()
-                headers = {"content-type": "text/event-stream"}
-                return httpx.Response(200, content=events, headers=headers)
-            return httpx.Response(status, json=body)
-        if request.method == "GET" and path.endswith("/models"):
-            return httpx.Response(200, json=model_list([MODEL_ID]))
-        message = (
-            f"looprl's agent proxy serves POST /v1/chat/completions, not {request.method} {path}"
-        )
-        return httpx.Response(404, json=error_body(message, code="not_found"))
+        return await answer(self.session, request.method, request.url.path, await request.aread())
 
 
 def openai_client(session: AgentSession) -> Any:

@@ -231,9 +231,13 @@ def chat_kwargs(request: ChatCompletionRequest, variant: str, max_tokens: int) -
     )
 
 
-def validation_error(errors: Any) -> APIError:
+def validation_error(
+    errors: Any, fields: set[str] | None = None, needs: str = "'model' and 'messages'"
+) -> APIError:
     """The first pydantic error of a request as a 400 naming the field it is about
-    (`messages[0].role`; a union's branch names are left out of the path)."""
+    (`messages[0].role`; a union's branch names are left out of the path). `fields`: the
+    request models' field names (the chat request's by default), `needs`: its required
+    fields, for the message about a body that is no JSON object."""
     errors = list(errors)
     if not errors:
         return APIError(400, "invalid request")
@@ -241,16 +245,14 @@ def validation_error(errors: Any) -> APIError:
     if first.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first.get('msg')}")
     parts: list[str] = []
-    for p in first.get("loc", ()):
+    for p in first.get("loc", ()):  # "body" and the names of a union's branches are skipped
         if isinstance(p, int):
             parts.append(f"[{p}]")
-        elif p in _FIELD_NAMES:
+        elif p in (_FIELD_NAMES if fields is None else fields):
             parts.append(f".{p}")
-        elif p != "body":
-            break  # the name of a union's branch: the path ends at the field
     param = "".join(parts).lstrip(".")
     if not param:
-        return APIError(400, "the request needs a JSON object body with 'model' and 'messages'")
+        return APIError(400, f"the request needs a JSON object body with {needs}")
     return APIError(400, f"{param}: {first.get('msg')}", param)
 
 
