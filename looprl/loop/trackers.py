@@ -110,11 +110,7 @@ class WandbTracker:
 
         if report_files:
             artifact = wandb.Artifact(f"report-{self.run.id}", type="report")
-            for path in report_files:
-                if path.is_dir():
-                    artifact.add_dir(str(path), name=path.name)
-                else:
-                    artifact.add_file(str(path), name=path.name)
+            _add_files(artifact, report_files)
             self.run.log_artifact(artifact)
         self.run.finish()
 
@@ -137,11 +133,7 @@ class TrackioTracker:
 
         if report_files:
             artifact = trackio.Artifact(f"report-{self.run.id}", type="report")
-            for path in report_files:
-                if path.is_dir():
-                    artifact.add_dir(path, name=path.name)
-                else:
-                    artifact.add_file(path, name=path.name)
+            _add_files(artifact, report_files)
             self.run.log_artifact(artifact)
         trackio.finish()  # this run, which trackio.init made current; finishing it clears that
 
@@ -187,6 +179,13 @@ class MlflowTracker:
             else:
                 self.client.log_artifact(self.run_id, str(path), "report")
         self.client.set_terminated(self.run_id)
+
+
+def _add_files(artifact: Any, paths: list[Path]) -> None:
+    """Files and folders into a wandb or trackio artifact (both have `add_file`/`add_dir`)."""
+    for path in paths:
+        add = artifact.add_dir if path.is_dir() else artifact.add_file
+        add(str(path), name=path.name)
 
 
 def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
