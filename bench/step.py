@@ -257,7 +257,7 @@ def looprl_config(s: Settings) -> Any:
             "weight_decay": 0.0, "max_grad_norm": 1.0, "checkpoint_every": 0,
         },
         "eval": {"tasks": 1, "samples_per_task": 1},
-        "logging": {"tensorboard": False, "sample_every": 1, "samples_per_log": s.completions},
+        "logging": {"trackers": [], "sample_every": 1, "samples_per_log": s.completions},
         "seed": s.seed,
     })  # fmt: skip
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import difflib
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from looprl.errors import ConfigError
 
@@ -189,10 +190,56 @@ class SFTConfig(Section):
 
 
 class LoggingConfig(Section):
-    tensorboard: bool = Field(True, description="Write TensorBoard event files to RUN/tb.")
-    wandb: bool = Field(False, description="Also log to Weights & Biases (needs wandb).")
+    trackers: list[Literal["tensorboard", "wandb", "trackio", "mlflow"]] = Field(
+        default_factory=lambda: ["tensorboard"],
+        description="Experiment trackers that get the metrics, config and report, besides "
+        "metrics.jsonl: tensorboard (RUN/tb), wandb, trackio, mlflow; [] = none.",
+    )
+    project: str = Field(
+        "looprl", min_length=1, description="wandb/trackio project or mlflow experiment name."
+    )
     sample_every: int = Field(5, ge=0, description="Write training transcripts every K steps.")
     samples_per_log: int = Field(4, ge=0, description="Transcripts written each time.")
+    # The two booleans below are the old spelling: read, folded into `trackers`, never written.
+    tensorboard: bool | None = Field(
+        None,
+        exclude=True,
+        description="Deprecated, use logging.trackers: false removes tensorboard, true adds it.",
+    )
+    wandb: bool | None = Field(
+        None,
+        exclude=True,
+        description="Deprecated, use logging.trackers: true adds wandb, false removes it.",
+    )
+
+    @field_validator("trackers")
+    @classmethod
+    def _no_repeats(cls, trackers: list[str]) -> list[str]:
+        repeated = sorted({name for name in trackers if trackers.count(name) > 1})
+        if repeated:
+            raise ValueError(f"each tracker may be listed once; repeated: {', '.join(repeated)}")
+        return trackers
+
+    @model_validator(mode="after")
+    def _fold_deprecated_flags(self) -> LoggingConfig:
+        old = {
+            n: getattr(self, n) for n in ("tensorboard", "wandb") if getattr(self, n) is not None
+        }
+        if not old:
+            return self
+        trackers = [name for name in self.trackers if old.get(name) is not False]
+        trackers += [name for name, on in old.items() if on and name not in trackers]
+        object.__setattr__(self, "trackers", trackers)
+        object.__setattr__(self, "tensorboard", None)
+        object.__setattr__(self, "wandb", None)
+        spelled = " and ".join(f"logging.{name}: {str(on).lower()}" for name, on in old.items())
+        warnings.warn_explicit(  # at no line of looprl: the old spelling is in the user's config
+            f"{spelled} is the old spelling; write logging.trackers: [{', '.join(trackers)}]",
+            FutureWarning,
+            filename="config",
+            lineno=0,
+        )
+        return self
 
 
 class Config(Section):
@@ -322,6 +369,8 @@ def _suggest(loc: tuple) -> str:
 
 
 def _allowed(loc: tuple) -> str:
+    while loc and isinstance(loc[-1], int):
+        loc = loc[:-1]  # an item of a list field: describe the field
     model, name = _model_at(loc)
     field = model.model_fields.get(name) if model and name else None
     if field is None:
@@ -339,6 +388,8 @@ def describe_fields(
     rows: list[tuple[str, str, str]] = []
     defaults = model()
     for name, field in model.model_fields.items():
+        if field.exclude:
+            continue  # a deprecated spelling, read but never written or listed
         key = f"{prefix}{name}"
         ann = field.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):

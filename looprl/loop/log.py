@@ -1,47 +1,73 @@
-"""Metrics to `metrics.jsonl` (one object per step) and TensorBoard; transcripts to JSONL."""
+"""Metrics to `metrics.jsonl` (one object per step) and the experiment trackers; transcripts.
+
+`metrics.jsonl` is the run's record: the report, `--resume` and the tests read it. The
+trackers (`trackers.py`) are views of the same numbers, so one that fails is switched off
+with a warning and the run goes on.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from looprl.loop.trackers import Tracker, report_files, start_tracker
 from looprl.types import Episode
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, tensorboard: bool = True, wandb_config: Any = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        trackers: Sequence[str] = ("tensorboard",),
+        config: dict[str, Any] | None = None,
+        project: str = "looprl",
+    ) -> None:
         self.path = run_dir / "metrics.jsonl"
-        self.writer = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=str(run_dir / "tb"))
-        self.wandb = None
-        if wandb_config is not None:
-            import wandb  # optional dependency
-
-            self.wandb = wandb.init(project="looprl", dir=str(run_dir), config=wandb_config)
+        self.trackers: list[Tracker] = []
+        for name in trackers:
+            try:
+                self.trackers.append(start_tracker(name, run_dir, project, config or {}))
+            except Exception as err:  # a tracker is never a reason to stop a run
+                _warn_off(name, "start", err)
 
     def log(self, metrics: dict[str, Any]) -> None:
         step = int(metrics["step"])
         clean = {k: _jsonable(v) for k, v in metrics.items()}
         with self.path.open("a") as f:
             f.write(json.dumps(clean) + "\n")
-        if self.writer is not None:
-            for key, value in clean.items():
-                if key != "step" and isinstance(value, (int, float)) and value is not None:
-                    self.writer.add_scalar(key, value, step)
-            self.writer.flush()
-        if self.wandb is not None:
-            self.wandb.log(clean, step=step)
+        scalars = {
+            key: float(value)
+            for key, value in clean.items()
+            if key != "step" and isinstance(value, (int, float))  # None: not finite
+        }
+        self._each("log metrics", lambda tracker: tracker.log(scalars, step))
 
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+    def close(self, report_dir: Path | None = None) -> None:
+        """End every tracker's run, first attaching the report found in `report_dir`."""
+        files = report_files(report_dir) if report_dir is not None else []
+        self._each("finish", lambda tracker: tracker.finish(files))
+        self.trackers = []  # a second close has nothing left to end
+
+    def _each(self, action: str, call: Callable[[Tracker], None]) -> None:
+        for tracker in list(self.trackers):
+            try:
+                call(tracker)
+            except Exception as err:  # a tracker is never a reason to stop a run
+                self.trackers.remove(tracker)
+                _warn_off(tracker.name, action, err)
+
+
+def _warn_off(name: str, action: str, err: Exception) -> None:
+    warnings.warn(
+        f"the {name} tracker could not {action} ({type(err).__name__}: {err}); it is off for "
+        "the rest of this run, and metrics.jsonl still has every step",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _jsonable(value: Any) -> Any:

@@ -51,6 +51,7 @@ from looprl.loop.run_state import (
     resume_state,
     seed_everything,
 )
+from looprl.loop.trackers import check_trackers
 from looprl.loop.update import UpdateState, update_policy
 from looprl.report.write import reward_with_ci, write_report
 from looprl.types import ENV_ERROR
@@ -70,6 +71,7 @@ def run_training(
     progress = progress or Progress()
     # ---- everything that can be wrong is checked before anything is written
     check_run_dir(out, force=force, resume=resume)
+    check_trackers(cfg.logging.trackers)
     probe = make_env(cfg.env.name, cfg.env.args)
     if cfg.sft.enabled and not callable(getattr(probe, "demonstrations", None)):
         raise ConfigError(
@@ -109,7 +111,7 @@ def run_training(
     loop = LoopState(update=UpdateState(micro_batch_tokens=cfg.train.micro_batch_tokens))
     start = resume_state(run_dir, policy, optimizer, scheduler, loop) if resume else 0
     logger = MetricsLogger(
-        run_dir, cfg.logging.tensorboard, cfg.model_dump() if cfg.logging.wandb else None
+        run_dir, cfg.logging.trackers, cfg.model_dump(mode="json"), cfg.logging.project
     )
 
     def checkpoint(step: int) -> None:
@@ -222,8 +224,8 @@ def run_training(
             )
             if loop.bad_steps >= cfg.train.max_bad_steps or stop.requested:
                 checkpoint(step)
-                logger.close()
                 write_report(run_dir, cfg, baseline, None, time.time() - started, peak_rss_gb())
+                logger.close(report_dir=run_dir)
                 if stop.requested:
                     raise Interrupted(
                         f"{stop.requested} after step {step}: checkpoint saved; continue with\n"
@@ -234,13 +236,13 @@ def run_training(
                     "and were skipped (train.max_bad_steps); lower train.lr or check the "
                     "model's dtype. The weights are the last good ones, checkpointed."
                 )
-    logger.close()
 
     # ---- retest on exactly the same tasks and seeds, then report
     final = evaluate(policy, play, eval_tasks, cfg, run_dir, "final", progress)
     with progress.phase("write report") as phase:
         report = write_report(run_dir, cfg, baseline, final, time.time() - started, peak_rss_gb())
         phase.done(f"{report.name}, {report.with_suffix('.html').name}, plots/")
+    logger.close(report_dir=run_dir)
     return {
         "baseline": baseline,
         "after_sft": after_sft,
