@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from looprl.config import load_config, to_yaml
-from looprl.report.write import paired_difference, paired_stats, regenerate_report, write_report
+from looprl.report.stats import paired_difference, paired_stats
+from looprl.report.write import regenerate_report, write_report
 
 DATA_URI = '<img src="data:image/png;base64,'
 HOSTILE = "<script>document.title='PWNED'</script> ``` </pre> & |"

@@ -53,7 +53,8 @@ from looprl.loop.run_state import (
 )
 from looprl.loop.trackers import check_trackers
 from looprl.loop.update import UpdateState, update_policy
-from looprl.report.write import reward_with_ci, write_report
+from looprl.report.stats import reward_with_ci
+from looprl.report.write import write_report
 from looprl.types import ENV_ERROR
 
 # ============================================================================ the loop

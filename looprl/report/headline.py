@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from looprl.report.write import paired_stats, reward_with_ci
+from looprl.report.stats import paired_stats, reward_with_ci
 
 
 def headline(baseline: dict, final: dict, report: Path, after_sft: dict | None = None) -> list[str]:

@@ -15,84 +15,25 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from looprl.config import Config, load_config
 from looprl.errors import ConfigError
 from looprl.report.plots import finite, render_html, render_markdown
+from looprl.report.stats import (
+    BOOTSTRAP_RESAMPLES,
+    BOOTSTRAP_SEED,
+    Paired,
+    fmt,
+    mean_ci,
+    paired_stats,
+    reward_with_ci,
+)
 
-BOOTSTRAP_RESAMPLES = 2000
-BOOTSTRAP_SEED = 0
 TRANSCRIPT_TASKS = 4
 MAX_TEXT = 1500  # characters of one message shown in a transcript
 PLOTS = ("before_after.png", "outcomes.png", "training_curves.png")
-
-# ============================================================================ statistics
-
-
-def paired_difference(
-    before: list[float],
-    after: list[float],
-    task_ids: list[str],
-    resamples: int = BOOTSTRAP_RESAMPLES,
-    seed: int = BOOTSTRAP_SEED,
-) -> tuple[float, float, float] | None:
-    """Mean of after − before over matched episodes and its 95% percentile-bootstrap CI.
-    Each resample draws task ids with replacement and takes all episodes of each drawn
-    task. Pairs with a non-finite reward are dropped; None when nothing is left."""
-    d = np.asarray(after, dtype=float) - np.asarray(before, dtype=float)
-    keep = np.isfinite(d)
-    if not keep.any():
-        return None
-    d, ids = d[keep], np.asarray(task_ids, dtype=object)[keep]
-    _, task_of = np.unique(ids.astype(str), return_inverse=True)
-    sums, counts = np.bincount(task_of, weights=d), np.bincount(task_of)
-    pick = np.random.default_rng(seed).integers(0, len(sums), size=(resamples, len(sums)))
-    boot = sums[pick].sum(axis=1) / counts[pick].sum(axis=1)
-    lo, hi = np.percentile(boot, [2.5, 97.5])
-    return float(d.mean()), float(lo), float(hi)
-
-
-@dataclass
-class Paired:
-    """after − before over matched episodes: mean, bootstrap CI, and how many moved."""
-
-    mean: float
-    lo: float
-    hi: float
-    episodes: int
-    tasks: int
-    better: int
-    same: int
-    worse: int
-
-
-def paired_stats(baseline: dict, final: dict) -> Paired | str:
-    """The paired comparison of two EvalResults, or the reason it cannot be made."""
-    before, after = baseline.get("rewards"), final.get("rewards")
-    ids = baseline.get("task_ids")
-    if before is None or after is None or ids is None:
-        return "the eval files hold no per-episode rewards (written by an older looprl)"
-    before, after = [finite(x) for x in before], [finite(x) for x in after]
-    if not len(before) == len(after) == len(ids) or ids != final.get("task_ids", ids):
-        return "baseline and final did not play the same episodes in the same order"
-    result = paired_difference(before, after, ids)
-    if result is None:
-        return "no episode has a finite reward on both sides"
-    d = [a - b for a, b in zip(after, before) if math.isfinite(a - b)]
-    return Paired(
-        *result,
-        episodes=len(d),
-        tasks=len(set(ids)),
-        better=sum(x > 0 for x in d),
-        same=sum(x == 0 for x in d),
-        worse=sum(x < 0 for x in d),
-    )
-
 
 # ============================================================================ run folder
 
@@ -177,7 +118,7 @@ def write_report(
     plots = run_dir / "plots"
     for name in PLOTS:  # a rebuilt report must not leave a stale plot from an earlier one
         (plots / name).unlink(missing_ok=True)
-    before = _mean_ci(baseline)
+    before = mean_ci(baseline)
     sides = [("before", baseline.get("outcomes") or {})]
     blocks: list[tuple] = []
     if final is None:
@@ -195,10 +136,10 @@ def write_report(
             ("table", ["metric", "before"], _summary_rows([baseline])),
         ]
         if last:
-            reward = _fmt(last.get("rollout/rewards_mean"), "+.3f")
+            reward = fmt(last.get("rollout/rewards_mean"), "+.3f")
             blocks.append(("p", f"Last training step: rollout/rewards_mean {reward}"))
     else:
-        after = _mean_ci(final)
+        after = mean_ci(final)
         # with an SFT warm start: baseline → after SFT → after RL, on the same episodes
         mid = _load_eval(run_dir / "eval" / "after_sft.json")
         columns = [baseline, final] if mid is None else [baseline, mid, final]
@@ -262,31 +203,15 @@ def write_report(
     return md_path
 
 
-def _mean_ci(result: dict) -> tuple[float, float, float]:
-    lo, hi = (list(result.get("reward_ci95") or []) + [math.nan, math.nan])[:2]
-    return finite(result.get("reward_mean")), finite(lo), finite(hi)
-
-
-def _fmt(value: Any, spec: str) -> str:
-    number = finite(value)
-    return "n/a" if math.isnan(number) else format(number, spec)
-
-
-def reward_with_ci(result: dict) -> str:
-    """'+0.123 [+0.045, +0.201]': an EvalResult's reward mean and its 95% CI."""
-    mean, lo, hi = _mean_ci(result)
-    return f"{_fmt(mean, '+.3f')} [{_fmt(lo, '+.3f')}, {_fmt(hi, '+.3f')}]"
-
-
 def _summary_rows(sides: list[dict]) -> list[list[str]]:
     labels = sorted({label for r in sides for label in r.get("outcomes") or {}})
     rows = [
         ["reward mean [95% CI]", *(reward_with_ci(r) for r in sides)],
-        ["valid tool-call rate", *(_fmt(r.get("valid_tool_call_rate"), ".1%") for r in sides)],
-        ["response_len (tokens)", *(_fmt(r.get("response_len"), ".1f") for r in sides)],
+        ["valid tool-call rate", *(fmt(r.get("valid_tool_call_rate"), ".1%") for r in sides)],
+        ["response_len (tokens)", *(fmt(r.get("response_len"), ".1f") for r in sides)],
     ]
     for label in labels:
-        shares = [_fmt((r.get("outcomes") or {}).get(label, 0.0), ".1%") for r in sides]
+        shares = [fmt((r.get("outcomes") or {}).get(label, 0.0), ".1%") for r in sides]
         rows.append([f"outcome: {label}", *shares])
     return rows + [["episodes", *(str(r.get("n", "?")) for r in sides)]]
 
@@ -412,7 +337,7 @@ def _side(record: dict) -> tuple[str, list[tuple[str, str]]]:
         lines.append((str(m.get("role")), _clip(text) or "(empty)"))
     if record.get("error"):
         lines.append(("error", _clip(str(record["error"]))))
-    head = f"reward {_fmt(record.get('reward'), '+.3f')} · {record.get('outcome')}"
+    head = f"reward {fmt(record.get('reward'), '+.3f')} · {record.get('outcome')}"
     return head, lines
 
 
