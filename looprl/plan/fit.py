@@ -36,8 +36,8 @@ def largest(fits: Callable[[int], bool], low: int, high: int) -> int | None:
 
 def largest_settings(cfg: Config, shape: ModelShape, work: Workload, device: Device) -> dict:
     """The largest `rollout.batch_size` and `train.micro_batch_tokens` that fit, each with
-    the other left as configured (beyond the point where one no longer changes the plan,
-    the most that matters is reported)."""
+    the other left as configured. Each search stops where a larger value no longer changes
+    the plan (every episode in one batch, a whole minibatch in one micro-batch)."""
     episodes = max(cfg.rollout.tasks_per_step * cfg.rollout.group_size,
                    cfg.eval.tasks * cfg.eval.samples_per_task)  # fmt: skip
     minibatch = -(-cfg.rollout.tasks_per_step // cfg.algo.num_minibatches) * cfg.rollout.group_size
@@ -50,12 +50,15 @@ def largest_settings(cfg: Config, shape: ModelShape, work: Workload, device: Dev
         changed = _with(cfg, "train", micro_batch_tokens=n)
         return _peak(changed, shape, work, device) <= device.usable
 
+    batch_top = episodes
+    micro_top = max(tokens, MIN_MICRO_BATCH_TOKENS)
     return {
-        "rollout.batch_size": largest(batch_fits, 1, episodes),
-        "train.micro_batch_tokens": largest(
-            micro_fits, MIN_MICRO_BATCH_TOKENS, max(tokens, MIN_MICRO_BATCH_TOKENS)
-        ),
-    }
+        "rollout.batch_size": {
+            "value": largest(batch_fits, 1, batch_top), "search_max": batch_top},
+        "train.micro_batch_tokens": {
+            "value": largest(micro_fits, MIN_MICRO_BATCH_TOKENS, micro_top),
+            "search_max": micro_top},
+    }  # fmt: skip
 
 
 def advice(cfg: Config, shape: ModelShape, work: Workload, device: Device) -> list[dict]:

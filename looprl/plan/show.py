@@ -57,8 +57,12 @@ def tables(result: dict[str, Any]) -> list[Any]:
         f"≤ {work['response_tokens']} generated, forced call span {work['forced_tokens']}; "
         f"tokenizer: {work['tokenizer']}",
     )
-    for key, value in result["largest"].items():
-        verdict.add_row(f"largest {key}", "none fits" if value is None else str(value))
+    for key, found in result["largest"].items():
+        value = found["value"]
+        text = "none fits" if value is None else str(value)
+        if value is not None and value == found["search_max"]:
+            text += " (all at once: nothing larger changes the plan)"
+        verdict.add_row(f"largest {key}", text)
     for item in result["advice"]:
         ok = "fits" if item["fits"] else "still too big"
         verdict.add_row("try", f"--set {item['set']}: peak {gb(item['peak_bytes'])} GB ({ok})")
