@@ -12,6 +12,7 @@ the peak resident set of real runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from types import SimpleNamespace
 from typing import Any
 
@@ -132,17 +133,22 @@ def _micro_batch(cfg: Config, work: Workload) -> tuple[int, int, int]:
     minibatch, split by the trainer's own `micro_batches` over stand-in episodes of the
     workload's lengths (every episode taken as learning, as at worst)."""
     groups = -(-cfg.rollout.tasks_per_step // cfg.algo.num_minibatches)
+    return _split(groups, cfg.rollout.group_size, cfg.train.micro_batch_tokens,
+                  work.prompt_tokens, work.head_tokens, work.response_tokens)  # fmt: skip
+
+
+@lru_cache(maxsize=256)  # the fit searches plan the same split many times
+def _split(groups: int, size: int, budget: int, prompt: int, head: int, response: int) -> tuple:
     episodes = [
-        SimpleNamespace(token_ids=[g] * work.prompt_tokens + [0] * work.response_tokens,
-                        loss_mask=[0] * work.prompt_tokens + [1] * work.response_tokens)
-        for g in range(groups) for _ in range(cfg.rollout.group_size)
+        SimpleNamespace(token_ids=[g] * prompt + [0] * response,
+                        loss_mask=[0] * prompt + [1] * response)
+        for g in range(groups) for _ in range(size)
     ]  # fmt: skip
     best = (0, 0, 0)
-    for chunk in micro_batches(episodes, cfg.train.micro_batch_tokens):
+    for chunk in micro_batches(episodes, budget):
         prompts = len({e.token_ids[0] for e in chunk})
-        tail = work.prompt_tokens - work.head_tokens
-        tokens = work.head_tokens + prompts * tail + len(chunk) * work.response_tokens
-        best = max(best, (tokens, len(chunk), len(chunk) * work.response_tokens))
+        tokens = head + prompts * (prompt - head) + len(chunk) * response
+        best = max(best, (tokens, len(chunk), len(chunk) * response))
     tokens, rows, loss = best
     return rows, tokens, loss
 
