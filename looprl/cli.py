@@ -259,6 +259,28 @@ def play(
         )
 
 
+@app.command()
+@guarded
+def plan(
+    config: ConfigArg = None,
+    set_: SetOpt = None,
+    device: Annotated[
+        str, typer.Option(help="dgx-spark, h200, h100-80g, a100-80g, rtx-4090, cpu-24g, ...")
+    ] = "cpu-24g",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+) -> None:
+    """Predict a run's peak memory from configs alone (no weights) and say if it fits."""
+    from looprl.config import load_config
+    from looprl.plan.show import make_plan, tables
+
+    result = make_plan(load_config(config, set_), device)
+    if as_json:
+        sys.stdout.write(json.dumps(result, indent=2) + "\n")
+        return
+    for renderable in tables(result):
+        console.print(renderable)
+
+
 # ---------------------------------------------------------------- envs
 
 

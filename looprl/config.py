@@ -9,6 +9,7 @@ and what is allowed.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import re
 import warnings
 from pathlib import Path
@@ -153,6 +154,11 @@ class AlgoConfig(Section):
 class TrainConfig(Section):
     steps: int = Field(20, ge=0, description="Training steps (one rollout batch each).")
     lr: float = Field(4e-4, gt=0, le=1, description="Peak learning rate (AdamW).")
+    optimizer: Literal["adamw", "adamw_8bit"] = Field(
+        "adamw",
+        description="adamw: float32 states (8 bytes/param); adamw_8bit: bitsandbytes' 8-bit "
+        "states (≈ 2 bytes/param; needs the optim8bit extra).",
+    )
     lr_schedule: Literal["constant", "cosine", "linear"] = Field(
         "constant", description="Learning-rate decay after warmup."
     )
@@ -259,6 +265,12 @@ class Config(Section):
             raise ValueError(
                 "algo.kl_coef > 0 needs model.lora.enabled=true: the KL reference is the "
                 "base model with the adapters switched off"
+            )
+        eight_bit = self.train.optimizer == "adamw_8bit"
+        if eight_bit and importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError(
+                "train.optimizer=adamw_8bit needs bitsandbytes, which is not installed: "
+                "pip install 'looprl[optim8bit]' (or train.optimizer=adamw)"
             )
         return self
 

@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("engine",),
     ("report", "openai"),
     ("loop",),
-    ("apps",),
+    ("apps", "plan"),
     ("cli",),
     ("__main__",),
 ]

@@ -16,6 +16,7 @@ from looprl.errors import ConfigError
 from looprl.forward import cascade
 from looprl.forward.kv import bufferable
 from looprl.forward.prefix import prefix_kwargs, shared_prefill
+from looprl.loop.optim import quiet_bitsandbytes
 from looprl.model.load import base_model, load_causal_lm, load_tokenizer
 
 
@@ -56,6 +57,7 @@ def load_policy(cfg: Config) -> Policy:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
     if cfg.model.lora.enabled:
+        quiet_bitsandbytes()  # before peft imports it
         from peft import LoraConfig, get_peft_model
 
         lora = cfg.model.lora

@@ -37,6 +37,7 @@ from looprl.loop.checkpoint import (
 )
 from looprl.loop.evaluate import eval_result, summarize
 from looprl.loop.log import MetricsLogger, write_samples
+from looprl.loop.optim import make_optimizer
 from looprl.loop.policy import Policy, load_policy
 from looprl.loop.progress import DONE, Progress
 from looprl.loop.rollout import run_episodes
@@ -105,8 +106,8 @@ def run_training(
         after_sft = evaluate(policy, play, eval_tasks, cfg, run_dir, "after_sft", progress)
 
     # ---- optimizer, schedule, resume
-    optimizer = torch.optim.AdamW(
-        policy.trainable_parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
+    optimizer = make_optimizer(
+        policy.trainable_parameters(), cfg.train.optimizer, cfg.train.lr, cfg.train.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg))
     loop = LoopState(update=UpdateState(micro_batch_tokens=cfg.train.micro_batch_tokens))
@@ -350,7 +351,8 @@ def warm_start(
     """SFT steps on demonstrations of train tasks; checkpointed as step 0 (weights only)."""
     from looprl.loop.sft import demo_episode, sft_step
 
-    optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=cfg.sft.lr)
+    # weight decay 0.01: torch AdamW's default, which the warm start has always used
+    optimizer = make_optimizer(policy.trainable_parameters(), cfg.train.optimizer, cfg.sft.lr, 0.01)
     with (
         (progress or Progress(quiet=True)).phase("SFT warm start", cfg.sft.steps, "step") as phase,
         (run_dir / "sft_metrics.jsonl").open("w") as log,

@@ -35,6 +35,23 @@ TINY_CONFIG = dict(
     max_position_embeddings=4096,
     tie_word_embeddings=True,
 )
+# The SmolLM2 tokenizer's size (tiny-random's vocabulary) and SmolLM2-135M-Instruct's own
+# config, as the GGUF converts: the planner reads them without loading any weights.
+SMOLLM2_VOCAB = 49_152
+SMOLLM2_CONFIG = dict(
+    vocab_size=SMOLLM2_VOCAB,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=8192,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+    tie_word_embeddings=True,
+)
 
 
 def cache_dir() -> Path:
@@ -194,6 +211,29 @@ def load_causal_lm(name: str, dtype: Any, trust_remote_code: bool = False) -> An
         return AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs
         )
+    except (OSError, ValueError) as err:
+        raise ModelError(_not_found(name, err)) from None
+
+
+def load_model_config(name: str, trust_remote_code: bool = False) -> Any:
+    """The transformers config of `name`, read without any weights: the aliases' known
+    configs, a folder's or hub id's config.json, or a GGUF file's metadata."""
+    from transformers import AutoConfig, LlamaConfig
+
+    if name == "tiny-random":
+        return LlamaConfig(vocab_size=SMOLLM2_VOCAB, bos_token_id=1, eos_token_id=2,
+                           pad_token_id=2, **TINY_CONFIG)  # fmt: skip
+    if name == "smollm2-135m":
+        return LlamaConfig(**SMOLLM2_CONFIG)
+    try:
+        if name.startswith("gguf:"):
+            path = Path(name[5:]).expanduser()
+            if not path.is_file():
+                raise ModelError(f"GGUF file not found: {path}")
+            return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().exists():
+            raise ModelError(f"model folder not found: {name}")
+        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         raise ModelError(_not_found(name, err)) from None
 

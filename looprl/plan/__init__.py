@@ -1,0 +1,1 @@
+"""`looprl plan`: a run's peak memory, predicted from configs before any weight is loaded."""

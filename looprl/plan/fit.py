@@ -1,0 +1,116 @@
+"""Whether a plan fits a device, the largest batch settings that do, and what to change
+when nothing does: each change is planned again and its peak shown, not guessed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from looprl.config import Config
+from looprl.loop.update import MIN_MICRO_BATCH_TOKENS
+from looprl.plan.devices import DEVICES, Device
+from looprl.plan.memory import Plan, dtype_name, plan_memory, summary
+from looprl.plan.shape import ModelShape
+from looprl.plan.workload import Workload
+
+
+def _peak(cfg: Config, shape: ModelShape, work: Workload, device: Device) -> float:
+    return plan_memory(cfg, shape, work, device).peak()[1]
+
+
+def _with(cfg: Config, section: str, **values: Any) -> Config:
+    part = getattr(cfg, section).model_copy(update=values)
+    return cfg.model_copy(update={section: part})
+
+
+def largest(fits: Callable[[int], bool], low: int, high: int) -> int | None:
+    """The largest n in [low, high] with fits(n), for a fits that only turns false as n
+    grows; None if even `low` does not fit."""
+    if not fits(low):
+        return None
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+def largest_settings(cfg: Config, shape: ModelShape, work: Workload, device: Device) -> dict:
+    """The largest `rollout.batch_size` and `train.micro_batch_tokens` that fit, each with
+    the other left as configured. Each search stops where a larger value no longer changes
+    the plan (every episode in one batch, a whole minibatch in one micro-batch)."""
+    episodes = max(cfg.rollout.tasks_per_step * cfg.rollout.group_size,
+                   cfg.eval.tasks * cfg.eval.samples_per_task)  # fmt: skip
+    minibatch = -(-cfg.rollout.tasks_per_step // cfg.algo.num_minibatches) * cfg.rollout.group_size
+    tokens = minibatch * (work.prompt_tokens + work.response_tokens)
+
+    def batch_fits(n: int) -> bool:
+        return _peak(_with(cfg, "rollout", batch_size=n), shape, work, device) <= device.usable
+
+    def micro_fits(n: int) -> bool:
+        changed = _with(cfg, "train", micro_batch_tokens=n)
+        return _peak(changed, shape, work, device) <= device.usable
+
+    batch_top = episodes
+    micro_top = max(tokens, MIN_MICRO_BATCH_TOKENS)
+    return {
+        "rollout.batch_size": {
+            "value": largest(batch_fits, 1, batch_top), "search_max": batch_top},
+        "train.micro_batch_tokens": {
+            "value": largest(micro_fits, MIN_MICRO_BATCH_TOKENS, micro_top),
+            "search_max": micro_top},
+    }  # fmt: skip
+
+
+def advice(cfg: Config, shape: ModelShape, work: Workload, device: Device) -> list[dict]:
+    """Changes that lower the peak, each planned again: LoRA, 8-bit AdamW, gradient
+    checkpointing, bfloat16 weights, smaller batches."""
+    options: list[tuple[str, Config]] = []
+    if not cfg.model.lora.enabled:
+        lora = cfg.model.lora.model_copy(update={"enabled": True})
+        options.append(("model.lora.enabled=true", _with(cfg, "model", lora=lora)))
+    if cfg.train.optimizer == "adamw":
+        options.append(("train.optimizer=adamw_8bit", _with(cfg, "train", optimizer="adamw_8bit")))
+    if not cfg.model.gradient_checkpointing:
+        options.append(("model.gradient_checkpointing=true",
+                        _with(cfg, "model", gradient_checkpointing=True)))  # fmt: skip
+    if dtype_name(cfg, device) == "float32":
+        options.append(("model.dtype=bfloat16", _with(cfg, "model", dtype="bfloat16")))
+    if cfg.rollout.batch_size > 8:
+        options.append(("rollout.batch_size=8", _with(cfg, "rollout", batch_size=8)))
+    if cfg.train.micro_batch_tokens > 512:
+        options.append(("train.micro_batch_tokens=512",
+                        _with(cfg, "train", micro_batch_tokens=512)))  # fmt: skip
+    out = []
+    for change, changed in options:
+        peak = _peak(changed, shape, work, device)
+        out.append({"set": change, "peak_bytes": peak, "fits": peak <= device.usable})
+    return sorted(out, key=lambda item: item["peak_bytes"])
+
+
+def full_plan(cfg: Config, shape: ModelShape, work: Workload, device: Device) -> dict:
+    """Everything `looprl plan` prints, as one JSON-ready dict."""
+    plan: Plan = plan_memory(cfg, shape, work, device)
+    result = summary(plan)
+    peak = result["peak_bytes"]
+    result.update(
+        model=shape.to_dict(),
+        workload=work.to_dict(),
+        dtype=dtype_name(cfg, device),
+        device={
+            "name": device.name,
+            "memory_bytes": device.memory,
+            "usable_bytes": device.usable,
+            "unified": device.unified,
+            "about": device.about,
+        },  # fmt: skip
+        fits=peak <= device.usable,
+        largest=largest_settings(cfg, shape, work, device),
+        advice=[] if peak <= device.usable else advice(cfg, shape, work, device),
+        devices={name: _verdict(cfg, shape, work, other) for name, other in DEVICES.items()},
+    )
+    return result
+
+
+def _verdict(cfg: Config, shape: ModelShape, work: Workload, device: Device) -> dict:
+    peak = _peak(cfg, shape, work, device)
+    return {"peak_bytes": peak, "fits": peak <= device.usable}

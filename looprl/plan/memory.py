@@ -1,0 +1,226 @@
+"""A run's memory by component and phase, from its config, its model's shape and its
+workload: the arithmetic of `looprl plan`.
+
+Three phases reach a peak: the held-out eval and the training rollouts (the engine's
+KV cache and its logits) and the update (gradients and saved activations of one
+micro-batch). The weights, the framework, the adapters and, from the first optimizer
+step on, the optimizer state are there in every phase; the peak is the largest phase.
+Each figure names the code it follows; `bench/plan_accuracy.py` checks the sum against
+the peak resident set of real runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from types import SimpleNamespace
+from typing import Any
+
+from looprl.algo.logprobs import head_logprobs
+from looprl.config import Config
+from looprl.loop.optim import EIGHT_BIT_BLOCK
+from looprl.loop.update import micro_batches
+from looprl.plan.devices import Device
+from looprl.plan.shape import ModelShape
+from looprl.plan.workload import Workload
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# What a looprl process holds before its model: Python, torch, transformers, the
+# tokenizer, xgrammar's vocabulary tables; and peft's import with LoRA. Measured on the
+# CPU with `bench/plan_accuracy.py --baseline` (framework_cpu_gb, lora_library_gb).
+FRAMEWORK_CPU = 0.59e9
+LORA_LIBRARY = 0.058e9
+# Not measured here (no GPU at hand): a CUDA context with cuBLAS's workspaces on the
+# device, and on a unified box also the host side of torch's CUDA libraries.
+CUDA_CONTEXT = 1.0e9
+CUDA_HOST_LIBRARIES = 2.0e9
+# float32 [rows, vocab] tensors alive at once while the engine samples: the logits, a
+# contiguous copy, log_softmax, softmax and the constrained candidates (engine/hf.py
+# `_sample`); and while it jumps forward k tokens: the [rows, k, vocab] logits, their
+# scaled copy and its log_softmax (`_step`).
+SAMPLING_COPIES = 5
+JUMP_COPIES = 3
+# float32 [chunk, vocab] tensors of one chunk of `head_logprobs` in backward: the
+# recomputed logits, their softmax and the logits' gradient (plus the kept forward one).
+HEAD_COPIES = 4
+HEAD_CHUNK = head_logprobs.__defaults__[-1]  # rows of the output projection at a time
+
+
+@dataclass
+class Phase:
+    name: str
+    components: dict[str, float] = field(default_factory=dict)  # bytes
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def add(self, key: str, value: float, note: str = "") -> None:
+        self.components[key] = float(value)
+        if note:
+            self.notes[key] = note
+
+    @property
+    def total(self) -> float:
+        return sum(self.components.values())
+
+
+def dtype_name(cfg: Config, device: Device) -> str:
+    """model.dtype=auto: float32 on the CPU, bfloat16 on a GPU (as `pick_dtype`)."""
+    if cfg.model.dtype != "auto":
+        return cfg.model.dtype
+    return "bfloat16" if device.kind == "cuda" else "float32"
+
+
+def optimizer_bytes(cfg: Config, shape: ModelShape, dtype_bytes: int) -> float:
+    """AdamW: two states per trainable parameter in its dtype (m and v). 8-bit AdamW: one
+    byte each plus a float32 scale per block of 256, for tensors of 4,096 values or more;
+    smaller tensors keep two float32 states (loop/optim.py)."""
+    lora = cfg.model.lora.enabled
+    trainable = shape.lora_params if lora else shape.params
+    if cfg.train.optimizer == "adamw":
+        return 2.0 * trainable * (4 if lora else dtype_bytes)
+    small = shape.lora_small_params if lora else shape.small_params
+    return (trainable - small) * (2 + 2 * 4 / EIGHT_BIT_BLOCK) + small * 2 * 4
+
+
+def persistent(cfg: Config, shape: ModelShape, device: Device) -> Phase:
+    """What every phase holds: framework, weights, adapters, optimizer state."""
+    dtype = dtype_name(cfg, device)
+    b = DTYPE_BYTES[dtype]
+    phase = Phase("persistent")
+    host = FRAMEWORK_CPU + (LORA_LIBRARY if cfg.model.lora.enabled else 0.0)
+    if device.kind == "cpu":
+        phase.add("framework", host, "Python, torch, transformers, tokenizer (measured)")
+    else:
+        host = host + CUDA_HOST_LIBRARIES if device.unified else 0.0
+        phase.add("framework", host + CUDA_CONTEXT, "CUDA context and libraries (assumed)")
+    routed = f", {shape.expert_params / 1e9:.2f}B in routed experts" if shape.expert_params else ""
+    phase.add("weights", shape.params * b, f"{shape.params / 1e6:,.1f}M params in {dtype}{routed}")
+    if cfg.rollout.sampler_dtype != "model" and cfg.rollout.sampler_dtype != dtype:
+        copy = shape.params * DTYPE_BYTES[cfg.rollout.sampler_dtype]
+        phase.add("sampler copy", copy, f"rollout.sampler_dtype={cfg.rollout.sampler_dtype}")
+    if cfg.model.lora.enabled:
+        phase.add("LoRA adapters", shape.lora_params * 4,
+                  f"{shape.lora_params / 1e6:,.2f}M float32, r={cfg.model.lora.rank}")  # fmt: skip
+    phase.add("optimizer state", optimizer_bytes(cfg, shape, b), cfg.train.optimizer)
+    return phase
+
+
+def rollout_phase(cfg: Config, shape: ModelShape, work: Workload, device: Device,
+                  episodes: int, per_prompt: int, name: str) -> Phase:  # fmt: skip
+    """The engine decoding `episodes` sequences `rollout.batch_size` at a time
+    (engine/hf.py): per row a KV buffer of its own columns plus room for every new
+    token; the shared head once per batch with cascade attention; the logits of the last
+    position; and the prefill of the batch's distinct prompts."""
+    b = DTYPE_BYTES[dtype_name(cfg, device)]
+    rows = min(cfg.rollout.batch_size, episodes)
+    head = work.head_tokens if shape.cascade else 0
+    columns = work.prompt_tokens - head + work.response_tokens
+    phase = Phase(name)
+    kv = rows * columns * shape.kv_per_token * b + head * shape.kv_per_token * b
+    kv += rows * shape.state_per_row
+    phase.add("KV cache", kv, f"{rows} rows × {columns} columns" + (
+        f", shared head of {head} once" if head else ""))  # fmt: skip
+    logits = rows * shape.vocab * 4 * (SAMPLING_COPIES + JUMP_COPIES * work.forced_tokens)
+    jump = f", forced call of {work.forced_tokens} tokens in one pass" if work.forced_tokens else ""
+    phase.add("logits", logits, f"{rows} rows × {shape.vocab:,} float32{jump}")
+    prefill = max(1, rows // per_prompt) * (work.prompt_tokens - head)
+    width = 4 * shape.hidden + 3 * shape.mlp_width + shape.attention_width
+    phase.add("prefill", prefill * width * b, f"{prefill} prompt tokens through one layer")
+    return phase
+
+
+def _micro_batch(cfg: Config, work: Workload) -> tuple[int, int, int]:
+    """(rows, tokens through the model, loss positions) of the largest micro-batch of a
+    minibatch, split by the trainer's own `micro_batches` over stand-in episodes of the
+    workload's lengths (every episode taken as learning, as at worst)."""
+    groups = -(-cfg.rollout.tasks_per_step // cfg.algo.num_minibatches)
+    return _split(groups, cfg.rollout.group_size, cfg.train.micro_batch_tokens,
+                  work.prompt_tokens, work.head_tokens, work.response_tokens)  # fmt: skip
+
+
+@lru_cache(maxsize=256)  # the fit searches plan the same split many times
+def _split(groups: int, size: int, budget: int, prompt: int, head: int, response: int) -> tuple:
+    episodes = [
+        SimpleNamespace(token_ids=[g] * prompt + [0] * response,
+                        loss_mask=[0] * prompt + [1] * response)
+        for g in range(groups) for _ in range(size)
+    ]  # fmt: skip
+    best = (0, 0, 0)
+    for chunk in micro_batches(episodes, budget):
+        prompts = len({e.token_ids[0] for e in chunk})
+        tokens = head + prompts * (prompt - head) + len(chunk) * response
+        best = max(best, (tokens, len(chunk), len(chunk) * response))
+    tokens, rows, loss = best
+    return rows, tokens, loss
+
+
+def activation_width(cfg: Config, shape: ModelShape) -> float:
+    """Values autograd keeps per token and layer (checked against saved-tensor hooks):
+    the two norms' inputs and outputs (4 H), query/key/value (their widths), the
+    attention output and o_proj's input (2 H), the MLP's gate, activation, up and product
+    (4 × its width); each LoRA layer adds its rank; full fine-tuning keeps 2 H more."""
+    width = 6 * shape.hidden + shape.attention_width + 4 * shape.mlp_width
+    if cfg.model.lora.enabled:
+        return width + shape.lora_linears_per_layer * cfg.model.lora.rank
+    return width + 2 * shape.hidden
+
+
+def update_phase(cfg: Config, shape: ModelShape, work: Workload, device: Device) -> Phase:
+    """One micro-batch's forward and backward (loop/update.py, loop/policy.py): the
+    gradients of the trainable parameters, the activations autograd saves, the output
+    projection's chunks and the backward pass's own temporaries."""
+    b = DTYPE_BYTES[dtype_name(cfg, device)]
+    lora = cfg.model.lora.enabled
+    trainable = shape.lora_params if lora else shape.params
+    phase = Phase("update")
+    phase.add("gradients", trainable * (4 if lora else b), f"{trainable / 1e6:,.2f}M")
+    rows, tokens, loss = _micro_batch(cfg, work)
+    width = activation_width(cfg, shape)
+    if cfg.model.gradient_checkpointing:  # whole sequences, each layer's input kept
+        tokens = rows * (work.prompt_tokens + work.response_tokens)
+        saved = tokens * b * (shape.layers * shape.hidden + width)
+        how = "gradient checkpointing: layer inputs + one layer"
+    else:
+        saved = tokens * shape.layers * width * b
+        how = f"{shape.layers} layers"
+        if not shape.cascade:  # each episode attends to its own copy of its prompt's KV
+            saved += rows * work.prompt_tokens * shape.kv_per_token * b
+    phase.add("activations", saved, f"micro-batch of {tokens:,} tokens ({rows} episodes), {how}")
+    chunk = min(HEAD_CHUNK, max(loss, 1))
+    phase.add("logits", chunk * shape.vocab * 4 * HEAD_COPIES,
+              f"{chunk} positions × {shape.vocab:,} at a time")  # fmt: skip
+    temporaries = 2 * tokens * (shape.hidden + shape.mlp_width) * b
+    phase.add("backward temporaries", temporaries, "one layer's gradients in flight")
+    return phase
+
+
+@dataclass
+class Plan:
+    persistent: Phase
+    phases: list[Phase]
+
+    def peak(self) -> tuple[str, float]:
+        top = max(self.phases, key=lambda p: p.total)
+        return top.name, self.persistent.total + top.total
+
+
+def plan_memory(cfg: Config, shape: ModelShape, work: Workload, device: Device) -> Plan:
+    steps = cfg.rollout.tasks_per_step * cfg.rollout.group_size
+    evals = cfg.eval.tasks * cfg.eval.samples_per_task
+    phases = [
+        rollout_phase(cfg, shape, work, device, evals, cfg.eval.samples_per_task, "eval"),
+        rollout_phase(cfg, shape, work, device, steps, cfg.rollout.group_size, "rollout"),
+        update_phase(cfg, shape, work, device),
+    ]
+    return Plan(persistent(cfg, shape, device), phases)
+
+
+def summary(plan: Plan) -> dict[str, Any]:
+    name, peak = plan.peak()
+    return {
+        "persistent": plan.persistent.components,
+        "phases": {p.name: {"components": p.components, "total": p.total} for p in plan.phases},
+        "notes": {**plan.persistent.notes,
+                  **{f"{p.name}/{k}": v for p in plan.phases for k, v in p.notes.items()}},
+        "peak_phase": name,
+        "peak_bytes": peak,
+    }  # fmt: skip

@@ -1,0 +1,151 @@
+"""`looprl plan`: the memory arithmetic on a hand-checked shape, parameter counts from the
+meta device against real models, and the command line on tiny-random."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from looprl.cli import app
+from looprl.config import config_from_dict
+from looprl.model.load import load_causal_lm
+from looprl.plan.devices import device
+from looprl.plan.fit import largest
+from looprl.plan.memory import (
+    FRAMEWORK_CPU,
+    HEAD_CHUNK,
+    HEAD_COPIES,
+    JUMP_COPIES,
+    LORA_LIBRARY,
+    SAMPLING_COPIES,
+    plan_memory,
+)
+from looprl.plan.shape import ModelShape, model_shape
+from looprl.plan.workload import Workload
+
+LING = Path(__file__).parent.parent / "examples" / "models" / "ling-3.0-tiny-class"
+
+
+def hand_shape() -> ModelShape:
+    """A Llama-like shape with round numbers: H = 100, 2 layers, MLP 300, vocab 1000."""
+    return ModelShape(
+        name="hand", model_type="llama", params=1_000_000, expert_params=0,
+        active_params=1_000_000, embedding_params=100_000, lora_params=10_000,
+        small_params=1_000, lora_small_params=2_000, lora_linears_per_layer=7, layers=2,
+        hidden=100, vocab=1000, mlp_width=300, attention_width=200, kv_per_token=400,
+        state_per_row=0, cascade=True,
+    )  # fmt: skip
+
+
+def hand_work() -> Workload:
+    return Workload(prompt_tokens=50, head_tokens=30, response_tokens=10, forced_tokens=4,
+                    turns=1, tokenizer="hand")  # fmt: skip
+
+
+def test_memory_arithmetic_on_a_hand_checked_shape():
+    cfg = config_from_dict({
+        "rollout": {"tasks_per_step": 4, "group_size": 2, "batch_size": 6},
+        "algo": {"num_minibatches": 2},
+        "train": {"micro_batch_tokens": 100},
+        "eval": {"tasks": 2, "samples_per_task": 2},
+        "model": {"lora": {"rank": 8}},
+    })  # fmt: skip
+    plan = plan_memory(cfg, hand_shape(), hand_work(), device("cpu-24g"))
+    every = plan.persistent.components
+    assert every["framework"] == FRAMEWORK_CPU + LORA_LIBRARY
+    assert every["weights"] == 1_000_000 * 4  # float32 on a CPU
+    assert every["LoRA adapters"] == 10_000 * 4
+    assert every["optimizer state"] == 2 * 10_000 * 4  # AdamW: m and v in float32
+    eval_, rollout, update = (p.components for p in plan.phases)
+    # rollout: 8 episodes, 6 rows; each row's own columns: 50 - 30 (head) + 10 = 30
+    assert rollout["KV cache"] == (6 * 30 + 30) * 400 * 4
+    assert rollout["logits"] == 6 * 1000 * 4 * (SAMPLING_COPIES + JUMP_COPIES * 4)
+    # 6 rows of groups of 2: 3 distinct prompts' tails of 20 tokens, width 4H + 3M + attn
+    assert rollout["prefill"] == 3 * 20 * (400 + 900 + 200) * 4
+    assert eval_["KV cache"] == (4 * 30 + 30) * 400 * 4  # 4 eval episodes < batch size
+    # a minibatch is 2 groups × 2 episodes; the trainer's budget counts whole prompts:
+    # 50 + 2 × 10 = 70 for one group, 100 + 4 × 10 = 140 > 100 for two: one group per
+    # micro-batch, through the model 30 (head) + 20 (tail) + 2 × 10 = 70 tokens
+    width = 6 * 100 + 200 + 4 * 300 + 7 * 8  # LoRA: rank 8 in 7 layers
+    assert update["activations"] == 70 * 2 * width * 4
+    assert update["gradients"] == 10_000 * 4
+    assert update["logits"] == 20 * 1000 * 4 * HEAD_COPIES  # 20 loss positions < chunk
+    assert HEAD_CHUNK == 256
+    name, peak = plan.peak()
+    assert peak == plan.persistent.total + max(p.total for p in plan.phases)
+    assert name == max(plan.phases, key=lambda p: p.total).name
+
+
+def test_8bit_adamw_and_full_fine_tuning_arithmetic():
+    shape, work, cpu = hand_shape(), hand_work(), device("cpu-24g")
+    full = config_from_dict({"model": {"lora": {"enabled": False}}})
+    eight = config_from_dict(
+        {"model": {"lora": {"enabled": False}}, "train": {"optimizer": "adamw_8bit"}}
+    )
+    full_plan, eight_plan = (
+        plan_memory(full, shape, work, cpu),
+        plan_memory(eight, shape, work, cpu),
+    )
+    assert full_plan.persistent.components["optimizer state"] == 2 * 1_000_000 * 4
+    # 8-bit: 1 + 1 byte and two float32 scales per 256 values; small tensors 2 × 4 bytes
+    want = (1_000_000 - 1_000) * (2 + 8 / 256) + 1_000 * 8
+    assert eight_plan.persistent.components["optimizer state"] == want
+    assert full_plan.phases[2].components["gradients"] == 1_000_000 * 4
+    bf16 = plan_memory(full, shape, work, device("h200"))  # dtype auto on a GPU
+    assert bf16.persistent.components["weights"] == 1_000_000 * 2
+
+
+def test_largest_finds_the_boundary():
+    assert largest(lambda n: n <= 37, 1, 100) == 37
+    assert largest(lambda n: n <= 500, 1, 100) == 100
+    assert largest(lambda n: False, 1, 100) is None
+
+
+def test_meta_counts_match_the_real_tiny_model():
+    """The meta-device count equals the loaded model's, adapters included (PEFT)."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = config_from_dict({"model": {"name": "tiny-random"}})
+    shape = model_shape(cfg)
+    real = load_causal_lm("tiny-random", torch.float32)
+    assert shape.params == sum(p.numel() for p in real.parameters())
+    lora = get_peft_model(real, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
+                                           task_type="CAUSAL_LM"))  # fmt: skip
+    assert shape.lora_params == sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    assert shape.kv_per_token == 2 * 2 * 2 * 16  # layers × (k, v) × kv heads × head dim
+    assert shape.cascade
+
+
+def test_ling_class_config_counts_7_9b_total_and_1_3b_active():
+    cfg = config_from_dict({"model": {"name": str(LING)}})
+    shape = model_shape(cfg)
+    assert 7.8e9 <= shape.params <= 8.1e9
+    assert 1.2e9 <= shape.active_params <= 1.4e9
+    assert shape.expert_params > 0.8 * shape.params
+    assert not shape.cascade  # linear-attention layers: transformers' own cache
+
+
+def test_plan_command_on_tiny_random():
+    runner = CliRunner(env={"COLUMNS": "250", "NO_COLOR": "1"})
+    res = runner.invoke(app, ["plan", "--set", "model.name=tiny-random", "--json"])
+    assert res.exit_code == 0, res.output
+    result = json.loads(res.output)
+    assert result["fits"] and result["device"]["name"] == "cpu-24g"
+    assert result["peak_phase"] in ("eval", "rollout", "update")
+    assert 0.5e9 < result["peak_bytes"] < 5e9
+    batch = result["largest"]["rollout.batch_size"]
+    assert batch["value"] == batch["search_max"] == 256  # every eval episode at once
+    small = runner.invoke(app, ["plan", "--set", "model.name=tiny-random", "--device", "cpu-1g"])
+    assert small.exit_code == 0, small.output
+    assert "does not fit" in small.output and "--set" in small.output
+    bad = runner.invoke(app, ["plan", "--set", "model.name=tiny-random", "--device", "tpu"])
+    assert bad.exit_code == 2 and "cpu-<N>g" in bad.output
+
+
+@pytest.mark.parametrize("name", ["dgx-spark", "h200", "a100-80g", "rtx-4090", "cpu-24g"])
+def test_named_devices(name):
+    assert device(name).usable < device(name).memory
