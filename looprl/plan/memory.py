@@ -141,7 +141,7 @@ def _micro_batch(cfg: Config, work: Workload) -> tuple[int, int, int]:
 def _split(groups: int, size: int, budget: int, prompt: int, head: int, response: int) -> tuple:
     episodes = [
         SimpleNamespace(token_ids=[g] * prompt + [0] * response,
-                        loss_mask=[0] * prompt + [1] * response)
+                        loss_mask=[0] * prompt + [1] * response, temperature=1.0)
         for g in range(groups) for _ in range(size)
     ]  # fmt: skip
     best = (0, 0, 0)
