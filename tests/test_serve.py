@@ -262,8 +262,16 @@ def test_concurrent_requests_share_one_engine_call(model, monkeypatch):
             400, "messages[0].tool_calls[0].function.arguments",
         ),
         ({"model": "tiny-random", "messages": HI, "top_logprobs": 3}, 400, "top_logprobs"),
-        ({"model": "tiny-random", "messages": HI, "response_format": {"type": "json_object"}},
-         400, "response_format"),
+        ({"model": "tiny-random", "messages": HI, "logprobs": True, "top_logprobs": 21},
+         400, "top_logprobs"),
+        ({"model": "tiny-random", "messages": HI, "response_format": {"type": "xml"}},
+         400, "response_format.type"),
+        ({"model": "tiny-random", "messages": HI,
+          "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+         400, "response_format.json_schema"),
+        ({"model": "tiny-random", "messages": HI, "response_format": {"type": "json_object"},
+          "tools": TOOLS, "tool_choice": "required"}, 400, "response_format"),
+        ({"model": "tiny-random", "messages": HI, "max_tokens": 5000}, 400, "max_tokens"),
     ],
 )  # fmt: skip
 def test_malformed_requests_get_openai_errors(url, body, status, param):

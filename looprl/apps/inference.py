@@ -12,6 +12,9 @@ full fine-tune it is a second copy of the base weights, loaded on first use.
 - "none": no tools are rendered and nothing is parsed;
 - "required" / a tool's name: the engine's constrained decoding forces one valid call
   (of any tool / of that tool), so the reply always parses.
+`response_format` (OpenAI's json_object / json_schema) forces a JSON reply the same way.
+`complete(prompt)` continues a raw text or token-id prompt, with no chat template.
+`on_token` streams: it hears of each token as the engine chooses it.
 
 Sampling is the rollout engine's, so replies come from exactly the policy the trainer
 updates. `logprobs` are the engine's sampling logprobs (at temperature T, or T=1 when
@@ -24,14 +27,15 @@ import contextlib
 import inspect
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from looprl.apps.replies import reply_for
 from looprl.chat import ChatRenderer
 from looprl.config import Config, config_from_dict, load_config
-from looprl.engine import GenerationRequest, SamplingParams, ToolConstraint
+from looprl.engine import Constraint, GenerationRequest, SamplingParams
 from looprl.engine.hf import HFEngine
 from looprl.engine.requests import check_tools, generation_request
 from looprl.errors import ChatError, ConfigError, LoopRLError, RequestError
@@ -41,6 +45,7 @@ from looprl.openai.wire import ChatChoice
 from looprl.types import Message
 
 ROLES = ("system", "user", "assistant", "tool")
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API
 
 
 @dataclass
@@ -50,7 +55,7 @@ class ChatRequest:
     prompt_ids: list[int]
     tools: list[dict[str, Any]] | None  # tools rendered and parsed (None for "none")
     tool_choice: str
-    constraint: ToolConstraint | None
+    constraint: Constraint | None
     n: int
     max_tokens: int
     variant: str
@@ -58,6 +63,8 @@ class ChatRequest:
     top_p: float
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    top_logprobs: int = 0
+    on_token: Callable[[int, int, float, Any], None] | None = None
 
     def batch_key(self) -> tuple:
         """Requests with equal keys share one engine call (per-request max_tokens and
@@ -104,13 +111,35 @@ class ChatModel:
         stop: list[str] | None = None,
         seed: int | None = None,
         variant: str | None = None,
+        response_format: dict[str, Any] | None = None,
+        top_logprobs: int = 0,
+        on_token: Callable[[int, int, float, Any], None] | None = None,
     ) -> list[ChatChoice]:
-        """`n` sampled replies to one conversation."""
-        request = dict(
-            messages=messages, tools=tools, tool_choice=tool_choice, n=n,
-            temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=stop,
-            seed=seed, variant=variant,
-        )  # fmt: skip
+        """`n` sampled replies to one conversation. `response_format`: OpenAI's
+        json_object / json_schema dict; `top_logprobs`: alternatives per token (up to
+        20); `on_token(choice, token_id, logprob, alternatives)`: streaming."""
+        request = dict(locals())
+        del request["self"]
+        return self.chat_many([request])[0]  # type: ignore[return-value]
+
+    def complete(
+        self,
+        prompt: str | list[int],
+        *,
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_tokens: int = 16,
+        stop: list[str] | None = None,
+        seed: int | None = None,
+        variant: str | None = None,
+        top_logprobs: int = 0,
+        on_token: Callable[[int, int, float, Any], None] | None = None,
+    ) -> list[ChatChoice]:
+        """`n` continuations of a raw prompt (text, or token ids), no chat template.
+        `chat_many` takes these keyword arguments too (a dict with "prompt")."""
+        request = dict(locals())
+        del request["self"]
         return self.chat_many([request])[0]  # type: ignore[return-value]
 
     def chat_many(
@@ -154,13 +183,13 @@ class ChatModel:
     def _prepare(self, request: dict[str, Any]) -> ChatRequest:
         """Validate one request (chat()'s keyword arguments; its defaults fill the gaps)
         and render its prompt."""
+        method = self.complete if "prompt" in request else self.chat
         try:
-            bound = inspect.signature(self.chat).bind(**request)
+            bound = inspect.signature(method).bind(**request)
         except TypeError as err:
-            raise RequestError(f"bad chat() arguments: {err}") from None
+            raise RequestError(f"bad {method.__name__}() arguments: {err}") from None
         bound.apply_defaults()
         args = bound.arguments
-        messages, tools, tool_choice = args["messages"], args["tools"], args["tool_choice"]
         n, temperature, top_p = args["n"], args["temperature"], args["top_p"]
         max_tokens, stop, seed = args["max_tokens"], args["stop"], args["seed"]
         variant = self.variants[0] if args["variant"] is None else args["variant"]
@@ -169,16 +198,22 @@ class ChatModel:
                 f"unknown variant {variant!r}; {self.name} has: {', '.join(self.variants)}",
                 "model",
             )
-        _check_sampling(n, temperature, top_p, max_tokens, stop)
-        _check_messages(messages)
-        tools = check_tools(tools, tool_choice)
-        try:
-            prompt_ids = self.renderer.prompt_ids(messages, tools)
-        except ChatError as err:
-            raise RequestError(str(err), "messages") from None
-        constraint = generation_request(
-            prompt_ids, tools, tool_choice, self.renderer.format, engine=self.engine
-        ).constraint
+        _check_sampling(n, temperature, top_p, max_tokens, stop, args["top_logprobs"])
+        if "prompt" in args:
+            tools, tool_choice, constraint = None, "none", None
+            prompt_ids = self._prompt_ids(args["prompt"])
+        else:
+            _check_messages(args["messages"])
+            tool_choice = args["tool_choice"]
+            tools = check_tools(args["tools"], tool_choice)
+            try:
+                prompt_ids = self.renderer.prompt_ids(args["messages"], tools)
+            except ChatError as err:
+                raise RequestError(str(err), "messages") from None
+            constraint = generation_request(
+                prompt_ids, tools, tool_choice, self.renderer.format, engine=self.engine,
+                response_format=args["response_format"],
+            ).constraint  # fmt: skip
         if self.context_length is not None:
             room = self.context_length - len(prompt_ids)
             if room < 1:
@@ -191,7 +226,30 @@ class ChatModel:
         return ChatRequest(
             prompt_ids, tools, tool_choice, constraint, n, max_tokens, variant,
             float(temperature), float(top_p), list(stop or []), seed,
+            args["top_logprobs"], args["on_token"],
         )  # fmt: skip
+
+    def _prompt_ids(self, prompt: Any) -> list[int]:
+        """A raw prompt's ids: token ids as given, text tokenized as the model's own
+        tokenizer does (its BOS included, where it adds one)."""
+        if isinstance(prompt, str):
+            ids = list(self.tokenizer(prompt)["input_ids"])
+        elif isinstance(prompt, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            ids = list(prompt)
+            vocab = len(self.tokenizer)
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(
+                    f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
+                    "prompt",
+                )
+        else:
+            raise RequestError("prompt must be a text or a list of token ids", "prompt")
+        if not ids:
+            raise RequestError("prompt is empty", "prompt")
+        return ids
 
     # ------------------------------------------------------------ generating
 
@@ -205,9 +263,15 @@ class ChatModel:
             stop=list(first.stop),
         )
         requests = [
-            GenerationRequest(list(p.prompt_ids), p.constraint, p.max_tokens)
+            GenerationRequest(
+                list(p.prompt_ids),
+                p.constraint,
+                p.max_tokens,
+                top_logprobs=p.top_logprobs,
+                on_token=None if p.on_token is None else _for_choice(p.on_token, k),
+            )  # fmt: skip
             for p in batch
-            for _ in range(p.n)
+            for k in range(p.n)
         ]
         with self._engine_for(first.variant) as engine:
             completions = engine.generate(requests, params)
@@ -220,14 +284,13 @@ class ChatModel:
 
     def _choice(self, p: ChatRequest, completion: Any) -> ChatChoice:
         text = _cut_at_stop(self.renderer.decode(completion.ids), p.stop)
-        message, reasoning = self.renderer.assistant_reply(
-            text, p.tools, p.constraint is not None,
-            lambda j, call: call.id or f"call_{uuid.uuid4().hex[:24]}",
+        message, reasoning, finish, error = reply_for(
+            self.renderer, text, p.tools, p.constraint, completion.finish_reason,
+            p.max_tokens, lambda j, call: call.id or f"call_{uuid.uuid4().hex[:24]}",
         )  # fmt: skip
-        finish = "tool_calls" if message.tool_calls else completion.finish_reason
         return ChatChoice(
             message, text, list(p.prompt_ids), list(completion.ids),
-            list(completion.logprobs), finish, reasoning,
+            list(completion.logprobs), finish, reasoning, error, completion.top_logprobs,
         )  # fmt: skip
 
     @contextlib.contextmanager
@@ -324,7 +387,12 @@ def _pick_checkpoint(run: Path, checkpoint: Path | None) -> Path | None:
 
 
 def _check_sampling(
-    n: int, temperature: float, top_p: float, max_tokens: int, stop: list[str] | None
+    n: int,
+    temperature: float,
+    top_p: float,
+    max_tokens: int,
+    stop: list[str] | None,
+    top_logprobs: int = 0,
 ) -> None:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise RequestError(f"n must be an integer >= 1, not {n!r}", "n")
@@ -337,6 +405,16 @@ def _check_sampling(
     for s in stop or []:
         if not isinstance(s, str) or not s:
             raise RequestError(f"stop strings must be non-empty strings, not {s!r}", "stop")
+    if not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError(
+            f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], not {top_logprobs!r}",
+            "top_logprobs",
+        )
+
+
+def _for_choice(on_token: Callable[..., None], k: int) -> Callable[[int, float, Any], None]:
+    """The engine's per-request token callback, telling `on_token` which choice it is."""
+    return lambda token, logprob, top: on_token(k, token, logprob, top)
 
 
 def _check_messages(messages: list[Message]) -> None:

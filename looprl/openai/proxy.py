@@ -27,7 +27,8 @@ What the request decides and what it does not, while looprl trains:
   `temperature`, `top_p` and `seed` are ignored, so the recorded logprobs are those the
   trainer recomputes; `n` must be 1 and `stop` unset (a cut completion would not be the
   sampled tokens);
-- `tool_choice` "required" or a named tool is honoured (constrained decoding);
+- `tool_choice` "required" or a named tool, and `response_format` (json_object,
+  json_schema), are honoured (constrained decoding);
 - `max_tokens` is capped by `rollout.max_new_tokens` and the episode's token room;
 - a call beyond `max_turns`, or with no token room left (`rollout.max_episode_tokens`),
   gets HTTP 400 with code `looprl_episode_limit` (`openai.BadRequestError`), and the
@@ -44,7 +45,7 @@ from typing import Any
 import pydantic
 
 from looprl.chat import ChatRenderer
-from looprl.engine import Completion, GenerationRequest
+from looprl.engine import Completion, GenerationRequest, ToolConstraint
 from looprl.engine.requests import check_tools, generation_request
 from looprl.errors import ChatError, RequestError
 from looprl.openai.wire import (
@@ -175,8 +176,9 @@ class AgentSession:
         limit = min(kwargs["max_tokens"], self.max_new_tokens, room)
         try:
             generation = generation_request(
-                prompt_ids, tools, tool_choice, self.renderer.format, limit, self.engine
-            )
+                prompt_ids, tools, tool_choice, self.renderer.format, limit, self.engine,
+                kwargs["response_format"],
+            )  # fmt: skip
         except RequestError as err:
             raise APIError(400, str(err), err.param) from None
         self.accepted += 1
@@ -280,7 +282,7 @@ class AgentSession:
         text = renderer.decode(completion.ids)
         k = len(self.calls)
         reply, reasoning = renderer.assistant_reply(
-            text, tools, prepared.generation.constraint is not None,
+            text, tools, isinstance(prepared.generation.constraint, ToolConstraint),
             lambda j, _call: f"call_{k}_{j}",
         )  # fmt: skip
         prompt_ids = prepared.generation.prompt_ids

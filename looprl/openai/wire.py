@@ -8,9 +8,10 @@ Used by `looprl serve` and by anything else that speaks the OpenAI API in front 
 - `completion_response`, `stream_events`: `ChatChoice`s → response body / SSE stream;
 - `APIError`, `error_body`: OpenAI-style errors `{"error": {message, type, param, code}}`.
 
-Streaming: replies are generated whole, then sent as chunks: per choice a role chunk,
-one content chunk, per tool call a chunk with its id and name and one with its
-arguments, a final chunk with `finish_reason` (and `logprobs`), then `[DONE]`.
+`stream_events` sends a finished reply as chunks: per choice a role chunk, one content
+chunk, per tool call a chunk with its id and name and one with its arguments, a final
+chunk with `finish_reason` (and `logprobs`), then `[DONE]`. `openai/streaming.py` sends
+content token by token as it is generated, and ends each choice the same way.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ class ChatChoice:
     logprobs: list[float]  # per completion token (the engine's sampling logprobs)
     finish_reason: str  # "stop" | "length" | "tool_calls"
     reasoning: str | None = None  # text of <think> blocks, kept out of `message.content`
+    error: str | None = None  # why a forced reply is missing (cut off), as `looprl_error`
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: (id, logprob)
 
 
 # ---------------------------------------------------------------- errors
@@ -193,23 +196,11 @@ def _text(content: str | list[ContentPart] | None, where: str) -> str:
 def chat_kwargs(request: ChatCompletionRequest, variant: str, max_tokens: int) -> dict[str, Any]:
     """Keyword arguments of `ChatModel.chat` for this request (`max_tokens`: the default
     when the request sets none)."""
-    if request.top_logprobs:
-        raise APIError(
-            400,
-            "top_logprobs is not supported; logprobs=true returns each sampled token's "
-            "logprob (with top_logprobs: [])",
-            "top_logprobs",
-        )
+    if request.top_logprobs and not request.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     for penalty in ("presence_penalty", "frequency_penalty"):
         if getattr(request, penalty):
             raise APIError(400, f"{penalty} is not supported; leave it unset or 0", penalty)
-    if request.response_format and request.response_format.get("type") != "text":
-        raise APIError(
-            400,
-            "response_format is not supported; to get JSON, ask for a tool call "
-            "(tool_choice=required or a named tool), which is forced to match its schema",
-            "response_format",
-        )
     tools = [t.model_dump(exclude_none=True) for t in request.tools or []] or None
     choice = request.tool_choice
     if isinstance(choice, NamedToolChoice):
@@ -228,12 +219,18 @@ def chat_kwargs(request: ChatCompletionRequest, variant: str, max_tokens: int) -
         stop=stop,
         seed=request.seed,
         variant=variant,
+        response_format=request.response_format,
+        top_logprobs=request.top_logprobs or 0,
     )
 
 
-def validation_error(errors: Any) -> APIError:
+def validation_error(
+    errors: Any, field_names: set[str] | None = None, needs: str = "'model' and 'messages'"
+) -> APIError:
     """The first pydantic error of a request as a 400 naming the field it is about
-    (`messages[0].role`; a union's branch names are left out of the path)."""
+    (`messages[0].role`; a union's branch names are left out of the path).
+    `field_names`: the request models' fields (the chat request's by default)."""
+    names = _FIELD_NAMES if field_names is None else field_names
     errors = list(errors)
     if not errors:
         return APIError(400, "invalid request")
@@ -244,13 +241,13 @@ def validation_error(errors: Any) -> APIError:
     for p in first.get("loc", ()):
         if isinstance(p, int):
             parts.append(f"[{p}]")
-        elif p in _FIELD_NAMES:
+        elif p in names:
             parts.append(f".{p}")
         elif p != "body":
             break  # the name of a union's branch: the path ends at the field
     param = "".join(parts).lstrip(".")
     if not param:
-        return APIError(400, "the request needs a JSON object body with 'model' and 'messages'")
+        return APIError(400, f"the request needs a JSON object body with {needs}")
     return APIError(400, f"{param}: {first.get('msg')}", param)
 
 
@@ -286,19 +283,24 @@ def message_dict(message: Message, reasoning: str | None = None) -> dict[str, An
 
 
 def logprobs_dict(choice: ChatChoice, tokenizer: Any) -> dict[str, Any]:
-    """One entry per generated token (EOS included); no alternatives (top_logprobs)."""
-    content = []
-    for token_id, logprob in zip(choice.completion_ids, choice.logprobs):
+    """One entry per generated token (EOS included), with its alternatives when the
+    request asked for `top_logprobs`."""
+    tops = choice.top_logprobs or [None] * len(choice.completion_ids)
+    entries = zip(choice.completion_ids, choice.logprobs, tops)
+    return {"content": token_logprobs(entries, tokenizer), "refusal": None}
+
+
+def token_logprobs(entries: Any, tokenizer: Any) -> list[dict[str, Any]]:
+    """Chat-format logprob entries of (token id, logprob, alternatives or None) triples."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
         token = tokenizer.decode([token_id])
-        content.append(
-            {
-                "token": token,
-                "logprob": logprob,
-                "bytes": list(token.encode("utf-8")),
-                "top_logprobs": [],
-            }
-        )
-    return {"content": content, "refusal": None}
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return [
+        {**entry(token_id, logprob), "top_logprobs": [entry(i, lp) for i, lp in top or []]}
+        for token_id, logprob, top in entries
+    ]
 
 
 def completion_response(
@@ -323,6 +325,7 @@ def completion_response(
                 "message": message_dict(c.message, c.reasoning),
                 "logprobs": logprobs_dict(c, tokenizer) if logprobs else None,
                 "finish_reason": c.finish_reason,
+                **({"looprl_error": c.error} if c.error else {}),
             }
             for i, c in enumerate(choices)
         ],
@@ -334,46 +337,69 @@ def completion_response(
     }
 
 
+def chunk_head(response: dict[str, Any]) -> dict[str, Any]:
+    """The fields every `chat.completion.chunk` of a response repeats."""
+    keys = ("id", "created", "model", "system_fingerprint")
+    return {"object": "chat.completion.chunk", **{key: response.get(key) for key in keys}}
+
+
+def chunk_event(
+    head: dict[str, Any],
+    index: int,
+    delta: dict[str, Any],
+    finish: str | None = None,
+    logprobs: Any = None,
+    error: str | None = None,
+    include_usage: bool = False,
+) -> str:
+    """One server-sent chunk of choice `index` (`error`: the choice's `looprl_error`)."""
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    if error:
+        choice["looprl_error"] = error
+    chunk = {**head, "choices": [choice]}
+    if include_usage:
+        chunk["usage"] = None
+    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+
+def choice_events(
+    head: dict[str, Any], choice: dict[str, Any], include_usage: bool, content: bool = True
+) -> Iterator[str]:
+    """A finished choice of a `chat.completion` body as chunks: its content (unless it
+    was streamed already), reasoning, each tool call whole, then the final chunk with
+    `finish_reason` and `logprobs`."""
+    index, message = choice["index"], choice["message"]
+
+    def event(delta: dict, finish: str | None = None, logprobs: Any = None) -> str:
+        error = choice.get("looprl_error") if finish else None
+        return chunk_event(head, index, delta, finish, logprobs, error, include_usage)
+
+    if content and message["content"]:
+        yield event({"content": message["content"]})
+    if message.get("reasoning_content"):
+        yield event({"reasoning_content": message["reasoning_content"]})
+    for k, call in enumerate(message.get("tool_calls", [])):
+        name = {"name": call["function"]["name"], "arguments": ""}
+        opening = {"index": k, "id": call["id"], "type": "function", "function": name}
+        yield event({"tool_calls": [opening]})
+        arguments = {"arguments": call["function"]["arguments"]}
+        yield event({"tool_calls": [{"index": k, "function": arguments}]})
+    yield event({}, choice["finish_reason"], choice["logprobs"])
+
+
+def usage_event(head: dict[str, Any], usage: dict[str, Any]) -> str:
+    return f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
+
+
 def stream_events(response: dict[str, Any], include_usage: bool = False) -> Iterator[str]:
     """A finished `chat.completion` body as server-sent `chat.completion.chunk` events."""
-    head = {
-        "id": response["id"],
-        "object": "chat.completion.chunk",
-        "created": response["created"],
-        "model": response["model"],
-        "system_fingerprint": response.get("system_fingerprint"),
-    }
-
-    def event(index: int, delta: dict, finish: str | None = None, logprobs: Any = None) -> str:
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        chunk = {**head, "choices": [choice]}
-        if include_usage:
-            chunk["usage"] = None
-        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-
+    head = chunk_head(response)
     for choice in response["choices"]:
-        index, message = choice["index"], choice["message"]
-        yield event(index, {"role": "assistant", "content": ""})
-        if message["content"]:
-            yield event(index, {"content": message["content"]})
-        if message.get("reasoning_content"):
-            yield event(index, {"reasoning_content": message["reasoning_content"]})
-        for k, call in enumerate(message.get("tool_calls", [])):
-            name = {"name": call["function"]["name"], "arguments": ""}
-            yield event(
-                index,
-                {
-                    "tool_calls": [
-                        {"index": k, "id": call["id"], "type": "function", "function": name}
-                    ]
-                },
-            )
-            arguments = {"arguments": call["function"]["arguments"]}
-            yield event(index, {"tool_calls": [{"index": k, "function": arguments}]})
-        yield event(index, {}, choice["finish_reason"], choice["logprobs"])
+        role = {"role": "assistant", "content": ""}
+        yield chunk_event(head, choice["index"], role, include_usage=include_usage)
+        yield from choice_events(head, choice, include_usage)
     if include_usage:
-        chunk = {**head, "choices": [], "usage": response["usage"]}
-        yield f"data: {json.dumps(chunk)}\n\n"
+        yield usage_event(head, response["usage"])
     yield "data: [DONE]\n\n"
 
 
