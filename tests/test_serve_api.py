@@ -15,8 +15,8 @@ import pytest
 from pydantic import BaseModel, Field
 
 from looprl.apps.inference import ChatModel, load_chat_model
-from looprl.apps.serve import create_app
-from tests.test_serve import HI, TOOLS, client_for, http, serving
+from looprl.apps.serve import create_app, serving
+from tests.test_serve import HI, TOOLS, client_for, http
 
 LIMIT = 600  # the server's --max-tokens-limit in these tests
 
@@ -220,6 +220,22 @@ def test_bad_completions_get_openai_errors(url, body, param):
 
 
 # ---------------------------------------------------------------- streaming
+
+
+def test_text_deltas_hold_back_split_characters_and_stop_string_starts():
+    from looprl.openai.streaming import TextDeltas
+
+    def stream(text: str, stop: list[str]) -> list[str]:
+        deltas = TextDeltas(lambda ids: bytes(ids).decode("utf-8", "replace"), stop)
+        return [deltas.push(byte) for byte in text.encode()]  # one token per byte
+
+    pieces = stream("aé€b", [])
+    assert "".join(pieces) == "aé€b" and "\ufffd" not in "".join(pieces)
+    assert pieces == ["a", "", "é", "", "", "€", "b"]
+    pieces = stream("x<en", ["<end>"])  # "<en" may become the stop string: held back
+    assert "".join(pieces) == "x"
+    pieces = stream("x<e!<end>more", ["<end>"])  # "<e!" cannot: sent; the stop cuts the rest
+    assert "".join(pieces) == "x<e!"
 
 
 def test_chat_streams_tokens_before_the_reply_is_finished(client):

@@ -32,6 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from looprl.apps.checks import (
+    check_messages,
+    check_sampling,
+    cut_at_stop,
+    for_choice,
+    raw_prompt_ids,
+)
 from looprl.apps.replies import reply_for
 from looprl.chat import ChatRenderer
 from looprl.config import Config, config_from_dict, load_config
@@ -43,9 +50,6 @@ from looprl.loop.checkpoint import list_checkpoints, load_weights
 from looprl.loop.policy import Policy, load_policy, pick_device, pick_dtype
 from looprl.openai.wire import ChatChoice
 from looprl.types import Message
-
-ROLES = ("system", "user", "assistant", "tool")
-MAX_TOP_LOGPROBS = 20  # as OpenAI's API
 
 
 @dataclass
@@ -198,12 +202,12 @@ class ChatModel:
                 f"unknown variant {variant!r}; {self.name} has: {', '.join(self.variants)}",
                 "model",
             )
-        _check_sampling(n, temperature, top_p, max_tokens, stop, args["top_logprobs"])
+        check_sampling(n, temperature, top_p, max_tokens, stop, args["top_logprobs"])
         if "prompt" in args:
             tools, tool_choice, constraint = None, "none", None
-            prompt_ids = self._prompt_ids(args["prompt"])
+            prompt_ids = raw_prompt_ids(self.tokenizer, args["prompt"])
         else:
-            _check_messages(args["messages"])
+            check_messages(args["messages"])
             tool_choice = args["tool_choice"]
             tools = check_tools(args["tools"], tool_choice)
             try:
@@ -229,28 +233,6 @@ class ChatModel:
             args["top_logprobs"], args["on_token"],
         )  # fmt: skip
 
-    def _prompt_ids(self, prompt: Any) -> list[int]:
-        """A raw prompt's ids: token ids as given, text tokenized as the model's own
-        tokenizer does (its BOS included, where it adds one)."""
-        if isinstance(prompt, str):
-            ids = list(self.tokenizer(prompt)["input_ids"])
-        elif isinstance(prompt, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            ids = list(prompt)
-            vocab = len(self.tokenizer)
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise RequestError(
-                    f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
-                    "prompt",
-                )
-        else:
-            raise RequestError("prompt must be a text or a list of token ids", "prompt")
-        if not ids:
-            raise RequestError("prompt is empty", "prompt")
-        return ids
-
     # ------------------------------------------------------------ generating
 
     def _generate(self, batch: list[ChatRequest]) -> list[list[ChatChoice]]:
@@ -268,7 +250,7 @@ class ChatModel:
                 p.constraint,
                 p.max_tokens,
                 top_logprobs=p.top_logprobs,
-                on_token=None if p.on_token is None else _for_choice(p.on_token, k),
+                on_token=None if p.on_token is None else for_choice(p.on_token, k),
             )  # fmt: skip
             for p in batch
             for k in range(p.n)
@@ -283,7 +265,7 @@ class ChatModel:
         return out
 
     def _choice(self, p: ChatRequest, completion: Any) -> ChatChoice:
-        text = _cut_at_stop(self.renderer.decode(completion.ids), p.stop)
+        text = cut_at_stop(self.renderer.decode(completion.ids), p.stop)
         message, reasoning, finish, error = reply_for(
             self.renderer, text, p.tools, p.constraint, completion.finish_reason,
             p.max_tokens, lambda j, call: call.id or f"call_{uuid.uuid4().hex[:24]}",
@@ -381,56 +363,3 @@ def _pick_checkpoint(run: Path, checkpoint: Path | None) -> Path | None:
             f"{checkpoint} is not a looprl checkpoint folder; the checkpoints of {run}: {names}"
         )
     return checkpoint
-
-
-# ---------------------------------------------------------------- checks
-
-
-def _check_sampling(
-    n: int,
-    temperature: float,
-    top_p: float,
-    max_tokens: int,
-    stop: list[str] | None,
-    top_logprobs: int = 0,
-) -> None:
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise RequestError(f"n must be an integer >= 1, not {n!r}", "n")
-    if not isinstance(temperature, (int, float)) or not 0 <= temperature <= 5:
-        raise RequestError(f"temperature must be in [0, 5], not {temperature!r}", "temperature")
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise RequestError(f"top_p must be in (0, 1], not {top_p!r}", "top_p")
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise RequestError(f"max_tokens must be an integer >= 1, not {max_tokens!r}", "max_tokens")
-    for s in stop or []:
-        if not isinstance(s, str) or not s:
-            raise RequestError(f"stop strings must be non-empty strings, not {s!r}", "stop")
-    if not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
-        raise RequestError(
-            f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], not {top_logprobs!r}",
-            "top_logprobs",
-        )
-
-
-def _for_choice(on_token: Callable[..., None], k: int) -> Callable[[int, float, Any], None]:
-    """The engine's per-request token callback, telling `on_token` which choice it is."""
-    return lambda token, logprob, top: on_token(k, token, logprob, top)
-
-
-def _check_messages(messages: list[Message]) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages must be a non-empty list of messages", "messages")
-    for i, m in enumerate(messages):
-        if not isinstance(m, Message):
-            raise RequestError(f"messages[{i}] is a {type(m).__name__}, not a Message", "messages")
-        if m.role not in ROLES:
-            raise RequestError(
-                f"messages[{i}] has role {m.role!r}; known roles: {', '.join(ROLES)}",
-                f"messages[{i}].role",
-            )
-
-
-def _cut_at_stop(text: str, stop: list[str]) -> str:
-    """Text up to the first stop string (which is left out, as OpenAI does)."""
-    cuts = [text.find(s) for s in stop if s in text]
-    return text[: min(cuts)] if cuts else text

@@ -33,7 +33,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -356,6 +356,33 @@ def _install_error_handlers(app: FastAPI) -> None:
         log.error("error while serving %s", request.url.path, exc_info=err)
         message = f"the server failed to answer ({type(err).__name__}); see the server log"
         return JSONResponse(error_body(message, "server_error"), status_code=500)
+
+
+@contextlib.contextmanager
+def serving(app: FastAPI, host: str = "127.0.0.1") -> Iterator[str]:
+    """Run `app` on a free port of `host` in a background thread and yield its base URL,
+    until the block ends (tests and benchmarks drive a real server this way)."""
+    import socket
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind((host, 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
 
 
 def run_server(

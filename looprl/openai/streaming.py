@@ -11,6 +11,7 @@ writers here turn those tokens into OpenAI chunks:
   until parsed (OpenAI clients accept calls arriving in one piece);
 - `CompletionStream`: `text_completion` chunks of `/v1/completions`.
 Each ends its choices with their `finish_reason` (and `looprl_error`, usage, `[DONE]`).
+`stream_events` sends an already finished chat reply as chunks (the agent proxy's way).
 """
 
 from __future__ import annotations
@@ -19,9 +20,88 @@ import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from looprl.openai.wire import choice_events, chunk_event, token_logprobs, usage_event
-
 Decode = Callable[[list[int]], str]
+
+
+def chunk_head(response: dict[str, Any]) -> dict[str, Any]:
+    """The fields every `chat.completion.chunk` of a response repeats."""
+    keys = ("id", "created", "model", "system_fingerprint")
+    return {"object": "chat.completion.chunk", **{key: response.get(key) for key in keys}}
+
+
+def chunk_event(
+    head: dict[str, Any],
+    index: int,
+    delta: dict[str, Any],
+    finish: str | None = None,
+    logprobs: Any = None,
+    error: str | None = None,
+    include_usage: bool = False,
+) -> str:
+    """One server-sent chunk of choice `index` (`error`: the choice's `looprl_error`)."""
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    if error:
+        choice["looprl_error"] = error
+    chunk = {**head, "choices": [choice]}
+    if include_usage:
+        chunk["usage"] = None
+    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+
+def choice_events(
+    head: dict[str, Any], choice: dict[str, Any], include_usage: bool, content: bool = True
+) -> Iterator[str]:
+    """A finished choice of a `chat.completion` body as chunks: its content (unless it
+    was streamed already), reasoning, each tool call whole, then the final chunk with
+    `finish_reason` and `logprobs`."""
+    index, message = choice["index"], choice["message"]
+
+    def event(delta: dict, finish: str | None = None, logprobs: Any = None) -> str:
+        error = choice.get("looprl_error") if finish else None
+        return chunk_event(head, index, delta, finish, logprobs, error, include_usage)
+
+    if content and message["content"]:
+        yield event({"content": message["content"]})
+    if message.get("reasoning_content"):
+        yield event({"reasoning_content": message["reasoning_content"]})
+    for k, call in enumerate(message.get("tool_calls", [])):
+        name = {"name": call["function"]["name"], "arguments": ""}
+        opening = {"index": k, "id": call["id"], "type": "function", "function": name}
+        yield event({"tool_calls": [opening]})
+        arguments = {"arguments": call["function"]["arguments"]}
+        yield event({"tool_calls": [{"index": k, "function": arguments}]})
+    yield event({}, choice["finish_reason"], choice["logprobs"])
+
+
+def usage_event(head: dict[str, Any], usage: dict[str, Any]) -> str:
+    return f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
+
+
+def token_logprobs(entries: Any, tokenizer: Any) -> list[dict[str, Any]]:
+    """Chat-format logprob entries of (token id, logprob, alternatives or None) triples."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        token = tokenizer.decode([token_id])
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return [
+        {**entry(token_id, logprob), "top_logprobs": [entry(i, lp) for i, lp in top or []]}
+        for token_id, logprob, top in entries
+    ]
+
+
+def stream_events(response: dict[str, Any], include_usage: bool = False) -> Iterator[str]:
+    """A finished `chat.completion` body as chunks: per choice a role chunk, one content
+    chunk, per tool call a chunk with its id and name and one with its arguments, a final
+    chunk with `finish_reason` (and `logprobs`), then `[DONE]`."""
+    head = chunk_head(response)
+    for choice in response["choices"]:
+        role = {"role": "assistant", "content": ""}
+        yield chunk_event(head, choice["index"], role, include_usage=include_usage)
+        yield from choice_events(head, choice, include_usage)
+    if include_usage:
+        yield usage_event(head, response["usage"])
+    yield "data: [DONE]\n\n"
 
 
 class TextDeltas:
