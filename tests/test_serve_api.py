@@ -201,6 +201,23 @@ def test_completions_logprobs_echo_and_stop(client):
     assert cut.choices[0].finish_reason == "stop"
 
 
+def test_completions_echo_with_logprobs_scores_the_prompt(model, client):
+    """An evaluation harness's way to score a text: the prompt's logprobs (echo) agree
+    with the logprobs the engine recorded when it sampled those same tokens."""
+    prompt = [1, 504, 3458, 314]
+    (sampled,) = model.complete(prompt, max_tokens=4, temperature=0)
+    ids = prompt + sampled.completion_ids
+    scored = client.completions.create(
+        model="tiny-random", prompt=ids, max_tokens=1, temperature=0, logprobs=2, echo=True
+    ).choices[0]
+    lp = scored.logprobs
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    assert lp.token_logprobs[len(prompt) : len(ids)] == pytest.approx(sampled.logprobs, abs=1e-3)
+    for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert 2 <= len(top) <= 3 and top[token] == pytest.approx(logprob)
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
@@ -208,7 +225,7 @@ def test_completions_logprobs_echo_and_stop(client):
         ({"prompt": ""}, "prompt"),
         ({"prompt": [1, -4]}, "prompt"),
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
-        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+        ({"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, "stream"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),
         ({}, "prompt"),
     ],

@@ -45,6 +45,7 @@ from looprl.config import Config, config_from_dict, load_config
 from looprl.engine import Constraint, GenerationRequest, SamplingParams
 from looprl.engine.hf import HFEngine
 from looprl.engine.requests import check_tools, generation_request
+from looprl.engine.score import prompt_logprobs
 from looprl.errors import ChatError, ConfigError, LoopRLError, RequestError
 from looprl.loop.checkpoint import list_checkpoints, load_weights
 from looprl.loop.policy import Policy, load_policy, pick_device, pick_dtype
@@ -69,6 +70,7 @@ class ChatRequest:
     seed: int | None = None
     top_logprobs: int = 0
     on_token: Callable[[int, int, float, Any], None] | None = None
+    prompt_logprobs: bool = False
 
     def batch_key(self) -> tuple:
         """Requests with equal keys share one engine call (per-request max_tokens and
@@ -139,8 +141,10 @@ class ChatModel:
         variant: str | None = None,
         top_logprobs: int = 0,
         on_token: Callable[[int, int, float, Any], None] | None = None,
+        prompt_logprobs: bool = False,
     ) -> list[ChatChoice]:
         """`n` continuations of a raw prompt (text, or token ids), no chat template.
+        `prompt_logprobs`: also score the prompt's own tokens (`ChatChoice.prompt_logprobs`).
         `chat_many` takes these keyword arguments too (a dict with "prompt")."""
         request = dict(locals())
         del request["self"]
@@ -230,7 +234,7 @@ class ChatModel:
         return ChatRequest(
             prompt_ids, tools, tool_choice, constraint, n, max_tokens, variant,
             float(temperature), float(top_p), list(stop or []), seed,
-            args["top_logprobs"], args["on_token"],
+            args["top_logprobs"], args["on_token"], bool(args.get("prompt_logprobs")),
         )  # fmt: skip
 
     # ------------------------------------------------------------ generating
@@ -255,12 +259,22 @@ class ChatModel:
             for p in batch
             for k in range(p.n)
         ]
+        temperature = first.temperature if first.temperature > 0 else 1.0
         with self._engine_for(first.variant) as engine:
             completions = engine.generate(requests, params)
+            scored = [
+                prompt_logprobs(engine.model, p.prompt_ids, temperature, p.top_logprobs)
+                if p.prompt_logprobs
+                else None
+                for p in batch
+            ]
         out: list[list[ChatChoice]] = []
         pos = 0
-        for p in batch:
-            out.append([self._choice(p, c) for c in completions[pos : pos + p.n]])
+        for p, prompt_scores in zip(batch, scored):
+            choices = [self._choice(p, c) for c in completions[pos : pos + p.n]]
+            for choice in choices:
+                choice.prompt_logprobs = prompt_scores
+            out.append(choices)
             pos += p.n
         return out
 

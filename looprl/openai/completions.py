@@ -6,9 +6,9 @@ list of token ids, and a request holds one prompt or a list of them. Each prompt
 `logprobs: k` returns OpenAI's legacy logprobs object per choice: `tokens` (each token's
 text), `token_logprobs`, `top_logprobs` (per position a {token text: logprob} map of the
 k most likely tokens, plus the sampled one) and `text_offset` (where each token starts in
-the choice's `text`, the echoed prompt included). `echo` puts the prompt before the
-generated text (without the prompt's own logprobs: `echo` and `logprobs` together are
-refused).
+the choice's `text`). `echo` puts the prompt before the generated text; with `logprobs`
+too, the prompt's tokens lead the logprobs object (the first with `null`), as evaluation
+harnesses that score texts expect (not when streaming: that is refused).
 """
 
 from __future__ import annotations
@@ -69,12 +69,11 @@ def completion_kwargs(request: CompletionRequest, variant: str) -> list[dict[str
             raise APIError(400, f"{name} is not supported; leave it unset", name)
     if request.best_of is not None and request.best_of != request.n:
         raise APIError(400, "best_of is not supported; leave it unset (or equal to n)", "best_of")
-    if request.echo and request.logprobs is not None:
+    if request.echo and request.logprobs is not None and request.stream:
         raise APIError(
             400,
-            "echo with logprobs is not supported (the prompt's own logprobs are not "
-            "computed); ask for one of them",
-            "echo",
+            "echo with logprobs is not available when streaming; leave out stream",
+            "stream",
         )
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     return [
@@ -88,6 +87,7 @@ def completion_kwargs(request: CompletionRequest, variant: str) -> list[dict[str
             seed=request.seed,
             variant=variant,
             top_logprobs=request.logprobs or 0,
+            prompt_logprobs=bool(request.echo and request.logprobs is not None),
         )
         for prompt in prompts(request)
     ]
@@ -99,16 +99,20 @@ def echo_text(prompt: str | list[int], tokenizer: Any) -> str:
 
 
 def legacy_logprobs(
-    entries: list[tuple[int, float, Any]], offset: int, tokenizer: Any
+    entries: list[tuple[int, float | None, Any]], offset: int, tokenizer: Any
 ) -> dict[str, Any]:
     """OpenAI's legacy logprobs object of (token id, logprob, alternatives) entries whose
-    text starts at character `offset` of the choice's text."""
+    text starts at character `offset` of the choice's text (a prompt's first token has
+    no logprob: None, and no alternatives)."""
     tokens, offsets, tops = [], [], []
     for token_id, logprob, top in entries:
         token = tokenizer.decode([token_id])
         tokens.append(token)
         offsets.append(offset)
         offset += len(token)
+        if logprob is None:
+            tops.append(None)
+            continue
         alternatives: dict[str, float] = {}
         for other, other_logprob in top or []:
             alternatives.setdefault(tokenizer.decode([other]), other_logprob)
@@ -138,11 +142,16 @@ def text_completion(
         for c in samples:
             completion_tokens += len(c.completion_ids)
             tops = c.top_logprobs or [None] * len(c.completion_ids)
-            entries = list(zip(c.completion_ids, c.logprobs, tops))
+            entries: list[tuple[int, float | None, Any]] = []
+            start = len(echo)
+            if c.prompt_logprobs is not None:  # echo + logprobs: the prompt's tokens first
+                entries += [(t, lp, top) for t, (lp, top) in zip(c.prompt_ids, c.prompt_logprobs)]
+                start = 0
+            entries += list(zip(c.completion_ids, c.logprobs, tops))
             choice = {
                 "index": len(out),
                 "text": echo + c.text,
-                "logprobs": legacy_logprobs(entries, len(echo), tokenizer) if logprobs else None,
+                "logprobs": legacy_logprobs(entries, start, tokenizer) if logprobs else None,
                 "finish_reason": c.finish_reason,
             }
             out.append(choice)

@@ -41,6 +41,8 @@ class ChatChoice:
     reasoning: str | None = None  # text of <think> blocks, kept out of `message.content`
     error: str | None = None  # why a forced reply is missing (cut off), as `looprl_error`
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: (id, logprob)
+    # completions with echo + logprobs: per prompt token (logprob, alternatives)
+    prompt_logprobs: list[tuple[float | None, Any]] | None = None
 
 
 # ---------------------------------------------------------------- errors
