@@ -189,8 +189,8 @@ class ChatModel:
     # ------------------------------------------------------------ preparing
 
     def _prepare(self, request: dict[str, Any]) -> ChatRequest:
-        """Validate one request (chat()'s keyword arguments; its defaults fill the gaps)
-        and render its prompt."""
+        """Validate one request (chat()'s keyword arguments, or complete()'s when it has
+        a "prompt"; their defaults fill the gaps) and render its prompt."""
         method = self.complete if "prompt" in request else self.chat
         try:
             bound = inspect.signature(method).bind(**request)
