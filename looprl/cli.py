@@ -201,6 +201,12 @@ def serve(
         typer.Option(help="What model id NAME gets for a run: trained (default) or baseline."),
     ] = None,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    max_tokens_limit: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="The most tokens a request may ask for (default: the context length)."
+        ),
+    ] = None,
 ) -> None:
     """Serve a model, or a run's trained and baseline model, over an OpenAI-compatible API."""
     from looprl.apps.inference import load_chat_model
@@ -213,7 +219,10 @@ def serve(
     where = f" (checkpoint {chat_model.checkpoint})" if chat_model.checkpoint else ""
     console.print(f"serving {chat_model.name}{where} as: {ids}", highlight=False)
     console.print(f"OpenAI base URL: http://{host}:{port}/v1", highlight=False)
-    run_server(chat_model, host=host, port=port, api_key=api_key, default_variant=variant)
+    run_server(
+        chat_model, host=host, port=port, api_key=api_key, default_variant=variant,
+        max_tokens_limit=max_tokens_limit,
+    )  # fmt: skip
 
 
 @app.command()

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -14,36 +11,14 @@ from pathlib import Path
 
 import openai
 import pytest
-import uvicorn
 
 from looprl.apps.inference import ChatModel, load_chat_model
-from looprl.apps.serve import create_app
+from looprl.apps.serve import create_app, serving
 from looprl.errors import RequestError
 from tests.test_inference import RESIGN, SQUARE, count_engine_calls
 
 TOOLS = [SQUARE, RESIGN]
 HI = [{"role": "user", "content": "Your move."}]
-
-
-@contextlib.contextmanager
-def serving(app) -> Iterator[str]:
-    """Run `app` on a free local port in a background thread; yield its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
 
 
 def client_for(url: str, key: str = "none") -> openai.OpenAI:
@@ -262,8 +237,16 @@ def test_concurrent_requests_share_one_engine_call(model, monkeypatch):
             400, "messages[0].tool_calls[0].function.arguments",
         ),
         ({"model": "tiny-random", "messages": HI, "top_logprobs": 3}, 400, "top_logprobs"),
-        ({"model": "tiny-random", "messages": HI, "response_format": {"type": "json_object"}},
-         400, "response_format"),
+        ({"model": "tiny-random", "messages": HI, "logprobs": True, "top_logprobs": 21},
+         400, "top_logprobs"),
+        ({"model": "tiny-random", "messages": HI, "response_format": {"type": "xml"}},
+         400, "response_format.type"),
+        ({"model": "tiny-random", "messages": HI,
+          "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+         400, "response_format.json_schema"),
+        ({"model": "tiny-random", "messages": HI, "response_format": {"type": "json_object"},
+          "tools": TOOLS, "tool_choice": "required"}, 400, "response_format"),
+        ({"model": "tiny-random", "messages": HI, "max_tokens": 5000}, 400, "max_tokens"),
     ],
 )  # fmt: skip
 def test_malformed_requests_get_openai_errors(url, body, status, param):

@@ -12,6 +12,9 @@ full fine-tune it is a second copy of the base weights, loaded on first use.
 - "none": no tools are rendered and nothing is parsed;
 - "required" / a tool's name: the engine's constrained decoding forces one valid call
   (of any tool / of that tool), so the reply always parses.
+`response_format` (OpenAI's json_object / json_schema) forces a JSON reply the same way.
+`complete(prompt)` continues a raw text or token-id prompt, with no chat template.
+`on_token` streams: it hears of each token as the engine chooses it.
 
 Sampling is the rollout engine's, so replies come from exactly the policy the trainer
 updates. `logprobs` are the engine's sampling logprobs (at temperature T, or T=1 when
@@ -24,23 +27,30 @@ import contextlib
 import inspect
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from looprl.apps.checks import (
+    check_messages,
+    check_sampling,
+    cut_at_stop,
+    for_choice,
+    raw_prompt_ids,
+)
+from looprl.apps.replies import reply_for
 from looprl.chat import ChatRenderer
 from looprl.config import Config, config_from_dict, load_config
-from looprl.engine import GenerationRequest, SamplingParams, ToolConstraint
+from looprl.engine import Constraint, GenerationRequest, SamplingParams
 from looprl.engine.hf import HFEngine
 from looprl.engine.requests import check_tools, generation_request
+from looprl.engine.score import prompt_logprobs
 from looprl.errors import ChatError, ConfigError, LoopRLError, RequestError
 from looprl.loop.checkpoint import list_checkpoints, load_weights
 from looprl.loop.policy import Policy, load_policy, pick_device, pick_dtype
 from looprl.openai.wire import ChatChoice
 from looprl.types import Message
-
-ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass
@@ -50,7 +60,7 @@ class ChatRequest:
     prompt_ids: list[int]
     tools: list[dict[str, Any]] | None  # tools rendered and parsed (None for "none")
     tool_choice: str
-    constraint: ToolConstraint | None
+    constraint: Constraint | None
     n: int
     max_tokens: int
     variant: str
@@ -58,6 +68,9 @@ class ChatRequest:
     top_p: float
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    top_logprobs: int = 0
+    on_token: Callable[[int, int, float, Any], None] | None = None
+    prompt_logprobs: bool = False
 
     def batch_key(self) -> tuple:
         """Requests with equal keys share one engine call (per-request max_tokens and
@@ -104,13 +117,37 @@ class ChatModel:
         stop: list[str] | None = None,
         seed: int | None = None,
         variant: str | None = None,
+        response_format: dict[str, Any] | None = None,
+        top_logprobs: int = 0,
+        on_token: Callable[[int, int, float, Any], None] | None = None,
     ) -> list[ChatChoice]:
-        """`n` sampled replies to one conversation."""
-        request = dict(
-            messages=messages, tools=tools, tool_choice=tool_choice, n=n,
-            temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=stop,
-            seed=seed, variant=variant,
-        )  # fmt: skip
+        """`n` sampled replies to one conversation. `response_format`: OpenAI's
+        json_object / json_schema dict; `top_logprobs`: alternatives per token (up to
+        20); `on_token(choice, token_id, logprob, alternatives)`: streaming."""
+        request = dict(locals())
+        del request["self"]
+        return self.chat_many([request])[0]  # type: ignore[return-value]
+
+    def complete(
+        self,
+        prompt: str | list[int],
+        *,
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_tokens: int = 16,
+        stop: list[str] | None = None,
+        seed: int | None = None,
+        variant: str | None = None,
+        top_logprobs: int = 0,
+        on_token: Callable[[int, int, float, Any], None] | None = None,
+        prompt_logprobs: bool = False,
+    ) -> list[ChatChoice]:
+        """`n` continuations of a raw prompt (text, or token ids), no chat template.
+        `prompt_logprobs`: also score the prompt's own tokens (`ChatChoice.prompt_logprobs`).
+        `chat_many` takes these keyword arguments too (a dict with "prompt")."""
+        request = dict(locals())
+        del request["self"]
         return self.chat_many([request])[0]  # type: ignore[return-value]
 
     def chat_many(
@@ -152,15 +189,15 @@ class ChatModel:
     # ------------------------------------------------------------ preparing
 
     def _prepare(self, request: dict[str, Any]) -> ChatRequest:
-        """Validate one request (chat()'s keyword arguments; its defaults fill the gaps)
-        and render its prompt."""
+        """Validate one request (chat()'s keyword arguments, or complete()'s when it has
+        a "prompt"; their defaults fill the gaps) and render its prompt."""
+        method = self.complete if "prompt" in request else self.chat
         try:
-            bound = inspect.signature(self.chat).bind(**request)
+            bound = inspect.signature(method).bind(**request)
         except TypeError as err:
-            raise RequestError(f"bad chat() arguments: {err}") from None
+            raise RequestError(f"bad {method.__name__}() arguments: {err}") from None
         bound.apply_defaults()
         args = bound.arguments
-        messages, tools, tool_choice = args["messages"], args["tools"], args["tool_choice"]
         n, temperature, top_p = args["n"], args["temperature"], args["top_p"]
         max_tokens, stop, seed = args["max_tokens"], args["stop"], args["seed"]
         variant = self.variants[0] if args["variant"] is None else args["variant"]
@@ -169,16 +206,22 @@ class ChatModel:
                 f"unknown variant {variant!r}; {self.name} has: {', '.join(self.variants)}",
                 "model",
             )
-        _check_sampling(n, temperature, top_p, max_tokens, stop)
-        _check_messages(messages)
-        tools = check_tools(tools, tool_choice)
-        try:
-            prompt_ids = self.renderer.prompt_ids(messages, tools)
-        except ChatError as err:
-            raise RequestError(str(err), "messages") from None
-        constraint = generation_request(
-            prompt_ids, tools, tool_choice, self.renderer.format, engine=self.engine
-        ).constraint
+        check_sampling(n, temperature, top_p, max_tokens, stop, args["top_logprobs"])
+        if "prompt" in args:
+            tools, tool_choice, constraint = None, "none", None
+            prompt_ids = raw_prompt_ids(self.tokenizer, args["prompt"])
+        else:
+            check_messages(args["messages"])
+            tool_choice = args["tool_choice"]
+            tools = check_tools(args["tools"], tool_choice)
+            try:
+                prompt_ids = self.renderer.prompt_ids(args["messages"], tools)
+            except ChatError as err:
+                raise RequestError(str(err), "messages") from None
+            constraint = generation_request(
+                prompt_ids, tools, tool_choice, self.renderer.format, engine=self.engine,
+                response_format=args["response_format"],
+            ).constraint  # fmt: skip
         if self.context_length is not None:
             room = self.context_length - len(prompt_ids)
             if room < 1:
@@ -191,6 +234,7 @@ class ChatModel:
         return ChatRequest(
             prompt_ids, tools, tool_choice, constraint, n, max_tokens, variant,
             float(temperature), float(top_p), list(stop or []), seed,
+            args["top_logprobs"], args["on_token"], bool(args.get("prompt_logprobs")),
         )  # fmt: skip
 
     # ------------------------------------------------------------ generating
@@ -205,29 +249,44 @@ class ChatModel:
             stop=list(first.stop),
         )
         requests = [
-            GenerationRequest(list(p.prompt_ids), p.constraint, p.max_tokens)
+            GenerationRequest(
+                list(p.prompt_ids),
+                p.constraint,
+                p.max_tokens,
+                top_logprobs=p.top_logprobs,
+                on_token=None if p.on_token is None else for_choice(p.on_token, k),
+            )  # fmt: skip
             for p in batch
-            for _ in range(p.n)
+            for k in range(p.n)
         ]
+        temperature = first.temperature if first.temperature > 0 else 1.0
         with self._engine_for(first.variant) as engine:
             completions = engine.generate(requests, params)
+            scored = [
+                prompt_logprobs(engine.model, p.prompt_ids, temperature, p.top_logprobs)
+                if p.prompt_logprobs
+                else None
+                for p in batch
+            ]
         out: list[list[ChatChoice]] = []
         pos = 0
-        for p in batch:
-            out.append([self._choice(p, c) for c in completions[pos : pos + p.n]])
+        for p, prompt_scores in zip(batch, scored):
+            choices = [self._choice(p, c) for c in completions[pos : pos + p.n]]
+            for choice in choices:
+                choice.prompt_logprobs = prompt_scores
+            out.append(choices)
             pos += p.n
         return out
 
     def _choice(self, p: ChatRequest, completion: Any) -> ChatChoice:
-        text = _cut_at_stop(self.renderer.decode(completion.ids), p.stop)
-        message, reasoning = self.renderer.assistant_reply(
-            text, p.tools, p.constraint is not None,
-            lambda j, call: call.id or f"call_{uuid.uuid4().hex[:24]}",
+        text = cut_at_stop(self.renderer.decode(completion.ids), p.stop)
+        message, reasoning, finish, error = reply_for(
+            self.renderer, text, p.tools, p.constraint, completion.finish_reason,
+            p.max_tokens, lambda j, call: call.id or f"call_{uuid.uuid4().hex[:24]}",
         )  # fmt: skip
-        finish = "tool_calls" if message.tool_calls else completion.finish_reason
         return ChatChoice(
             message, text, list(p.prompt_ids), list(completion.ids),
-            list(completion.logprobs), finish, reasoning,
+            list(completion.logprobs), finish, reasoning, error, completion.top_logprobs,
         )  # fmt: skip
 
     @contextlib.contextmanager
@@ -318,41 +377,3 @@ def _pick_checkpoint(run: Path, checkpoint: Path | None) -> Path | None:
             f"{checkpoint} is not a looprl checkpoint folder; the checkpoints of {run}: {names}"
         )
     return checkpoint
-
-
-# ---------------------------------------------------------------- checks
-
-
-def _check_sampling(
-    n: int, temperature: float, top_p: float, max_tokens: int, stop: list[str] | None
-) -> None:
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise RequestError(f"n must be an integer >= 1, not {n!r}", "n")
-    if not isinstance(temperature, (int, float)) or not 0 <= temperature <= 5:
-        raise RequestError(f"temperature must be in [0, 5], not {temperature!r}", "temperature")
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise RequestError(f"top_p must be in (0, 1], not {top_p!r}", "top_p")
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise RequestError(f"max_tokens must be an integer >= 1, not {max_tokens!r}", "max_tokens")
-    for s in stop or []:
-        if not isinstance(s, str) or not s:
-            raise RequestError(f"stop strings must be non-empty strings, not {s!r}", "stop")
-
-
-def _check_messages(messages: list[Message]) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages must be a non-empty list of messages", "messages")
-    for i, m in enumerate(messages):
-        if not isinstance(m, Message):
-            raise RequestError(f"messages[{i}] is a {type(m).__name__}, not a Message", "messages")
-        if m.role not in ROLES:
-            raise RequestError(
-                f"messages[{i}] has role {m.role!r}; known roles: {', '.join(ROLES)}",
-                f"messages[{i}].role",
-            )
-
-
-def _cut_at_stop(text: str, stop: list[str]) -> str:
-    """Text up to the first stop string (which is left out, as OpenAI does)."""
-    cuts = [text.find(s) for s in stop if s in text]
-    return text[: min(cuts)] if cuts else text

@@ -1,15 +1,23 @@
 """`looprl serve`: an OpenAI-compatible HTTP server in front of a `ChatModel`.
 
-Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/chat/completions` (wire format in
-`looprl/openai/wire.py`), `POST /v1/responses` (the Responses API, translated to the chat
-path by `looprl/openai/responses.py`; `previous_response_id` reads an in-memory store of
-the newest responses). A served run answers to three model ids: "NAME" (the variant
-chosen with `--variant`, "trained" by default), "NAME:trained" and "NAME:baseline".
+Endpoints: `GET /health`, `GET /v1/models`, `GET /v1/models/{id}`,
+`POST /v1/chat/completions` (wire format in `looprl/openai/wire.py`),
+`POST /v1/completions` (`looprl/openai/completions.py`) and `POST /v1/responses` (the
+Responses API, translated to the chat path by `looprl/openai/responses.py`;
+`previous_response_id` reads an in-memory store of the newest responses). A served run
+answers to three model ids: "NAME" (the variant chosen with `--variant`, "trained" by default),
+"NAME:trained" and "NAME:baseline".
 
 Batching: one worker thread owns the model. It takes the first waiting request, keeps
 collecting the ones that arrive within `batch_window_s` (and all that queued up while
 the engine was busy), and answers them with one `ChatModel.chat_many` call, which
 shares engine calls between requests with the same sampling settings.
+
+Streaming (`stream: true`): the request carries an `on_token` callback; the engine calls
+it on the worker thread for each token as it is sampled, and the callback hands the
+token to the request's event loop, where `openai/streaming.py` turns tokens into chunks.
+The response starts once the first token (or an error) is there, so a malformed request
+still gets its 4xx status rather than an error inside a stream.
 
 Every error reaches the client as an OpenAI-style body `{"error": {...}}`: 400 for a
 malformed request, 401 for a wrong API key, 404 for an unknown model or route, and a
@@ -20,11 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import queue
 import secrets
 import threading
 import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -35,7 +46,15 @@ from starlette.exceptions import HTTPException
 
 from looprl.apps.inference import ChatModel
 from looprl.errors import RequestError
-from looprl.openai.responses import ResponseStore, respond, response_events
+from looprl.openai import responses as responses_api
+from looprl.openai.completions import (
+    CompletionRequest,
+    completion_kwargs,
+    echo_text,
+    legacy_logprobs,
+    text_completion,
+)
+from looprl.openai.streaming import ChatStream, CompletionStream
 from looprl.openai.wire import (
     APIError,
     ChatCompletionRequest,
@@ -43,7 +62,6 @@ from looprl.openai.wire import (
     completion_response,
     error_body,
     model_list,
-    stream_events,
     validation_error,
 )
 
@@ -121,8 +139,11 @@ def create_app(
     default_variant: str | None = None,
     api_key: str | None = None,
     batch_window_s: float = 0.005,
+    max_tokens_limit: int | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving `model`; its batcher runs while the app does."""
+    """The FastAPI app serving `model`; its batcher runs while the app does.
+    `max_tokens_limit`: the most tokens a request may ask for (default: the model's
+    context length); a request asking for more gets a 400 that states the limit."""
     if default_variant is not None and default_variant not in model.variants:
         raise RequestError(
             f"--variant {default_variant}: {model.name} has the variants "
@@ -130,6 +151,7 @@ def create_app(
         )
     ids = model_ids(model, default_variant)
     batcher = Batcher(model, batch_window_s)
+    limit = max_tokens_limit or model.context_length
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> Any:
@@ -151,6 +173,28 @@ def create_app(
                 return JSONResponse(body, status_code=401)
         return await call_next(request)
 
+    def variant_of(model_id: str) -> str:
+        if model_id not in ids:
+            raise APIError(
+                404,
+                f"The model {model_id!r} does not exist; this server serves: {', '.join(ids)}",
+                "model",
+                "model_not_found",
+            )
+        return ids[model_id]
+
+    def check_max_tokens(asked: int | None, param: str = "max_tokens") -> int:
+        """The request's token limit checked against the server's; the default for
+        a request that sets none."""
+        if asked is not None and limit is not None and asked > limit:
+            raise APIError(
+                400,
+                f"{param}={asked} is more than this server allows: at most {limit} tokens "
+                "(its --max-tokens-limit); ask for fewer",
+                param,
+            )
+        return min(DEFAULT_MAX_TOKENS, limit or DEFAULT_MAX_TOKENS)
+
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": model.name, "variants": list(model.variants)}
@@ -159,42 +203,152 @@ def create_app(
     async def models() -> dict[str, Any]:
         return model_list(list(ids))
 
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict[str, Any]:
+        variant_of(model_id)
+        return model_list([model_id])["data"][0]
+
     async def answer(body: ChatCompletionRequest) -> dict[str, Any]:
-        """The `chat.completion` body for a request (the Responses route uses it too)."""
-        if body.model not in ids:
-            raise APIError(
-                404,
-                f"The model {body.model!r} does not exist; this server serves: {', '.join(ids)}",
-                "model",
-                "model_not_found",
-            )
-        variant = ids[body.model]
-        kwargs = chat_kwargs(body, variant, DEFAULT_MAX_TOKENS)
+        """The whole `chat.completion` body for a request (the Responses route's path)."""
+        variant = variant_of(body.model)
+        asked = body.max_completion_tokens or body.max_tokens
+        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        kwargs = chat_kwargs(body, variant, check_max_tokens(asked, param))
         choices = await asyncio.wrap_future(batcher.submit(kwargs))
         return completion_response(
             choices, body.model, model.tokenizer, bool(body.logprobs), f"looprl-{variant}"
         )
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Any:
-        response = await answer(body)
-        if not body.stream:
-            return response
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
-            stream_events(response, include_usage), media_type="text/event-stream"
-        )
-
-    store = ResponseStore()
+    store = responses_api.ResponseStore()
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Any:
-        status, body, parsed = await respond(await request.body(), answer, store)
+        status, body, parsed = await responses_api.respond(await request.body(), answer, store)
         if status == 200 and parsed is not None and parsed.stream:
-            return StreamingResponse(response_events(body), media_type="text/event-stream")
+            events = responses_api.response_events(body)
+            return StreamingResponse(events, media_type="text/event-stream")
         return JSONResponse(body, status_code=status)
 
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest) -> Any:
+        variant = variant_of(body.model)
+        asked = body.max_completion_tokens or body.max_tokens
+        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        kwargs = chat_kwargs(body, variant, check_max_tokens(asked, param))
+        fingerprint = f"looprl-{variant}"
+        logprobs = bool(body.logprobs)
+
+        def respond(results: list[Any]) -> dict[str, Any]:
+            return completion_response(
+                results[0], body.model, model.tokenizer, logprobs, fingerprint
+            )
+
+        if not body.stream:
+            return respond([await asyncio.wrap_future(batcher.submit(kwargs))])
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+                "created": int(time.time()), "model": body.model,
+                "system_fingerprint": fingerprint}  # fmt: skip
+        live = not kwargs["tools"] or kwargs["tool_choice"] == "none"
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        writer = ChatStream(
+            head, body.n, live, logprobs, model.tokenizer, kwargs["stop"], include_usage
+        )
+        return await _stream(batcher, [kwargs], body.n, writer, respond)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Any:
+        variant = variant_of(body.model)
+        check_max_tokens(body.max_tokens)
+        requests = completion_kwargs(body, variant)
+        tokenizer = model.tokenizer
+        echoes = [echo_text(r["prompt"], tokenizer) if body.echo else "" for r in requests]
+        fingerprint = f"looprl-{variant}"
+        logprobs = body.logprobs is not None
+
+        def respond(results: list[Any]) -> dict[str, Any]:
+            return text_completion(results, echoes, body.model, tokenizer, logprobs, fingerprint)
+
+        if not body.stream:
+            futures = [asyncio.wrap_future(batcher.submit(r)) for r in requests]
+            return respond(list(await asyncio.gather(*futures)))
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                "created": int(time.time()), "model": body.model,
+                "system_fingerprint": fingerprint}  # fmt: skip
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        choice_echoes = [echo for echo in echoes for _ in range(body.n)]
+        stops = [r["stop"] for r in requests for _ in range(body.n)]
+
+        def legacy(entries: list, offset: int) -> dict[str, Any]:
+            return legacy_logprobs(entries, offset, tokenizer)
+
+        writer = CompletionStream(
+            head, choice_echoes, legacy if logprobs else None, tokenizer, stops, include_usage
+        )
+        return await _stream(batcher, requests, body.n, writer, respond)
+
     return app
+
+
+async def _stream(
+    batcher: Batcher,
+    requests: list[dict[str, Any]],
+    n: int,
+    writer: ChatStream | CompletionStream,
+    respond: Callable[[list[Any]], dict[str, Any]],
+) -> StreamingResponse:
+    """Submit `requests` (each with `n` choices; request i's choice k is choice i*n + k)
+    with token callbacks, and stream `writer`'s chunks as their tokens arrive. Returns
+    once the first token is there, or raises the error of a request that failed first."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[tuple | None] = asyncio.Queue()
+
+    def on_token(offset: int) -> Callable[..., None]:
+        def put(k: int, token: int, logprob: float, top: Any) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, (offset + k, token, logprob, top))
+
+        return put
+
+    futures = []
+    for i, request in enumerate(requests):
+        future = batcher.submit({**request, "on_token": on_token(i * n)})
+        future.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
+        futures.append(future)
+    first = await events.get()
+    for future in futures:  # failed before anything was streamed: an ordinary error reply
+        if future.done() and future.exception() is not None:
+            raise future.exception()  # type: ignore[misc]
+
+    async def chunks() -> AsyncIterator[str]:
+        for event in writer.start():
+            yield event
+        item, finished = first, 0
+        while True:
+            if item is None:
+                finished += 1
+                if finished == len(futures):
+                    break
+            else:
+                for event in writer.token(*item):
+                    yield event
+            item = await events.get()
+        try:
+            results = [future.result() for future in futures]
+        except Exception as err:  # failed mid-stream: an error event ends the stream
+            yield f"data: {json.dumps(_error_of(err))}\n\n"
+            return
+        for event in writer.finish(respond(results)):
+            yield event
+
+    return StreamingResponse(chunks(), media_type="text/event-stream")
+
+
+def _error_of(err: Exception) -> dict[str, Any]:
+    if isinstance(err, APIError):
+        return err.body()
+    if isinstance(err, RequestError):
+        return error_body(str(err), param=err.param)
+    log.error("error while streaming", exc_info=err)
+    return error_body(f"the server failed to answer ({type(err).__name__})", "server_error")
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -208,7 +362,12 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, err: RequestValidationError) -> JSONResponse:
-        return JSONResponse(validation_error(err.errors()).body(), status_code=400)
+        if request.url.path.rstrip("/").endswith("/v1/completions"):
+            fields = set(CompletionRequest.model_fields) | {"include_usage"}
+            error = validation_error(err.errors(), fields, "'model' and 'prompt'")
+        else:
+            error = validation_error(err.errors())
+        return JSONResponse(error.body(), status_code=400)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException) -> JSONResponse:
@@ -223,15 +382,43 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(message, "server_error"), status_code=500)
 
 
+@contextlib.contextmanager
+def serving(app: FastAPI, host: str = "127.0.0.1") -> Iterator[str]:
+    """Run `app` on a free port of `host` in a background thread and yield its base URL,
+    until the block ends (tests and benchmarks drive a real server this way)."""
+    import socket
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind((host, 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
 def run_server(
     model: ChatModel,
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
     default_variant: str | None = None,
+    max_tokens_limit: int | None = None,
 ) -> None:
     """Serve until Ctrl-C."""
     import uvicorn
 
-    app = create_app(model, default_variant, api_key)
+    app = create_app(model, default_variant, api_key, max_tokens_limit=max_tokens_limit)
     uvicorn.run(app, host=host, port=port, log_level="info")

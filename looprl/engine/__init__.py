@@ -32,13 +32,36 @@ class ToolConstraint:
 
 
 @dataclass
+class JsonConstraint:
+    """Forces the completion to be one JSON value satisfying `schema` (None: any JSON
+    object), as `response_format` asks. With `tools` (tool_choice "auto"), a call of one
+    of them in the `fmt` syntax is allowed instead, so an agent can still call tools."""
+
+    schema: dict[str, Any] | None
+    tools: list[dict[str, Any]] | None = None
+    fmt: str = "hermes"
+
+
+Constraint = ToolConstraint | JsonConstraint
+
+# Called by the engine for each token of a request as soon as it is chosen: (token id,
+# its logprob, its top alternatives as (id, logprob) pairs or None). It runs on the
+# engine's thread, between decoding steps, so it must be quick.
+TokenCallback = Callable[[int, float, "list[tuple[int, float]] | None"], None]
+
+
+@dataclass
 class GenerationRequest:
     prompt_ids: list[int]
-    constraint: ToolConstraint | None = None
+    constraint: Constraint | None = None
     max_new_tokens: int | None = None  # a tighter limit for this request than the params'
     # multi-turn: the caller may send this request's continuation next; inside an engine
     # session its KV is then kept, so that the next turn prefills only its new tokens
     keep_kv: bool = False
+    top_logprobs: int = 0  # also return the k most likely tokens at each position
+    on_token: TokenCallback | None = field(
+        default=None, compare=False, repr=False
+    )  # streaming: told of each token as it is chosen
     # a progress display's hook: called once this request's completion is ready, possibly
     # before `generate` returns; an engine may also never call it (nothing depends on it)
     on_complete: Callable[[], None] | None = field(default=None, compare=False, repr=False)
@@ -49,6 +72,9 @@ class Completion:
     ids: list[int]
     logprobs: list[float]  # unconstrained policy logprob of each sampled token
     finish_reason: str  # "stop" (EOS or stop string) or "length"
+    # with `top_logprobs` k > 0: per position, the k most likely (id, logprob) pairs of the
+    # same unconstrained distribution `logprobs` is taken from, most likely first
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class RolloutEngine(Protocol):

@@ -1,7 +1,9 @@
-"""Constrained decoding for forced tool calls, with xgrammar.
+"""Constrained decoding for forced tool calls and JSON replies, with xgrammar.
 
-The grammar is the whole assistant reply: exactly one call of an allowed tool, in the
-model's call syntax, whose arguments satisfy the tool's JSON schema, then EOS. JSON is
+The grammar is the whole assistant reply, then EOS: for a `ToolConstraint`, exactly one
+call of an allowed tool, in the model's call syntax, whose arguments satisfy the tool's
+JSON schema; for a `JsonConstraint` (`response_format`), one JSON value of the schema
+(`engine/json_schema.py` says which schemas), or with tools, that or one call. JSON is
 generated without free whitespace (`", "` and `": "` separators, as `json.dumps`
 writes them), so the forced reply costs as few tokens as possible.
 """
@@ -12,7 +14,7 @@ import json
 from functools import lru_cache
 from typing import Any
 
-from looprl.engine import ToolConstraint
+from looprl.engine import Constraint, JsonConstraint, ToolConstraint
 from looprl.errors import ChatError
 
 
@@ -66,8 +68,11 @@ def _literal(text: str) -> str:
     return "root ::= " + json.dumps(text)
 
 
-def build_grammar(constraint: ToolConstraint) -> Any:
+def build_grammar(constraint: Constraint) -> Any:
     import xgrammar as xgr
+
+    if isinstance(constraint, JsonConstraint):
+        return _json_grammar(constraint)
 
     def schema(key: str) -> Any:
         return xgr.Grammar.from_json_schema(
@@ -96,6 +101,25 @@ def build_grammar(constraint: ToolConstraint) -> Any:
     return xgr.Grammar.concat(*parts)
 
 
+def _json_grammar(constraint: JsonConstraint) -> Any:
+    """One JSON value of the schema; without a schema, any JSON object (extra properties
+    allowed, as `json_object` means); with tools, one call of them as the alternative."""
+    import xgrammar as xgr
+
+    if constraint.schema is None:
+        grammar = xgr.Grammar.from_json_schema(
+            json.dumps({"type": "object"}), any_whitespace=False, strict_mode=False
+        )
+    else:
+        grammar = xgr.Grammar.from_json_schema(
+            json.dumps(_safe_lengths(constraint.schema)), any_whitespace=False, strict_mode=True
+        )
+    if not constraint.tools:
+        return grammar
+    call = build_grammar(ToolConstraint(constraint.tools, "required", constraint.fmt))
+    return xgr.Grammar.union(grammar, call)
+
+
 class GrammarCache:
     """Compiles each distinct constraint once per tokenizer."""
 
@@ -110,17 +134,21 @@ class GrammarCache:
 
     def _compile_key(self, key: str) -> Any:
         data = json.loads(key)
-        constraint = ToolConstraint(
-            tools=data["tools"], tool_choice=data["choice"], fmt=data["fmt"]
-        )
+        constraint: Constraint
+        if "schema" in data:
+            constraint = JsonConstraint(data["schema"], data["tools"], data["fmt"])
+        else:
+            constraint = ToolConstraint(data["tools"], data["choice"], data["fmt"])
         return self.compiler.compile_grammar(build_grammar(constraint))
 
-    def matcher(self, constraint: ToolConstraint) -> Any:
+    def matcher(self, constraint: Constraint) -> Any:
         import xgrammar as xgr
 
         # Not sort_keys: the grammar writes arguments in the schema's property order, so
         # two schemas that differ only in that order are two grammars.
-        key = json.dumps(
-            {"tools": constraint.tools, "choice": constraint.tool_choice, "fmt": constraint.fmt}
-        )
+        if isinstance(constraint, JsonConstraint):
+            data = {"schema": constraint.schema, "tools": constraint.tools}
+        else:
+            data = {"tools": constraint.tools, "choice": constraint.tool_choice}
+        key = json.dumps({**data, "fmt": constraint.fmt})
         return xgr.GrammarMatcher(self._compile(key))

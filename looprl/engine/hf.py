@@ -167,7 +167,8 @@ class HFEngine:
                 if not rows:
                     break
                 for row in self._step(running, rows, params):
-                    results[row.index] = Completion(row.ids, row.logprobs, row.finish)
+                    top = row.top if row.top_k else None
+                    results[row.index] = Completion(row.ids, row.logprobs, row.finish, top)
                     if requests[row.index].on_complete is not None:
                         requests[row.index].on_complete()
         finally:
@@ -263,7 +264,10 @@ class HFEngine:
             matcher = self.grammars().matcher(request.constraint)
         limit = min(params.max_new_tokens, request.max_new_tokens or params.max_new_tokens)
         generator = torch.Generator().manual_seed((base_seed * 1_000_003 + index) % 2**63)
-        return _Row(index, request.prompt_ids, limit, matcher, generator, request.keep_kv)
+        return _Row(
+            index, request.prompt_ids, limit, matcher, generator, request.keep_kv,
+            request.top_logprobs, request.on_token,
+        )  # fmt: skip
 
     def _step(self, running: Part, rows: list[_Row], params: SamplingParams) -> list[_Row]:
         """Choose the next token(s) of every live row, run them through the model, and
@@ -279,22 +283,26 @@ class HFEngine:
             tokens_C, first_C = self._sample(next_CV, params, rows)
             tokens_CK, logp_CK = tokens_C[:, None], first_C[:, None]
         k = tokens_CK.shape[1]
+        top_k = max((row.top_k for row in rows if not row.done), default=0)
+        tops = _alternatives(next_CV[:, None], temperature, top_k) if top_k else None
         finished = self._finished(tokens_CK, rows, params)
+        if k == 1:  # before the next forward pass, so that a streaming caller hears sooner
+            self._append(rows, tokens_CK, logp_CK, tops)
         if k > 1 or not all(finished[j] or row.done for j, row in enumerate(rows)):
             logits_CKV = self._forward(running, tokens_CK, rows)
             if k > 1:  # forced tokens 2..k: their logprobs come from this pass
                 _, rest_CKV = tempered_log_softmax(logits_CKV[:, :-1], temperature)
                 rest_CK = rest_CKV.gather(-1, tokens_CK[:, 1:, None]).squeeze(-1)
                 logp_CK = torch.cat([logp_CK, rest_CK], dim=1)
+                if tops is not None:
+                    rest = _alternatives(logits_CKV[:, :-1], temperature, top_k)
+                    tops = [first + later for first, later in zip(tops, rest)]
+        if k > 1:
+            self._append(rows, tokens_CK, logp_CK, tops)
         ended = []
         for j, row in enumerate(rows):
             if row.done:
                 continue
-            for token, logp in zip(tokens_CK[j].tolist(), logp_CK[j].tolist()):
-                row.ids.append(token)
-                row.logprobs.append(logp)
-                if row.matcher is not None and not row.matcher.is_terminated():
-                    row.matcher.accept_token(token)
             if finished[j]:
                 row.done = True
                 stopped = row.ids[-1] in self.stop_token_ids or self._hit_stop_string(
@@ -303,6 +311,26 @@ class HFEngine:
                 row.finish = "stop" if stopped else "length"
                 ended.append(row)
         return ended
+
+    @staticmethod
+    def _append(
+        rows: list[_Row], tokens_CK: torch.Tensor, logp_CK: torch.Tensor, tops: list | None
+    ) -> None:
+        """Give each live row its new tokens (advancing its grammar), and tell a streaming
+        caller of each one."""
+        for j, row in enumerate(rows):
+            if row.done:
+                continue
+            for pos, (token, logp) in enumerate(zip(tokens_CK[j].tolist(), logp_CK[j].tolist())):
+                row.ids.append(token)
+                row.logprobs.append(logp)
+                top = tops[j][pos][: row.top_k] if tops is not None and row.top_k else None
+                if top is not None:
+                    row.top.append(top)
+                if row.on_token is not None:
+                    row.on_token(token, logp, top)
+                if row.matcher is not None and not row.matcher.is_terminated():
+                    row.matcher.accept_token(token)
 
     def _forward(self, running: Part, tokens_CK: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
         """Append k tokens to every row of the running batch; logits of those k. Rows
@@ -431,6 +459,20 @@ class HFEngine:
         return any(s in tail for s in params.stop)
 
 
+def _alternatives(
+    logits_CKV: torch.Tensor, temperature: float, k: int
+) -> list[list[list[tuple[int, float]]]]:
+    """Per row and position, the k most likely tokens of `log_softmax(logits / T)`: the
+    same distribution the recorded logprobs come from, so the sampled token's logprob
+    equals its entry here whenever it is among the k."""
+    logp_CKV = torch.log_softmax(logits_CKV / temperature, -1)
+    values_CKk, ids_CKk = logp_CKV.topk(k, dim=-1)
+    return [
+        [list(zip(ids, values)) for ids, values in zip(row_ids, row_values)]
+        for row_ids, row_values in zip(ids_CKk.tolist(), values_CKk.tolist())
+    ]
+
+
 @dataclass
 class _Row:
     """A request being decoded: its index in the request list, token limit, grammar
@@ -442,8 +484,11 @@ class _Row:
     matcher: Any
     generator: torch.Generator
     keep_kv: bool = False  # inside a session: keep its KV for the next turn
+    top_k: int = 0  # alternatives to keep per position (top_logprobs)
+    on_token: Any = None  # streaming: called with each token as it is chosen
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
     done: bool = False
     finish: str = "length"
     fed: int = 0  # generated tokens that went through the model (their KV is cached)

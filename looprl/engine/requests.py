@@ -2,19 +2,21 @@
 proxy and the server share.
 
 `check_tools` validates a request's tools and `tool_choice` and says which tools reach
-the prompt; `generation_request` turns prompt ids plus `tool_choice` into the engine's
-request, with a forced call ("required" or a tool's name) as a grammar constraint that
-is compiled up front, so that a schema the grammar compiler rejects fails this request
-alone, not a whole batch.
+the prompt; `generation_request` turns prompt ids plus `tool_choice` (and an OpenAI
+`response_format`) into the engine's request, with a forced call ("required" or a tool's
+name) or a JSON reply as a grammar constraint that is compiled up front, so that a
+schema the grammar compiler rejects fails this request alone, not a whole batch.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jsonschema
 
-from looprl.engine import GenerationRequest, ToolConstraint
+from looprl.engine import Constraint, GenerationRequest, JsonConstraint, ToolConstraint
+from looprl.engine.json_schema import unsupported_features
 from looprl.errors import ChatError, RequestError
 
 
@@ -60,6 +62,65 @@ def check_tools(tools: list[dict] | None, tool_choice: str) -> list[dict] | None
     return None if tool_choice == "none" else (list(tools or []) or None)
 
 
+def json_constraint(
+    response_format: dict[str, Any] | None,
+    tools: list[dict[str, Any]] | None,
+    tool_choice: str,
+    fmt: str,
+) -> JsonConstraint | None:
+    """The JSON constraint an OpenAI `response_format` asks for (None for "text" or
+    none): `{"type": "json_object"}` or `{"type": "json_schema", "json_schema": {"name",
+    "schema", "strict"}}`. `tools` are those `check_tools` returned: with tool_choice
+    "auto" the reply may be a call of one of them instead of the JSON; a forced call and
+    a JSON reply exclude each other, so that combination is refused."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict):
+        raise RequestError("response_format must be an object with a 'type'", "response_format")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind not in ("json_object", "json_schema"):
+        raise RequestError(
+            f"response_format.type is {kind!r}; use text, json_object or json_schema",
+            "response_format.type",
+        )
+    if tools and tool_choice not in ("auto", "none"):
+        raise RequestError(
+            f"response_format {kind} cannot be combined with a forced tool call "
+            f"(tool_choice={tool_choice!r}): the reply would have to be both the call and "
+            "the JSON; use tool_choice=auto, or drop response_format",
+            "response_format",
+        )
+    schema = None
+    if kind == "json_schema":
+        schema = _response_schema(response_format.get("json_schema"))
+    return JsonConstraint(schema, tools if tool_choice == "auto" else None, fmt)
+
+
+def _response_schema(spec: Any) -> dict[str, Any]:
+    where = "response_format.json_schema"
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise RequestError(f"{where} must be an object with a 'name' and a 'schema'", where)
+    schema = spec.get("schema", {"type": "object", "additionalProperties": True})
+    if not isinstance(schema, dict):
+        raise RequestError(f"{where}.schema must be a JSON schema object", f"{where}.schema")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except Exception as err:
+        detail = getattr(err, "message", str(err))
+        raise RequestError(
+            f"{where}.schema is not a valid JSON schema: {detail}", f"{where}.schema"
+        ) from None
+    problems = unsupported_features(schema)
+    if problems:
+        raise RequestError(
+            f"{where}.schema uses what a reply cannot be forced to satisfy: " + "; ".join(problems),
+            f"{where}.schema",
+        )
+    return schema
+
+
 def generation_request(
     prompt_ids: list[int],
     tools: list[dict[str, Any]] | None,
@@ -67,27 +128,40 @@ def generation_request(
     fmt: str,
     max_new_tokens: int | None = None,
     engine: Any = None,
+    response_format: dict[str, Any] | None = None,
 ) -> GenerationRequest:
     """The engine request for `prompt_ids`: a forced call when `tool_choice` is
-    "required" or a tool's name (and there are tools), free text otherwise. With an
-    `engine` that compiles grammars, the forced call's grammar is compiled now."""
-    constraint = None
-    if tools and tool_choice not in ("auto", "none"):
+    "required" or a tool's name (and there are tools), a JSON reply when
+    `response_format` asks for one, free text otherwise. With an `engine` that compiles
+    grammars, the constraint's grammar is compiled now."""
+    constraint: Constraint | None = json_constraint(response_format, tools, tool_choice, fmt)
+    if constraint is None and tools and tool_choice not in ("auto", "none"):
         constraint = ToolConstraint(tools, tool_choice, fmt)
-        grammars = getattr(engine, "grammars", None)
-        if grammars is not None:
-            _compile(grammars, constraint)
+    grammars = getattr(engine, "grammars", None)
+    if constraint is not None and grammars is not None:
+        _compile(grammars, constraint)
     return GenerationRequest(list(prompt_ids), constraint, max_new_tokens)
 
 
-def _compile(grammars: Any, constraint: ToolConstraint) -> None:
+def _compile(grammars: Any, constraint: Constraint) -> None:
+    json_reply = isinstance(constraint, JsonConstraint)
     try:
         grammars().matcher(constraint)
     except ChatError as err:
-        raise RequestError(str(err), "tool_choice") from None
+        raise RequestError(str(err), "response_format" if json_reply else "tool_choice") from None
     except Exception as err:  # xgrammar rejects some schemas (RuntimeError, ...)
+        detail = _XGRAMMAR_PREFIX.sub("", str(err).strip())
+        if json_reply:
+            raise RequestError(
+                f"cannot force a reply of this response_format schema: {detail}",
+                "response_format",
+            ) from None
         raise RequestError(
-            f"cannot force a call with these tool schemas: {err}; "
+            f"cannot force a call with these tool schemas: {detail}; "
             "use tool_choice=auto or simplify the schema",
             "tools",
         ) from None
+
+
+# xgrammar's messages start with a time and a C++ source location: of no use to a client
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")

@@ -32,7 +32,8 @@ What the request decides and what it does not, while looprl trains:
   while the choice an agent goes on with may be a selection (the best of n), and
   training on a selected sample as if the policy had drawn it would bias the update.
   A call that continues another choice is a token mismatch, explained as such;
-- `tool_choice` "required" or a named tool is honoured (constrained decoding);
+- `tool_choice` "required" or a named tool, and `response_format` (json_object,
+  json_schema), are honoured (constrained decoding);
 - `POST /v1/responses` (the Responses API, looprl/openai/responses.py) is translated to
   a chat call and served, recorded and stitched as one;
 - `max_tokens` is capped by `rollout.max_new_tokens` and the episode's token room;
@@ -52,7 +53,7 @@ from typing import Any
 import pydantic
 
 from looprl.chat import ChatRenderer
-from looprl.engine import Completion, GenerationRequest
+from looprl.engine import Completion, GenerationRequest, ToolConstraint
 from looprl.engine.requests import check_tools, generation_request
 from looprl.errors import ChatError, RequestError
 from looprl.openai.responses import ResponseStore
@@ -177,8 +178,9 @@ class AgentSession:
         limit = min(kwargs["max_tokens"], self.max_new_tokens, room)
         try:
             generation = generation_request(
-                prompt_ids, tools, tool_choice, self.renderer.format, limit, self.engine
-            )
+                prompt_ids, tools, tool_choice, self.renderer.format, limit, self.engine,
+                kwargs["response_format"],
+            )  # fmt: skip
         except RequestError as err:
             raise APIError(400, str(err), err.param) from None
         self.accepted += 1
@@ -328,7 +330,7 @@ class AgentSession:
         text = self.renderer.decode(completion.ids)
         prefix = f"call_{k}" if i == 0 else f"call_{k}_{i}"
         reply, reasoning = self.renderer.assistant_reply(
-            text, prepared.tools, prepared.generation.constraint is not None,
+            text, prepared.tools, isinstance(prepared.generation.constraint, ToolConstraint),
             lambda j, _call: f"{prefix}_{j}",
         )  # fmt: skip
         finish = "tool_calls" if reply.tool_calls else completion.finish_reason

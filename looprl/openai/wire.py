@@ -8,9 +8,8 @@ Used by `looprl serve` and by anything else that speaks the OpenAI API in front 
 - `completion_response`, `stream_events`: `ChatChoice`s → response body / SSE stream;
 - `APIError`, `error_body`: OpenAI-style errors `{"error": {message, type, param, code}}`.
 
-Streaming: replies are generated whole, then sent as chunks: per choice a role chunk,
-one content chunk, per tool call a chunk with its id and name and one with its
-arguments, a final chunk with `finish_reason` (and `logprobs`), then `[DONE]`.
+`stream_events` (from `openai/streaming.py`, which also streams replies token by token)
+sends a finished reply as chunks.
 """
 
 from __future__ import annotations
@@ -18,12 +17,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from looprl.openai.streaming import stream_events, token_logprobs  # noqa: F401 (re-exported)
 from looprl.types import Message, ToolCall
 
 # ---------------------------------------------------------------- replies
@@ -40,6 +39,10 @@ class ChatChoice:
     logprobs: list[float]  # per completion token (the engine's sampling logprobs)
     finish_reason: str  # "stop" | "length" | "tool_calls"
     reasoning: str | None = None  # text of <think> blocks, kept out of `message.content`
+    error: str | None = None  # why a forced reply is missing (cut off), as `looprl_error`
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: (id, logprob)
+    # completions with echo + logprobs: per prompt token (logprob, alternatives)
+    prompt_logprobs: list[tuple[float | None, Any]] | None = None
 
 
 # ---------------------------------------------------------------- errors
@@ -193,23 +196,11 @@ def _text(content: str | list[ContentPart] | None, where: str) -> str:
 def chat_kwargs(request: ChatCompletionRequest, variant: str, max_tokens: int) -> dict[str, Any]:
     """Keyword arguments of `ChatModel.chat` for this request (`max_tokens`: the default
     when the request sets none)."""
-    if request.top_logprobs:
-        raise APIError(
-            400,
-            "top_logprobs is not supported; logprobs=true returns each sampled token's "
-            "logprob (with top_logprobs: [])",
-            "top_logprobs",
-        )
+    if request.top_logprobs and not request.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     for penalty in ("presence_penalty", "frequency_penalty"):
         if getattr(request, penalty):
             raise APIError(400, f"{penalty} is not supported; leave it unset or 0", penalty)
-    if request.response_format and request.response_format.get("type") != "text":
-        raise APIError(
-            400,
-            "response_format is not supported; to get JSON, ask for a tool call "
-            "(tool_choice=required or a named tool), which is forced to match its schema",
-            "response_format",
-        )
     tools = [t.model_dump(exclude_none=True) for t in request.tools or []] or None
     choice = request.tool_choice
     if isinstance(choice, NamedToolChoice):
@@ -228,16 +219,18 @@ def chat_kwargs(request: ChatCompletionRequest, variant: str, max_tokens: int) -
         stop=stop,
         seed=request.seed,
         variant=variant,
+        response_format=request.response_format,
+        top_logprobs=request.top_logprobs or 0,
     )
 
 
 def validation_error(
-    errors: Any, fields: set[str] | None = None, needs: str = "'model' and 'messages'"
+    errors: Any, field_names: set[str] | None = None, needs: str = "'model' and 'messages'"
 ) -> APIError:
     """The first pydantic error of a request as a 400 naming the field it is about
-    (`messages[0].role`; a union's branch names are left out of the path). `fields`: the
-    request models' field names (the chat request's by default), `needs`: its required
-    fields, for the message about a body that is no JSON object."""
+    (`messages[0].role`; a union's branch names are left out of the path).
+    `field_names`: the request models' fields (the chat request's by default)."""
+    names = _FIELD_NAMES if field_names is None else field_names
     errors = list(errors)
     if not errors:
         return APIError(400, "invalid request")
@@ -248,7 +241,7 @@ def validation_error(
     for p in first.get("loc", ()):  # "body" and the names of a union's branches are skipped
         if isinstance(p, int):
             parts.append(f"[{p}]")
-        elif p in (_FIELD_NAMES if fields is None else fields):
+        elif p in names:
             parts.append(f".{p}")
     param = "".join(parts).lstrip(".")
     if not param:
@@ -288,19 +281,11 @@ def message_dict(message: Message, reasoning: str | None = None) -> dict[str, An
 
 
 def logprobs_dict(choice: ChatChoice, tokenizer: Any) -> dict[str, Any]:
-    """One entry per generated token (EOS included); no alternatives (top_logprobs)."""
-    content = []
-    for token_id, logprob in zip(choice.completion_ids, choice.logprobs):
-        token = tokenizer.decode([token_id])
-        content.append(
-            {
-                "token": token,
-                "logprob": logprob,
-                "bytes": list(token.encode("utf-8")),
-                "top_logprobs": [],
-            }
-        )
-    return {"content": content, "refusal": None}
+    """One entry per generated token (EOS included), with its alternatives when the
+    request asked for `top_logprobs`."""
+    tops = choice.top_logprobs or [None] * len(choice.completion_ids)
+    entries = zip(choice.completion_ids, choice.logprobs, tops)
+    return {"content": token_logprobs(entries, tokenizer), "refusal": None}
 
 
 def completion_response(
@@ -325,6 +310,7 @@ def completion_response(
                 "message": message_dict(c.message, c.reasoning),
                 "logprobs": logprobs_dict(c, tokenizer) if logprobs else None,
                 "finish_reason": c.finish_reason,
+                **({"looprl_error": c.error} if c.error else {}),
             }
             for i, c in enumerate(choices)
         ],
@@ -334,49 +320,6 @@ def completion_response(
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
-
-
-def stream_events(response: dict[str, Any], include_usage: bool = False) -> Iterator[str]:
-    """A finished `chat.completion` body as server-sent `chat.completion.chunk` events."""
-    head = {
-        "id": response["id"],
-        "object": "chat.completion.chunk",
-        "created": response["created"],
-        "model": response["model"],
-        "system_fingerprint": response.get("system_fingerprint"),
-    }
-
-    def event(index: int, delta: dict, finish: str | None = None, logprobs: Any = None) -> str:
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        chunk = {**head, "choices": [choice]}
-        if include_usage:
-            chunk["usage"] = None
-        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-
-    for choice in response["choices"]:
-        index, message = choice["index"], choice["message"]
-        yield event(index, {"role": "assistant", "content": ""})
-        if message["content"]:
-            yield event(index, {"content": message["content"]})
-        if message.get("reasoning_content"):
-            yield event(index, {"reasoning_content": message["reasoning_content"]})
-        for k, call in enumerate(message.get("tool_calls", [])):
-            name = {"name": call["function"]["name"], "arguments": ""}
-            yield event(
-                index,
-                {
-                    "tool_calls": [
-                        {"index": k, "id": call["id"], "type": "function", "function": name}
-                    ]
-                },
-            )
-            arguments = {"arguments": call["function"]["arguments"]}
-            yield event(index, {"tool_calls": [{"index": k, "function": arguments}]})
-        yield event(index, {}, choice["finish_reason"], choice["logprobs"])
-    if include_usage:
-        chunk = {**head, "choices": [], "usage": response["usage"]}
-        yield f"data: {json.dumps(chunk)}\n\n"
-    yield "data: [DONE]\n\n"
 
 
 def model_list(model_ids: list[str], owner: str = "looprl") -> dict[str, Any]:

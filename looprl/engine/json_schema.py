@@ -1,0 +1,91 @@
+"""Which JSON schemas `response_format` can force, and why the others are refused.
+
+The grammar compiler (xgrammar) turns a schema into a grammar of the JSON it allows.
+Some keywords it rejects outright, and some it silently ignores: a value that breaks
+them would still be sampled, and the reply would not satisfy the schema. We refuse
+those up front, naming each one and where it is, rather than return JSON that
+`jsonschema.validate` rejects. Measured with xgrammar 0.2 (`tests/test_json_schema.py`
+keeps the list honest):
+
+- enforced: `type` (one or a list), `properties`, `required`, `additionalProperties`,
+  `patternProperties`, `propertyNames`, `minProperties`/`maxProperties`, `items`,
+  `prefixItems`, `minItems`/`maxItems`, `enum`, `const`, `anyOf`, `allOf` with one
+  schema, `$ref` inside the document (`#/$defs/...`, recursion included), `minimum`,
+  `maximum`, `exclusiveMinimum`, `exclusiveMaximum`, `multipleOf`, `minLength`,
+  `maxLength`, `pattern`, and the formats in `ENFORCED_FORMATS`;
+- refused (ignored by the compiler): the keywords in `UNSUPPORTED`, `allOf` with more
+  than one schema, `uniqueItems: true`, and `$ref` to another document;
+- annotations (no effect, as JSON Schema itself treats them by default): `title`,
+  `description`, `default`, `examples`, and other `format` values.
+
+An object whose schema leaves `additionalProperties` unset gets no extra properties: a
+narrower reply that still satisfies the schema, and what OpenAI's strict mode asks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+UNSUPPORTED = {
+    "oneOf": "use anyOf: the grammar cannot exclude a value that matches two branches",
+    "not": "the grammar cannot exclude the values of a schema",
+    "if": "conditional schemas are not compiled into the grammar",
+    "then": "conditional schemas are not compiled into the grammar",
+    "else": "conditional schemas are not compiled into the grammar",
+    "contains": "list the allowed items with items or prefixItems",
+    "minContains": "list the allowed items with items or prefixItems",
+    "maxContains": "list the allowed items with items or prefixItems",
+    "dependentRequired": "make the properties required, or use anyOf",
+    "dependentSchemas": "use anyOf",
+    "dependencies": "make the properties required, or use anyOf",
+    "$dynamicRef": "use $ref to #/$defs/...",
+    "$recursiveRef": "use $ref to #/$defs/...",
+}
+ENFORCED_FORMATS = frozenset(
+    {
+        "date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6",
+        "uri", "uri-reference", "uri-template", "uuid", "json-pointer",
+        "relative-json-pointer",
+    }
+)  # fmt: skip
+
+# keywords whose value is one subschema, a list of them, or a name → subschema map
+_ONE = ("additionalProperties", "items", "not", "if", "then", "else", "contains",
+        "propertyNames", "unevaluatedProperties", "unevaluatedItems")  # fmt: skip
+_LIST = ("anyOf", "allOf", "oneOf", "prefixItems")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def unsupported_features(schema: Any, path: str = "") -> list[str]:
+    """Each keyword of `schema` (at any depth) that cannot be forced, as
+    "PATH: KEYWORD (what to do instead)"; empty when the whole schema can be."""
+    if not isinstance(schema, dict):
+        return []
+    found: list[str] = []
+    here = path or "(root)"
+    for keyword, hint in UNSUPPORTED.items():
+        if keyword in schema:
+            found.append(f"{here}: {keyword} ({hint})")
+    if schema.get("uniqueItems") is True:
+        found.append(f"{here}: uniqueItems (the grammar cannot exclude repeated items)")
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        found.append(f"{here}: allOf with several schemas (merge them into one schema)")
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        found.append(f"{here}: $ref to another document ({ref}); put it under $defs")
+    for keyword in _ONE:
+        if not isinstance(schema.get(keyword), list):
+            found += unsupported_features(schema.get(keyword), _join(path, keyword))
+    for keyword in (*_LIST, "items"):  # "items" as a list: the old tuple form
+        items = schema.get(keyword)
+        for i, item in enumerate(items if isinstance(items, list) else []):
+            found += unsupported_features(item, f"{_join(path, keyword)}[{i}]")
+    for keyword in _MAP:
+        named = schema.get(keyword)
+        for name, item in (named if isinstance(named, dict) else {}).items():
+            found += unsupported_features(item, _join(_join(path, keyword), name))
+    return found
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
