@@ -1,11 +1,12 @@
 # Two commands a user needs: `make demo` and `make test`. Both set up .venv on first use.
+# (`make ... VENV=path` uses another virtual environment.)
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
 
-.PHONY: setup demo test lint format clean
+.PHONY: setup demo test lint format clean bench
 
 setup: $(STAMP)
 
@@ -31,6 +32,56 @@ lint: setup
 format: setup
 	$(BIN)/ruff format looprl tests bench examples
 	$(BIN)/ruff check --fix looprl tests bench examples
+
+# Benchmarks (bench/): quick sizes by default (a few minutes each on 2 cores), the sizes
+# the README quotes with FULL=1. Each prints its table and ends with a `RESULT` line.
+# The learning benchmarks (bench/learning/) are whole training runs; run them by name.
+BENCH_STAMP := $(VENV)/.bench-installed
+ifeq ($(FULL),1)
+BENCH_ROLLOUT  := --repeats 3
+BENCH_GEMM     :=
+BENCH_SESSIONS :=
+BENCH_PACKING  := --repeats 3
+BENCH_MEMORY   := --phases
+BENCH_STEP     := --save runs/bench-step
+else
+BENCH_ROLLOUT  := --batches 8 --repeats 1
+BENCH_GEMM     := --rows 8 --repeats 2
+BENCH_SESSIONS := --tasks 4 --group 2 --repeats 1
+BENCH_PACKING  := --tasks 2 --group 4 --repeats 1
+BENCH_MEMORY   := --phases --out runs/bench-memory-quick --set train.steps=2 \
+                  --set rollout.tasks_per_step=4 --set eval.tasks=8
+BENCH_STEP     := --steps 1 --warmup 1 --tasks 4 --group 4 --updates 2 --max-new-tokens 32
+endif
+
+# TRL and datasets for bench/step.py (the `bench` extra), torch pinned as in setup.
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/pip install -e ".[bench]" $(TORCH)
+	touch $(BENCH_STAMP)
+
+bench: setup $(BENCH_STAMP)
+	@echo "== bench/rollout.py: rollout tokens/s, looprl's engine vs transformers generate"
+	$(BIN)/python bench/rollout.py $(BENCH_ROLLOUT)
+	@if command -v g++ >/dev/null 2>&1 && grep -qs avx512f /proc/cpuinfo; then \
+	  echo "== bench/gemm_probe.py: decoding's matrix products, BLAS vs a hand-written kernel"; \
+	  $(BIN)/python bench/gemm_probe.py $(BENCH_GEMM); \
+	else \
+	  echo "== bench/gemm_probe.py: skipped (it builds an AVX-512 kernel: needs g++ and an AVX-512 CPU)"; \
+	fi
+	@echo "== bench/sessions.py: multi-turn rollouts with and without KV kept between turns"
+	$(BIN)/python bench/sessions.py $(BENCH_SESSIONS)
+	@echo "== bench/packing.py: the update's passes with and without sequence packing"
+	$(BIN)/python -W ignore bench/packing.py $(BENCH_PACKING)
+	@echo "== bench/memory.py: peak memory of a looprl run, by phase"
+	$(BIN)/python bench/memory.py $(BENCH_MEMORY)
+	@if $(BIN)/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
+	  echo "== bench/gpu_check.sh: the GPU paths end to end"; \
+	  bash bench/gpu_check.sh; \
+	else \
+	  echo "== bench/gpu_check.sh: skipped (no CUDA device)"; \
+	fi
+	@echo "== bench/step.py: one RL step (rollouts + GSPO update), looprl vs TRL's GRPOTrainer"
+	$(BIN)/python bench/step.py $(BENCH_STEP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

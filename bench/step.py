@@ -1,8 +1,9 @@
 """One full RL step (rollouts + GSPO update): looprl vs TRL's `GRPOTrainer`, side by side.
 
-    .venv/bin/pip install -e ".[bench]" "torch==2.13.0" "transformers==5.24.0"   # TRL, once
+    .venv/bin/pip install -e ".[bench]" "torch==2.13.0"   # TRL, once (or: make bench)
     .venv/bin/python bench/step.py                  # the default benchmark (8 x 8, 64 tokens)
-    .venv/bin/python bench/step.py --steps 1 --tasks 2 --group 2 --max-new-tokens 8  # smoke
+    .venv/bin/python bench/step.py --steps 1 --tasks 4 --group 4 --updates 2 \
+        --max-new-tokens 32                          # quick (what `make bench` runs)
 
 Each side runs in its own child process (same interpreter, same CPU threads), one after
 the other, so neither inherits the other's warm caches or memory: first looprl, then TRL.
@@ -10,9 +11,19 @@ Each plays `--warmup` (1) + `--steps` (3) RL steps; a step is 8 tasks x group 8 
 completions followed by the GSPO update over them (4 optimizer updates of 16). The
 warm-up step is dropped and the medians of the rest are compared. The last line is
 
-    RESULT step_time_ratio_vs_trl=X looprl_step_s=Y trl_step_s=Z
+    RESULT step_time_ratio_vs_trl=X rollout_time_ratio_vs_trl=R update_time_ratio_vs_trl=U
+           looprl_step_s=Y trl_step_s=Z ... looprl_all_equal_groups=A trl_all_equal_groups=B
 
-with X = looprl seconds per step / TRL seconds per step (below 1: looprl is faster).
+(one line) with X = looprl seconds per step / TRL seconds per step (below 1: looprl is
+faster), R and U the same ratio for the rollout and the update share of the step, and
+A, B the all-equal groups per measured step on each side (comma-separated, "of N").
+
+No ratio without an update: if in any measured step every group of one side scored the
+same reward, that side's advantages were all 0 and its step did no update worth timing
+(looprl skips such groups entirely; TRL runs them anyway). The script then prints why,
+prints the `RESULT` line without the three ratio keys (with `ratio=refused`), and exits
+with status 1.
+
 This is a benchmark, not a test: run it on a quiet machine (with 2 threads, a core
 taken by anything else slows a step several-fold). The default size takes tens of
 minutes on a 2-core CPU, most of it on the TRL side.
@@ -66,15 +77,23 @@ Settings, and how each maps onto both sides (all are flags; defaults shown)
   `algo.kl_coef=0`, TRL `beta=0` (no reference model on either side).
 - No gradient checkpointing (TRL's default is on: set off), no mixed precision
   (`bf16=False`), no vLLM, `use_cpu=True`, dropout disabled, no logging/saving.
-- Task: `tictactoe-move` with `tool_choice="auto"` on both sides. With the env default
-  "required", looprl would force the tool call with a grammar (and jump-forward decoding)
-  that TRL has no counterpart for; "auto" makes both sides sample freely. Caveat: the
-  untrained model then rarely writes a valid call, every group's rewards are equal, and
-  looprl skips the update of A = 0 groups (TRL computes them anyway). So
-  `--looprl-tool-choice required` times looprl as its default config runs, with real
-  updates, against the same TRL run (`--reuse-trl runs/bench-step/trl.json`, saved by
-  `--save runs/bench-step` on the first run): TRL's work per step does not depend on
-  the rewards.
+- Task: `bench.step_env:MoveInText` (bench/step_env.py) with `tool_choice="auto"` on
+  both sides: `tictactoe-move`'s boards and prompts (tool schema included), with a reward
+  the model can earn in free text: 0.8 x the score of the square it names (a valid
+  `choose_square` call's square, else the first digit 1-9 of its text; +1 win, +0.8
+  optimal, 0 legal, -1 occupied or none named) + 0.2 x brevity (1 - characters of its
+  text / 500, capped). Under `tictactoe-move` itself the untrained model, sampling
+  freely, almost never writes a valid call, so every group scored -1 on both sides,
+  looprl skipped its whole update and the ratio set rollouts plus TRL's update against
+  looprl's rollouts alone. Here the answers' lengths (and now and then the square they
+  name) differ within a group, so groups get a reward spread without a forced call;
+  the table prints the all-equal groups per step for each side. With the env default
+  "required", looprl would force the call with a grammar (and jump-forward decoding)
+  that TRL has no counterpart for; `--looprl-tool-choice required` times looprl that way
+  (the move is then the forced call's square, with no text) against the same TRL run
+  (`--reuse-trl runs/bench-step/trl.json`, saved by `--save runs/bench-step` on a first
+  run with the same settings; a result saved for another workload or other settings is
+  refused).
 
 Same prompts, same scoring
 --------------------------
@@ -97,7 +116,7 @@ Sampling is random on both sides, so completions (and their lengths and rewards)
 differ; the table shows the mean completion length, reward and number of all-equal
 reward groups per side. looprl shares each prompt's prefill across its group (rollout
 and trainer), skips the forward/backward of advantage-0 sequences (a group whose rewards
-are all equal: common while the untrained model misses the tool call) and micro-batches
+are all equal: the table counts them per side, as they thin looprl's update) and micro-batches
 by a token budget (`train.micro_batch_tokens`); TRL trains on every sequence and also
 computes the per-token entropy in its loss pass. The advantages differ slightly (looprl:
 population std + 1e-6; TRL: Bessel-corrected std + 1e-4), which does not change the
@@ -119,7 +138,13 @@ from typing import Any
 
 from looprl.config import DEFAULT_CLIP
 
-ENV_NAME = "tictactoe-move"
+# The workload's env lives next to this script (bench/step_env.py) and is named like a
+# user env, `package.module:Class`; the repository root makes `bench.step_env` importable
+# wherever the script is started from (and in its child processes, which run this file).
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+ENV_NAME = "bench.step_env:MoveInText"
 ENV_ARGS: dict[str, Any] = {"tool_choice": "auto"}  # no grammar: see the module docstring
 EPS_LOW, EPS_HIGH = DEFAULT_CLIP["gspo"]
 
@@ -531,7 +556,27 @@ def side_summary(result: dict[str, Any], warmup: int) -> dict[str, float]:
     }
 
 
-def print_report(s: Settings, ours: dict[str, Any], trl: dict[str, Any]) -> None:
+def all_equal_groups(result: dict[str, Any], warmup: int) -> list[int]:
+    """All-equal reward groups of each measured step (advantage 0 for the whole group)."""
+    return [int(step["zero_std_groups"]) for step in result["steps"][warmup:]]
+
+
+def refusal(s: Settings, ours: list[int], theirs: list[int]) -> str | None:
+    """Why no ratio may be reported, or None: a measured step in which every group of a
+    side had equal rewards did no update on that side (all advantages 0)."""
+    for side, counts in (("looprl", ours), ("TRL", theirs)):
+        for k, count in enumerate(counts, start=s.warmup + 1):
+            if count >= s.tasks:
+                return (
+                    f"in measured step {k}, all {s.tasks} of {side}'s groups had equal rewards, "
+                    "so its advantages were all 0 and that step made no update to compare; "
+                    "rerun with more tasks, a larger group or longer answers"
+                )
+    return None
+
+
+def print_report(s: Settings, ours: dict[str, Any], trl: dict[str, Any]) -> int:
+    """The table and the RESULT line; returns the exit status (1: ratio refused)."""
     import torch
     import trl as trl_pkg
 
@@ -551,6 +596,38 @@ def print_report(s: Settings, ours: dict[str, Any], trl: dict[str, Any]) -> None
         f"(mean {checks['prompt_tokens_mean']:.0f} tokens); same tasks every step: {same_tasks}; "
         f"eos ids looprl {checks['looprl_eos_ids']} trl {checks['trl_eos_ids']}"
     )
+    print_table(a, b)
+    ours_equal, trl_equal = all_equal_groups(ours, s.warmup), all_equal_groups(trl, s.warmup)
+    print(
+        f"all-equal reward groups per measured step (of {s.tasks}): looprl {ours_equal}, "
+        f"TRL {trl_equal}"
+    )
+    if not (checks["prompt_ids_match"] and same_tasks):
+        print("WARNING: the two sides did not see the same prompts; the ratio is not comparable")
+    fields = {
+        f"{side}_{key}": f"{summary[key]:.2f}"
+        for key in ("step_s", "rollout_s", "update_s")
+        for side, summary in (("looprl", a), ("trl", b))
+    }
+    fields["looprl_all_equal_groups"] = ",".join(map(str, ours_equal)) + f"_of_{s.tasks}"
+    fields["trl_all_equal_groups"] = ",".join(map(str, trl_equal)) + f"_of_{s.tasks}"
+    why = refusal(s, ours_equal, trl_equal)
+    if why is not None:
+        print(f"NO RATIO: {why}")
+        print("RESULT ratio=refused " + " ".join(f"{k}={v}" for k, v in fields.items()))
+        return 1
+    ratios = {
+        f"{name}_time_ratio_vs_trl": f"{a[key] / b[key]:.3f}"
+        for name, key in (("step", "step_s"), ("rollout", "rollout_s"), ("update", "update_s"))
+    }
+    step, rollout, update = ratios.values()
+    print(f"looprl / TRL seconds: step {step}, rollout {rollout}, update {update}")
+    print("RESULT " + " ".join(f"{k}={v}" for k, v in {**ratios, **fields}.items()))
+    return 0
+
+
+def print_table(a: dict[str, float], b: dict[str, float]) -> None:
+    """Per-side medians, with looprl / TRL for the timings."""
     rows = [
         ("step s (median)", "step_s", "{:.2f}"),
         ("  min / max", None, ""),
@@ -570,26 +647,40 @@ def print_report(s: Settings, ours: dict[str, Any], trl: dict[str, Any]) -> None
         ratio = a[key] / b[key] if b[key] else float("nan")
         ratio_text = f"{ratio:.2f}" if key.endswith("_s") else ""
         print(f"{label:<20} {fmt.format(a[key]):>12} {fmt.format(b[key]):>12} {ratio_text:>7}")
-    if not (checks["prompt_ids_match"] and same_tasks):
-        print("WARNING: the two sides did not see the same prompts; the ratio is not comparable")
-    ratio = a["step_s"] / b["step_s"]
-    print(
-        f"RESULT step_time_ratio_vs_trl={ratio:.3f} looprl_step_s={a['step_s']:.2f} "
-        f"trl_step_s={b['step_s']:.2f}"
-    )
+
+
+def workload(s: Settings) -> dict[str, Any]:
+    """What a saved TRL result must match to be reused: the env and every shared setting
+    (looprl's tool choice aside, which TRL never sees)."""
+    shared = {k: v for k, v in asdict(s).items() if k != "looprl_tool_choice"}
+    return json.loads(json.dumps({"env": ENV_NAME, "env_args": ENV_ARGS, **shared}))
+
+
+def reused_trl(path: Path, s: Settings) -> dict[str, Any]:
+    """A TRL result saved by --save, refused unless it ran this workload and settings."""
+    theirs = json.loads(path.read_text())
+    saved = theirs.get("workload")
+    if saved != workload(s):
+        what = saved or "an earlier version of this benchmark (the tictactoe-move workload)"
+        raise SystemExit(
+            f"--reuse-trl {path} was saved for {what}, not for {workload(s)}; "
+            "rerun without --reuse-trl (add --save to keep the new TRL result)"
+        )
+    return theirs
 
 
 def main(argv: list[str] | None = None) -> None:
     s, args = parse_args(argv)
     if args.side != "both":
         result = run_looprl(s) if args.side == "looprl" else run_trl(s)
+        result["workload"] = workload(s)
         args.result_json.write_text(json.dumps(result))
         return
+    theirs = reused_trl(args.reuse_trl, s) if args.reuse_trl else None
     with tempfile.TemporaryDirectory(prefix="bench-step-") as tmp:
         ours = run_child("looprl", s, Path(tmp))
-        if args.reuse_trl:
+        if theirs is not None:
             print(f"\n=== trl: reusing {args.reuse_trl} ===")
-            theirs = json.loads(args.reuse_trl.read_text())
         else:
             theirs = run_child("trl", s, Path(tmp))
     if args.save:
@@ -597,7 +688,7 @@ def main(argv: list[str] | None = None) -> None:
         (args.save / f"looprl-{s.looprl_tool_choice}.json").write_text(json.dumps(ours))
         if not args.reuse_trl:
             (args.save / "trl.json").write_text(json.dumps(theirs))
-    print_report(s, ours, theirs)
+    sys.exit(print_report(s, ours, theirs))
 
 
 if __name__ == "__main__":
