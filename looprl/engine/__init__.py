@@ -39,6 +39,10 @@ class GenerationRequest:
     # multi-turn: the caller may send this request's continuation next; inside an engine
     # session its KV is then kept, so that the next turn prefills only its new tokens
     keep_kv: bool = False
+    # the random stream this request samples from (with `SamplingParams.seed`); default:
+    # its position in the list. A caller that splits one batch over several processes
+    # gives each request its index in the whole batch, so the split changes no sample
+    stream: int | None = None
     # a progress display's hook: called once this request's completion is ready, possibly
     # before `generate` returns; an engine may also never call it (nothing depends on it)
     on_complete: Callable[[], None] | None = field(default=None, compare=False, repr=False)

@@ -11,20 +11,31 @@ from looprl.types import Episode
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, tensorboard: bool = True, wandb_config: Any = None) -> None:
+    """`enabled=False` logs nothing: the ranks other than 0 of a torchrun job."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        tensorboard: bool = True,
+        wandb_config: Any = None,
+        enabled: bool = True,
+    ) -> None:
         self.path = run_dir / "metrics.jsonl"
+        self.enabled = enabled
         self.writer = None
-        if tensorboard:
+        if tensorboard and enabled:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=str(run_dir / "tb"))
         self.wandb = None
-        if wandb_config is not None:
+        if wandb_config is not None and enabled:
             import wandb  # optional dependency
 
             self.wandb = wandb.init(project="looprl", dir=str(run_dir), config=wandb_config)
 
     def log(self, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
         step = int(metrics["step"])
         clean = {k: _jsonable(v) for k, v in metrics.items()}
         with self.path.open("a") as f:
@@ -66,6 +77,12 @@ def episode_record(episode: Episode, step: int | None = None) -> dict[str, Any]:
         "completions": [t.text for t in episode.turns],
         **({"error": episode.error} if episode.error else {}),
     }
+
+
+def append_json(path: Path, record: dict[str, Any]) -> None:
+    """One JSON object as one more line of `path`."""
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def write_samples(path: Path, episodes: list[Episode], step: int | None = None) -> None:

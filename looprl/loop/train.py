@@ -38,20 +38,27 @@ from looprl.config import Config, to_yaml
 from looprl.engine import SamplingParams
 from looprl.envs import make_env
 from looprl.errors import ConfigError, LoopRLError
-from looprl.loop.checkpoint import (
-    list_checkpoints,
-    load_training_state,
-    load_weights,
-    save_checkpoint,
-)
+from looprl.loop import checkpoint as checkpoints
+from looprl.loop import dist as ranks
+from looprl.loop import log
+from looprl.loop.checkpoint import list_checkpoints, load_training_state, load_weights
+from looprl.loop.dist import Dist, main_only
 from looprl.loop.evaluate import eval_result, summarize
-from looprl.loop.log import MetricsLogger, write_samples
+from looprl.loop.log import MetricsLogger
 from looprl.loop.policy import Policy, load_policy
 from looprl.loop.progress import DONE, Progress
 from looprl.loop.rollout import run_episodes
 from looprl.loop.update import UpdateState, update_policy
-from looprl.report.write import reward_with_ci, write_report
+from looprl.report import write as report_files
+from looprl.report.write import reward_with_ci
 from looprl.types import ENV_ERROR
+
+# Under torchrun every rank runs this loop and computes the same metrics from all ranks'
+# episodes (loop/dist.py); rank 0 alone writes the run folder. These writers do nothing
+# on the other ranks, so the loop reads the same for one process or many.
+save_checkpoint = main_only(checkpoints.save_checkpoint)
+write_samples = main_only(log.write_samples)
+write_report = main_only(report_files.write_report)
 
 # ============================================================================ the loop
 
@@ -64,10 +71,27 @@ def run_training(
     progress: Progress | None = None,
 ) -> dict:
     """Returns the EvalResults (`baseline`, `after_sft` or None, `final`), `run_dir` and
-    `report` (report.md's path); `progress` shows each phase (default: on stderr)."""
-    progress = progress or Progress()
+    `report` (report.md's path); `progress` shows each phase (default: on stderr).
+
+    Under torchrun, every rank calls this: see loop/dist.py. A rank that fails says so
+    with its rank before it exits; torchrun then stops the others."""
+    dist = ranks.start()
+    try:
+        result = train(cfg, out, dist, force, resume, progress or Progress(quiet=not dist.is_main))
+    except BaseException as err:
+        ranks.report_failure(err)
+        raise
+    ranks.stop()
+    return result
+
+
+def train(
+    cfg: Config, out: Path, dist: Dist, force: bool, resume: bool, progress: Progress
+) -> dict:
+    """The loop itself (see run_training)."""
     # ---- everything that can be wrong is checked before anything is written
     check_run_dir(out, force=force, resume=resume)
+    check_split(cfg, dist)
     probe = make_env(cfg.env.name, cfg.env.args)
     if cfg.sft.enabled and not callable(getattr(probe, "demonstrations", None)):
         raise ConfigError(
@@ -81,8 +105,12 @@ def run_training(
         f"{cfg.train.steps} steps → {out}{' (resumed)' if resume else ''}"
     )
     policy = load_model(cfg, progress)
-    run_dir = prepare_run_dir(out, force=force, resume=resume)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    dist.broadcast_parameters(policy.trainable_parameters())  # the replicas start equal
+    dist.barrier()  # every rank has checked the folder before rank 0 changes it
+    run_dir = out
+    main_only(prepare_run_dir)(out, force=force, resume=resume)
+    main_only(write_config)(run_dir, cfg)
+    dist.barrier()  # and every rank reads the folder only once rank 0 has prepared it
     play = player(cfg, policy, probe)
 
     # ---- baseline: fixed held-out tasks and sampling seed, reused by the final eval
@@ -97,6 +125,7 @@ def run_training(
     after_sft = load_json(run_dir / "eval" / "after_sft.json") if cfg.sft.enabled else None
     if cfg.sft.enabled and after_sft is None:
         warm_start(policy, probe, cfg, run_dir, progress)
+        dist.broadcast_parameters(policy.trainable_parameters())
         after_sft = evaluate(policy, play, eval_tasks, cfg, run_dir, "after_sft", progress)
 
     # ---- optimizer, schedule, resume
@@ -107,8 +136,9 @@ def run_training(
     loop = LoopState(update=UpdateState(micro_batch_tokens=cfg.train.micro_batch_tokens))
     start = resume_state(run_dir, policy, optimizer, scheduler, loop) if resume else 0
     logger = MetricsLogger(
-        run_dir, cfg.logging.tensorboard, cfg.model_dump() if cfg.logging.wandb else None
-    )
+        run_dir, cfg.logging.tensorboard, cfg.model_dump() if cfg.logging.wandb else None,
+        enabled=dist.is_main,
+    )  # fmt: skip
 
     def checkpoint(step: int) -> None:
         save_checkpoint(
@@ -134,9 +164,13 @@ def run_training(
                 max_new_tokens=cfg.rollout.max_new_tokens,
                 seed=cfg.seed * 1_000_003 + step,
             )
-            episodes = play(
-                [t for t in tasks for _ in range(cfg.rollout.group_size)], params=params
-            )
+            # this rank plays its share of whole groups; every rank then sees all episodes
+            group = cfg.rollout.group_size
+            mine = dist.share(range(len(tasks)))
+            episodes = dist.gather(
+                play([tasks[i] for i in mine for _ in range(group)], params=params,
+                     first_index=mine[0] * group)
+            )  # fmt: skip
             rollout_s = time.time() - t0
 
             # feedback: environment bugs are counted against the budget, never trained on
@@ -159,13 +193,15 @@ def run_training(
                 dynamic_sampling=cfg.algo.dynamic_sampling,
             )  # fmt: skip
             batch = [(e, a) for e, a in zip(episodes, advantages) if a is not None]
+            mine_batch = [(e, a) for e, a in dist.share(list(zip(episodes, advantages)))
+                          if a is not None]  # fmt: skip
 
             # policy update
             t1 = time.time()
             stats = update_policy(
-                policy, optimizer, batch, cfg.algo, cfg.train, group_size=cfg.rollout.group_size,
+                policy, optimizer, mine_batch, cfg.algo, cfg.train, group_size=group,
                 max_tokens=cfg.rollout.max_new_tokens * probe.max_turns,
-                seed=cfg.seed * 7 + step, state=loop.update,
+                seed=cfg.seed * 7 + step, state=loop.update, dist=dist,
             )  # fmt: skip
             train_s = time.time() - t1
             if stats["skipped"]:
@@ -218,6 +254,8 @@ def run_training(
                 detail=f"step {step} · reward {metrics['rollout/rewards_mean']:+.3f} · "
                 f"{metrics['perf/step_s']:.1f} s/step",
             )
+            stopping = dist.all_reduce([bool(stop.requested)], op="max")[0]  # all or none
+            stop.requested = stop.requested or ("SIGTERM" if stopping else None)
             if loop.bad_steps >= cfg.train.max_bad_steps or stop.requested:
                 checkpoint(step)
                 logger.close()
@@ -237,7 +275,8 @@ def run_training(
     # ---- retest on exactly the same tasks and seeds, then report
     final = evaluate(policy, play, eval_tasks, cfg, run_dir, "final", progress)
     with progress.phase("write report") as phase:
-        report = write_report(run_dir, cfg, baseline, final, time.time() - started, peak_rss_gb())
+        write_report(run_dir, cfg, baseline, final, time.time() - started, peak_rss_gb())
+        report = run_dir / "report.md"
         phase.done(f"{report.name}, {report.with_suffix('.html').name}, plots/")
     return {
         "baseline": baseline,
@@ -327,27 +366,50 @@ def evaluate(
     )
     repeated = [t for t in tasks for _ in range(cfg.eval.samples_per_task)]
     title = EVAL_TITLES.get(name, name)
-    with (progress or Progress(quiet=True)).phase(title, len(repeated), "episode") as phase:
-        episodes = play(repeated, params=params, on_progress=phase.update)
+    dist = ranks.current()  # each rank plays its share; every rank then has them all
+    mine = dist.share(range(len(repeated)))
+    with (progress or Progress(quiet=True)).phase(title, len(mine), "episode") as phase:
+        episodes = dist.gather(
+            play([repeated[i] for i in mine], params=params, on_progress=phase.update,
+                 first_index=mine[0] if mine else 0)
+        )  # fmt: skip
         result = eval_result(episodes, cfg.env.name, cfg.model.name, cfg.eval.seed)
         phase.done(
             f"reward {reward_with_ci(result)} · valid calls "
             f"{result['valid_tool_call_rate']:.0%} · {result['n']} episodes"
         )
     if run_dir is not None:
-        (run_dir / "eval").mkdir(parents=True, exist_ok=True)
-        (run_dir / "eval" / f"{name}.json").write_text(json.dumps(result, indent=2))
-        write_samples(run_dir / "samples" / f"{name}.jsonl", episodes)
+        main_only(write_eval)(run_dir, name, result, episodes)
     return result
 
 
+def write_eval(run_dir: Path, name: str, result: dict, episodes: list) -> None:
+    (run_dir / "eval").mkdir(parents=True, exist_ok=True)
+    (run_dir / "eval" / f"{name}.json").write_text(json.dumps(result, indent=2))
+    log.write_samples(run_dir / "samples" / f"{name}.jsonl", episodes)
+
+
+def write_config(run_dir: Path, cfg: Config) -> None:
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+
+
 def player(cfg: Config, policy: Policy, probe: Any) -> Any:
-    """`play(tasks, params=...) -> episodes` with this policy, in fresh env instances
-    (agent environments, which have `run_agent`, are played by looprl.openai.agents)."""
+    """`play(tasks, params=..., first_index=0) -> episodes` with this policy, in fresh env
+    instances (agent environments, which have `run_agent`, are played by
+    looprl.openai.agents, in one process only: see check_split)."""
     from looprl.openai.agents import is_agent_env, run_agents
 
+    if is_agent_env(probe):
+        return partial(
+            run_agents,
+            make_env=lambda: make_env(cfg.env.name, cfg.env.args),
+            engine=policy.engine,
+            renderer=policy.renderer,
+            max_turns=probe.max_turns,
+            max_episode_tokens=cfg.rollout.max_episode_tokens,
+        )
     return partial(
-        run_agents if is_agent_env(probe) else run_episodes,
+        run_episodes,
         make_env=lambda: make_env(cfg.env.name, cfg.env.args),
         engine=policy.engine,
         renderer=policy.renderer,
@@ -393,6 +455,26 @@ def load_model(cfg: Config, progress: Progress) -> Policy:
     return policy
 
 
+def check_split(cfg: Config, dist: Dist) -> None:
+    """Over several processes each rank plays whole groups: the step's tasks must split
+    evenly (the eval tasks need not)."""
+    if dist.world == 1:
+        return
+    if cfg.rollout.tasks_per_step % dist.world:
+        raise ConfigError(
+            f"rollout.tasks_per_step={cfg.rollout.tasks_per_step} does not split over "
+            f"{dist.world} processes: each process plays whole groups, so set it to a "
+            f"multiple of {dist.world}"
+        )
+    from looprl.openai.agents import is_agent_env
+
+    if is_agent_env(make_env(cfg.env.name, cfg.env.args)):
+        raise ConfigError(
+            f"environment {cfg.env.name!r} is an agent environment, which runs in one "
+            "process only; start it without torchrun"
+        )
+
+
 def check_run_dir(out: Path, force: bool, resume: bool) -> None:
     """Refuse a run folder we must not touch, before anything is loaded or written."""
     if resume:
@@ -432,10 +514,10 @@ def warm_start(
     from looprl.loop.sft import demo_episode, sft_step
 
     optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=cfg.sft.lr)
-    with (
-        (progress or Progress(quiet=True)).phase("SFT warm start", cfg.sft.steps, "step") as phase,
-        (run_dir / "sft_metrics.jsonl").open("w") as log,
-    ):
+    sft_log = run_dir / "sft_metrics.jsonl"
+    main_only(sft_log.write_text)("")
+    append_line = main_only(log.append_json)
+    with (progress or Progress(quiet=True)).phase("SFT warm start", cfg.sft.steps, "step") as phase:
         for step in range(1, cfg.sft.steps + 1):
             tasks = probe.tasks("train", n=cfg.sft.batch_size, seed=cfg.seed * 999_983 + step)
             episodes = [
@@ -443,8 +525,7 @@ def warm_start(
                 for t in tasks
             ]
             stats = sft_step(policy, optimizer, episodes, cfg)
-            log.write(json.dumps({"step": step, **stats}) + "\n")
-            log.flush()
+            append_line(sft_log, {"step": step, **stats})
             phase.update(step, detail=f"loss {stats['sft/loss']:.3f}")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     save_checkpoint(run_dir, 0, policy.model, optimizer, scheduler, {"stage": "sft"}, 1_000_000)
@@ -453,16 +534,25 @@ def warm_start(
 def resume_state(
     run_dir: Path, policy: Policy, optimizer: Any, scheduler: Any, loop: LoopState
 ) -> int:
-    """Load the newest checkpoint; drop metrics logged after it. Returns its step."""
-    checkpoints = list_checkpoints(run_dir)
-    if not checkpoints:
+    """Load the newest checkpoint; drop metrics logged after it. Returns its step.
+
+    A checkpoint holds whole (unsharded) trainable weights and optimizer state, which
+    every rank loads: a run resumes at any number of processes."""
+    found = list_checkpoints(run_dir)
+    if not found:
         return 0
-    meta = load_weights(policy.model, checkpoints[-1])
+    meta = load_weights(policy.model, found[-1])
     if meta.get("stage") == "sft":  # only the warm-started weights: RL starts afresh
         return 0
-    load_training_state(checkpoints[-1], optimizer, scheduler)
+    load_training_state(found[-1], optimizer, scheduler)
     loop.load_meta(meta)
     step = int(meta["step"])
+    main_only(trim_metrics)(run_dir, step)
+    return step
+
+
+def trim_metrics(run_dir: Path, step: int) -> None:
+    """Drop the metrics logged after `step` (a resumed run logs them again)."""
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():
         kept = [
@@ -471,7 +561,6 @@ def resume_state(
             if line and json.loads(line)["step"] <= step
         ]
         metrics.write_text("".join(line + "\n" for line in kept))
-    return step
 
 
 def lr_factor(step: int, cfg: Config) -> float:
