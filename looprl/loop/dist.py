@@ -27,6 +27,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as torch_dist
 
+from looprl.config import Config
+from looprl.envs import make_env
 from looprl.errors import ConfigError
 
 T = TypeVar("T")
@@ -101,6 +103,26 @@ class Dist:
         if torch_dist.get_backend() == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+def check_split(cfg: Config, dist: Dist) -> None:
+    """Over several processes each rank plays whole groups: the step's tasks must split
+    evenly (the eval tasks need not)."""
+    if dist.world == 1:
+        return
+    if cfg.rollout.tasks_per_step % dist.world:
+        raise ConfigError(
+            f"rollout.tasks_per_step={cfg.rollout.tasks_per_step} does not split over "
+            f"{dist.world} processes: each process plays whole groups, so set it to a "
+            f"multiple of {dist.world}"
+        )
+    from looprl.openai.agents import is_agent_env
+
+    if is_agent_env(make_env(cfg.env.name, cfg.env.args)):
+        raise ConfigError(
+            f"environment {cfg.env.name!r} is an agent environment, which runs in one "
+            "process only; start it without torchrun"
+        )
 
 
 def share_bounds(n: int, rank: int, world: int) -> tuple[int, int]:

@@ -91,7 +91,7 @@ def train(
     """The loop itself (see run_training)."""
     # ---- everything that can be wrong is checked before anything is written
     check_run_dir(out, force=force, resume=resume)
-    check_split(cfg, dist)
+    ranks.check_split(cfg, dist)
     probe = make_env(cfg.env.name, cfg.env.args)
     if cfg.sft.enabled and not callable(getattr(probe, "demonstrations", None)):
         raise ConfigError(
@@ -396,20 +396,11 @@ def write_config(run_dir: Path, cfg: Config) -> None:
 def player(cfg: Config, policy: Policy, probe: Any) -> Any:
     """`play(tasks, params=..., first_index=0) -> episodes` with this policy, in fresh env
     instances (agent environments, which have `run_agent`, are played by
-    looprl.openai.agents, in one process only: see check_split)."""
+    looprl.openai.agents, in one process only: see dist.check_split)."""
     from looprl.openai.agents import is_agent_env, run_agents
 
-    if is_agent_env(probe):
-        return partial(
-            run_agents,
-            make_env=lambda: make_env(cfg.env.name, cfg.env.args),
-            engine=policy.engine,
-            renderer=policy.renderer,
-            max_turns=probe.max_turns,
-            max_episode_tokens=cfg.rollout.max_episode_tokens,
-        )
     return partial(
-        run_episodes,
+        run_agents if is_agent_env(probe) else run_episodes,
         make_env=lambda: make_env(cfg.env.name, cfg.env.args),
         engine=policy.engine,
         renderer=policy.renderer,
@@ -453,26 +444,6 @@ def load_model(cfg: Config, progress: Progress) -> Policy:
             f"{sum(p.numel() for p in params):,} parameters trained"
         )
     return policy
-
-
-def check_split(cfg: Config, dist: Dist) -> None:
-    """Over several processes each rank plays whole groups: the step's tasks must split
-    evenly (the eval tasks need not)."""
-    if dist.world == 1:
-        return
-    if cfg.rollout.tasks_per_step % dist.world:
-        raise ConfigError(
-            f"rollout.tasks_per_step={cfg.rollout.tasks_per_step} does not split over "
-            f"{dist.world} processes: each process plays whole groups, so set it to a "
-            f"multiple of {dist.world}"
-        )
-    from looprl.openai.agents import is_agent_env
-
-    if is_agent_env(make_env(cfg.env.name, cfg.env.args)):
-        raise ConfigError(
-            f"environment {cfg.env.name!r} is an agent environment, which runs in one "
-            "process only; start it without torchrun"
-        )
 
 
 def check_run_dir(out: Path, force: bool, resume: bool) -> None:

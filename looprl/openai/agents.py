@@ -150,10 +150,15 @@ def run_agents(
     max_turns: int,
     max_episode_tokens: int,
     on_progress: Callable[[int], None] | None = None,
+    first_index: int = 0,
 ) -> list[Episode]:
     """Play one agent episode per entry of `tasks` (repeat a task for a group), all
     concurrently, and return them in the same order (see the module doc). `on_progress(n)`
-    hears how many episodes have ended, as they end, like `rollout.run_episodes`."""
+    hears how many episodes have ended, as they end, like `rollout.run_episodes`.
+    Agent episodes are played by one process only, which plays the whole batch: the
+    `first_index` of a share of it (see `rollout.run_episodes`) is always 0 here."""
+    if first_index:
+        raise ValueError("agent environments run in one process: first_index must be 0")
     play = _play(
         tasks, make_env, engine, renderer, params, max_turns, max_episode_tokens, on_progress
     )
