@@ -20,7 +20,6 @@ import datetime
 import functools
 import os
 import sys
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -29,7 +28,7 @@ import torch.distributed as torch_dist
 
 from looprl.config import Config
 from looprl.envs import make_env
-from looprl.errors import ConfigError
+from looprl.errors import ConfigError, LoopRLError
 
 T = TypeVar("T")
 TIMEOUT_ENV = "LOOPRL_DIST_TIMEOUT_S"  # how long a collective waits for a missing rank
@@ -182,8 +181,9 @@ def main_only(fn: Callable[..., T]) -> Callable[..., T | None]:
 
 
 def report_failure(err: BaseException) -> None:
-    """Print which rank failed and why, before the exception ends this process (torchrun
-    then stops the other ranks; one blocked in a collective fails at its timeout)."""
-    if _current.world > 1:
-        text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
-        print(f"[rank {_current.rank}] failed:\n{text}", file=sys.stderr, flush=True)
+    """Say which rank failed and why, before the exception ends this process (torchrun
+    then stops the other ranks; one blocked in a collective fails at its timeout).
+    looprl's own errors are printed by the command line, on every rank."""
+    if _current.world > 1 and not isinstance(err, LoopRLError):
+        print(f"[rank {_current.rank}] failed: {type(err).__name__}: {err}", file=sys.stderr,
+              flush=True)  # fmt: skip
