@@ -6,6 +6,7 @@ raise (a rank that fails mid-run)."""
 from __future__ import annotations
 
 import os
+import time
 from typing import ClassVar
 
 from looprl.types import Message, Observation, StepResult, Task
@@ -21,7 +22,7 @@ class LengthEnv:
     def tasks(self, split: str, n: int | None = None, seed: int = 0) -> list[Task]:
         failing = os.environ.get("LOOPRL_TEST_FAIL_RANK")
         if split == "train" and failing is not None and failing == os.environ.get("RANK"):
-            raise RuntimeError(f"rank {os.environ['RANK']} fails on purpose")
+            raise RuntimeError(f"rank {os.environ['RANK']} fails on purpose at {time.time()}")
         return [Task(id=f"{split}-{seed}-{i}", data={"i": i}) for i in range(n or 4)]
 
     def reset(self, task: Task) -> Observation:

@@ -32,7 +32,7 @@ from looprl.errors import ConfigError, LoopRLError
 
 T = TypeVar("T")
 TIMEOUT_ENV = "LOOPRL_DIST_TIMEOUT_S"  # how long a collective waits for a missing rank
-DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_TIMEOUT_S = 300.0  # rank 0 writing a large checkpoint keeps the others waiting
 
 
 class Dist:
@@ -143,7 +143,7 @@ def start() -> Dist:
     """Join the process group torchrun describes in the environment (WORLD_SIZE, RANK,
     LOCAL_RANK, MASTER_ADDR, MASTER_PORT); without torchrun, one process. NCCL when this
     process has a GPU, gloo otherwise. A collective that waits longer than
-    LOOPRL_DIST_TIMEOUT_S (60 s by default) for a missing rank fails instead of hanging."""
+    LOOPRL_DIST_TIMEOUT_S (300 s by default) for a missing rank fails instead of hanging."""
     global _current
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 or torch_dist.is_initialized():

@@ -118,9 +118,10 @@ def update_policy(
     # old logprobs from the trainer's own forward pass, before any update; the gap to
     # the engine's sampling logprobs is the token-parity check. Only the episodes that
     # can move the loss need them: A = 0 episodes are skipped below (unless the KL term
-    # needs them); with none left, one group still measures the gap.
+    # needs them); with none left on any rank, one group per rank still measures the gap.
     learning = [e for e, a in batch if a != 0.0 or algo.kl_coef > 0]
-    episodes = learning or [e for e, _ in batch][:group_size]
+    anyone_learning = dist.all_reduce([len(learning)])[0] > 0
+    episodes = learning if anyone_learning else [e for e, _ in batch][:group_size]
     model.eval()
     old = retry_on_oom(lambda budget: masked_values(episodes, budget), state, optimizer)
     ref: dict[int, torch.Tensor] = {}
