@@ -27,7 +27,6 @@ import torch
 import torch.distributed as torch_dist
 
 from looprl.config import Config
-from looprl.envs import make_env
 from looprl.errors import ConfigError, LoopRLError
 
 T = TypeVar("T")
@@ -114,13 +113,6 @@ def check_split(cfg: Config, dist: Dist) -> None:
             f"rollout.tasks_per_step={cfg.rollout.tasks_per_step} does not split over "
             f"{dist.world} processes: each process plays whole groups, so set it to a "
             f"multiple of {dist.world}"
-        )
-    from looprl.openai.agents import is_agent_env
-
-    if is_agent_env(make_env(cfg.env.name, cfg.env.args)):
-        raise ConfigError(
-            f"environment {cfg.env.name!r} is an agent environment, which runs in one "
-            "process only; start it without torchrun"
         )
 
 

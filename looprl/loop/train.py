@@ -396,7 +396,8 @@ def write_config(run_dir: Path, cfg: Config) -> None:
 def player(cfg: Config, policy: Policy, probe: Any) -> Any:
     """`play(tasks, params=..., first_index=0) -> episodes` with this policy, in fresh env
     instances (agent environments, which have `run_agent`, are played by
-    looprl.openai.agents, in one process only: see dist.check_split)."""
+    looprl.openai.agents); `first_index` is the first episode's index in the whole batch
+    when this process plays a share of it (loop/dist.py)."""
     from looprl.openai.agents import is_agent_env, run_agents
 
     return partial(
