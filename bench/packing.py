@@ -30,8 +30,8 @@ import torch
 from looprl.config import load_config
 from looprl.engine import SamplingParams
 from looprl.envs import make_env
+from looprl.loop.evaluate import player
 from looprl.loop.policy import load_policy, prompt_length, sequence_logprobs
-from looprl.loop.train import player
 from looprl.loop.update import micro_batches, minibatches
 
 

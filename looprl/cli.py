@@ -75,12 +75,15 @@ def run(
 ) -> None:
     """Baseline eval → GSPO post-training → retest on the same tasks → report."""
     from looprl.config import load_config
+    from looprl.loop.dist import current as current_rank
     from looprl.loop.train import run_training
     from looprl.report.headline import headline
 
     config, out = _run_paths(config, out, resume)
     cfg = load_config(config, set_)
     result = run_training(cfg, out, force=force, resume=resume)
+    if not current_rank().is_main:
+        return  # rank 0 of a torchrun job prints the headline
     console.print()
     for line in headline(
         result["baseline"], result["final"], Path(result["report"]), result["after_sft"]
@@ -122,7 +125,7 @@ def eval_cmd(
 ) -> None:
     """Evaluate a model (or a run's checkpoint) on the env's held-out tasks."""
     from looprl.config import load_config
-    from looprl.loop.train import run_eval
+    from looprl.loop.evaluate import run_eval
 
     cfg = load_config(config, set_)
     result = run_eval(cfg, checkpoint=checkpoint, out=out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -201,6 +202,24 @@ def test_seeded_results_do_not_depend_on_the_batch(tiny_model, tokenizer, render
         free_requests, SamplingParams(temperature=1.0, max_new_tokens=32, seed=10)
     )
     assert [o.ids for o in other] != results[0]
+
+
+def test_a_request_stream_makes_a_split_batch_sample_the_whole_one(
+    tiny_model, tokenizer, renderer, free_requests
+):
+    """The second half of a batch, played alone with `stream` = its index in the whole
+    batch (as one rank of several plays its share), samples the same tokens."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=32, seed=9)
+    whole = [o.ids for o in HFEngine(tiny_model, tokenizer, renderer.eos_ids).generate(
+        free_requests, params)]  # fmt: skip
+    half = len(free_requests) // 2
+    tail = [replace(r, stream=half + i) for i, r in enumerate(free_requests[half:])]
+    alone = HFEngine(tiny_model, tokenizer, renderer.eos_ids).generate(tail, params)
+    assert [o.ids for o in alone] == whole[half:]
+    unshifted = HFEngine(tiny_model, tokenizer, renderer.eos_ids).generate(
+        free_requests[half:], params
+    )
+    assert [o.ids for o in unshifted] != whole[half:]  # without it, other streams
 
 
 def test_finished_rows_leave_and_waiting_ones_join(tiny_model, tokenizer, renderer, free_requests):

@@ -237,7 +237,7 @@ def _body(**fields):
         (_body(include=["reasoning.encrypted_content"]), 400, "include"),
         (_body(background=True), 400, "background"),
         (_body(conversation="conv_1"), 400, "conversation"),
-        (_body(text={"format": {"type": "xml"}}), 400, "text.format"),
+        (_body(text={"format": {"type": "xml"}}), 400, "text.format.type"),
     ],
 )  # fmt: skip
 def test_malformed_requests_get_openai_errors(url, body, status, param):

@@ -62,6 +62,10 @@ class GenerationRequest:
     on_token: TokenCallback | None = field(
         default=None, compare=False, repr=False
     )  # streaming: told of each token as it is chosen
+    # the random stream this request samples from (with `SamplingParams.seed`); default:
+    # its position in the list. A caller that splits one batch over several processes
+    # gives each request its index in the whole batch, so the split changes no sample
+    stream: int | None = None
     # a progress display's hook: called once this request's completion is ready, possibly
     # before `generate` returns; an engine may also never call it (nothing depends on it)
     on_complete: Callable[[], None] | None = field(default=None, compare=False, repr=False)

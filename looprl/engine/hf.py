@@ -140,9 +140,9 @@ class HFEngine:
         `batch_size` decode together. Finished rows leave the batch once a quarter of
         it has finished, and waiting requests join when a quarter of the slots are
         free (their prompts prefilled together, sharing prefixes). Every request
-        samples from its own random stream, seeded from `params.seed` and its index, so
-        a seeded result does not depend on the batch size or on which requests run
-        alongside it."""
+        samples from its own random stream, seeded from `params.seed` and its index in
+        `requests` (or its `stream`), so a seeded result does not depend on the batch
+        size or on which requests run alongside it."""
         if not requests:
             return []
         self._refresh_sampler()
@@ -263,7 +263,8 @@ class HFEngine:
         if request.constraint is not None:
             matcher = self.grammars().matcher(request.constraint)
         limit = min(params.max_new_tokens, request.max_new_tokens or params.max_new_tokens)
-        generator = torch.Generator().manual_seed((base_seed * 1_000_003 + index) % 2**63)
+        stream = index if request.stream is None else request.stream
+        generator = torch.Generator().manual_seed((base_seed * 1_000_003 + stream) % 2**63)
         return _Row(
             index, request.prompt_ids, limit, matcher, generator, request.keep_kv,
             request.top_logprobs, request.on_token,

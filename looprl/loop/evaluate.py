@@ -1,12 +1,30 @@
 """Evaluation on fixed held-out tasks: the same tasks, seeds and sampling before and
-after training, so the before/after comparison is paired."""
+after training, so the before/after comparison is paired. Also what training and
+`looprl eval` share: loading the model as a phase, and `player`, which plays episodes
+with a policy (built-in envs through loop/rollout.py, agent envs through
+looprl/openai/agents.py)."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
+from functools import partial
+from pathlib import Path
 from typing import Any
 
+from looprl.config import Config
+from looprl.engine import SamplingParams
+from looprl.envs import make_env
+from looprl.errors import ConfigError
+from looprl.loop import dist as ranks
+from looprl.loop import log
+from looprl.loop.checkpoint import load_weights
+from looprl.loop.dist import main_only
+from looprl.loop.policy import Policy, load_policy
+from looprl.loop.progress import DONE, Progress
+from looprl.loop.rollout import run_episodes
+from looprl.report.stats import reward_with_ci
 from looprl.types import ENV_ERROR, Episode
 
 
@@ -65,3 +83,102 @@ def eval_result(episodes: list[Episode], env: str, model: str, task_seed: int) -
         "rewards": [e.reward for e in episodes],
         "task_ids": [e.task.id for e in episodes],
     }
+
+
+EVAL_TITLES = {"baseline": "baseline eval", "after_sft": "eval after SFT", "final": "final eval"}
+
+
+def evaluate(
+    policy: Policy,
+    play: Any,
+    tasks: list,
+    cfg: Config,
+    run_dir: Path | None,
+    name: str,
+    progress: Progress | None = None,
+) -> dict:
+    """Play the eval tasks with the eval sampling settings; write eval/NAME.json."""
+    params = SamplingParams(
+        temperature=cfg.eval.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        seed=cfg.eval.seed,
+    )
+    repeated = [t for t in tasks for _ in range(cfg.eval.samples_per_task)]
+    title = EVAL_TITLES.get(name, name)
+    dist = ranks.current()  # each rank plays its share; every rank then has them all
+    mine = dist.share(range(len(repeated)))
+    with (progress or Progress(quiet=True)).phase(title, len(mine), "episode") as phase:
+        episodes = dist.gather(
+            play([repeated[i] for i in mine], params=params, on_progress=phase.update,
+                 first_index=mine[0] if mine else 0)
+        )  # fmt: skip
+        result = eval_result(episodes, cfg.env.name, cfg.model.name, cfg.eval.seed)
+        phase.done(
+            f"reward {reward_with_ci(result)} · valid calls "
+            f"{result['valid_tool_call_rate']:.0%} · {result['n']} episodes"
+        )
+    if run_dir is not None:
+        main_only(write_eval)(run_dir, name, result, episodes)
+    return result
+
+
+def write_eval(run_dir: Path, name: str, result: dict, episodes: list) -> None:
+    (run_dir / "eval").mkdir(parents=True, exist_ok=True)
+    (run_dir / "eval" / f"{name}.json").write_text(json.dumps(result, indent=2))
+    log.write_samples(run_dir / "samples" / f"{name}.jsonl", episodes)
+
+
+def player(cfg: Config, policy: Policy, probe: Any) -> Any:
+    """`play(tasks, params=..., first_index=0) -> episodes` with this policy, in fresh env
+    instances (agent environments, which have `run_agent`, are played by
+    looprl.openai.agents); `first_index` is the first episode's index in the whole batch
+    when this process plays a share of it (loop/dist.py)."""
+    from looprl.openai.agents import is_agent_env, run_agents
+
+    return partial(
+        run_agents if is_agent_env(probe) else run_episodes,
+        make_env=lambda: make_env(cfg.env.name, cfg.env.args),
+        engine=policy.engine,
+        renderer=policy.renderer,
+        max_turns=probe.max_turns,
+        max_episode_tokens=cfg.rollout.max_episode_tokens,
+    )
+
+
+def run_eval(
+    cfg: Config,
+    checkpoint: Path | None = None,
+    out: Path | None = None,
+    progress: Progress | None = None,
+) -> dict:
+    """`looprl eval`: evaluate a model, or a run's checkpoint, on the held-out tasks."""
+    progress = progress or Progress()
+    if checkpoint is not None and not (checkpoint / "trainable.safetensors").exists():
+        raise ConfigError(f"{checkpoint} is not a looprl checkpoint folder")
+    policy = load_model(cfg, progress)
+    if checkpoint is not None:
+        load_weights(policy.model, checkpoint)
+        progress.note(f"{DONE} weights from {checkpoint}")
+    probe = make_env(cfg.env.name, cfg.env.args)
+    play = player(cfg, policy, probe)
+    tasks = probe.tasks("eval", n=cfg.eval.tasks, seed=cfg.eval.seed)
+    result = evaluate(policy, play, tasks, cfg, None, "eval", progress)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def load_model(cfg: Config, progress: Progress) -> Policy:
+    """`load_policy` as a phase of its own: the first minute of a run on a slow disk."""
+    with progress.phase("load model") as phase:
+        policy = load_policy(cfg)
+        params = list(policy.model.parameters())
+        trained = sum(p.numel() for p in params if p.requires_grad)
+        phase.done(
+            f"{cfg.model.name} on {policy.device} · {trained:,} of "
+            f"{sum(p.numel() for p in params):,} parameters trained"
+        )
+    return policy

@@ -19,22 +19,28 @@ from looprl.types import Episode
 
 
 class MetricsLogger:
+    """`enabled=False` logs nothing: the ranks other than 0 of a torchrun job."""
+
     def __init__(
         self,
         run_dir: Path,
         trackers: Sequence[str] = ("tensorboard",),
         config: dict[str, Any] | None = None,
         project: str = "looprl",
+        enabled: bool = True,
     ) -> None:
         self.path = run_dir / "metrics.jsonl"
+        self.enabled = enabled
         self.trackers: list[Tracker] = []
-        for name in trackers:
+        for name in trackers if enabled else ():
             try:
                 self.trackers.append(start_tracker(name, run_dir, project, config or {}))
             except Exception as err:  # a tracker is never a reason to stop a run
                 _warn_off(name, "start", err)
 
     def log(self, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
         step = int(metrics["step"])
         clean = {k: _jsonable(v) for k, v in metrics.items()}
         with self.path.open("a") as f:
@@ -92,6 +98,12 @@ def episode_record(episode: Episode, step: int | None = None) -> dict[str, Any]:
         "completions": [t.text for t in episode.turns],
         **({"error": episode.error} if episode.error else {}),
     }
+
+
+def append_json(path: Path, record: dict[str, Any]) -> None:
+    """One JSON object as one more line of `path`."""
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def write_samples(path: Path, episodes: list[Episode], step: int | None = None) -> None:

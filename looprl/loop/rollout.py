@@ -81,12 +81,18 @@ def run_episodes(
     max_turns: int,
     max_episode_tokens: int,
     on_progress: Callable[[int], None] | None = None,
+    first_index: int = 0,
 ) -> list[Episode]:
     """Play one episode per entry of `tasks` (repeat a task for a group) and return them
     in the same order. Malformed model output is an outcome; an environment that raises
     ends only its own episode with outcome `env_error`. `on_progress(n)` hears how many
-    episodes have ended, as they end (for a progress display; it changes nothing)."""
+    episodes have ended, as they end (for a progress display; it changes nothing).
+
+    Episode i samples from random stream `first_index + i` in every turn: a batch split
+    over several processes (each passing its share's offset) samples what one process
+    playing the whole batch would."""
     lives = [_start(task, make_env, renderer, params.temperature) for task in tasks]
+    stream = {id(lv): first_index + i for i, lv in enumerate(lives)}
     ended = _Ended(on_progress)
     for lv in lives:
         if lv.episode.outcome == ENV_ERROR:
@@ -110,6 +116,7 @@ def run_episodes(
             )
             requests = [_request(lv, renderer) for lv in active]
             for lv, request, left in zip(active, requests, room):
+                request.stream = stream[id(lv)]
                 request.max_new_tokens = min(params.max_new_tokens, left)
                 request.keep_kv = turn + 1 < max_turns
                 if on_progress is not None and not request.keep_kv:  # its last turn

@@ -20,6 +20,7 @@ import torch
 
 from looprl.errors import ConfigError, LoopRLError
 from looprl.loop.checkpoint import list_checkpoints, load_training_state, load_weights
+from looprl.loop.dist import main_only
 from looprl.loop.policy import Policy
 from looprl.loop.update import UpdateState
 
@@ -113,16 +114,25 @@ def prepare_run_dir(out: Path, force: bool, resume: bool) -> Path:
 def resume_state(
     run_dir: Path, policy: Policy, optimizer: Any, scheduler: Any, loop: LoopState
 ) -> int:
-    """Load the newest checkpoint; drop metrics logged after it. Returns its step."""
-    checkpoints = list_checkpoints(run_dir)
-    if not checkpoints:
+    """Load the newest checkpoint; drop metrics logged after it. Returns its step.
+
+    A checkpoint holds whole (unsharded) trainable weights and optimizer state, which
+    every rank loads: a run resumes at any number of processes."""
+    found = list_checkpoints(run_dir)
+    if not found:
         return 0
-    meta = load_weights(policy.model, checkpoints[-1])
+    meta = load_weights(policy.model, found[-1])
     if meta.get("stage") == "sft":  # only the warm-started weights: RL starts afresh
         return 0
-    load_training_state(checkpoints[-1], optimizer, scheduler)
+    load_training_state(found[-1], optimizer, scheduler)
     loop.load_meta(meta)
     step = int(meta["step"])
+    main_only(trim_metrics)(run_dir, step)
+    return step
+
+
+def trim_metrics(run_dir: Path, step: int) -> None:
+    """Drop the metrics logged after `step` (a resumed run logs them again)."""
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():
         kept = [
@@ -131,7 +141,6 @@ def resume_state(
             if line and json.loads(line)["step"] <= step
         ]
         metrics.write_text("".join(line + "\n" for line in kept))
-    return step
 
 
 def seed_everything(seed: int) -> None:

@@ -16,7 +16,6 @@ grammar (see engine/hf.py), and groups whose rewards are all equal produce no gr
 
 from __future__ import annotations
 
-import json
 import time
 import warnings
 from functools import partial
@@ -31,16 +30,15 @@ from looprl.config import Config, to_yaml
 from looprl.engine import SamplingParams
 from looprl.envs import make_env
 from looprl.errors import ConfigError, LoopRLError
-from looprl.loop.checkpoint import (
-    load_weights,
-    save_checkpoint,
-)
-from looprl.loop.evaluate import eval_result, summarize
-from looprl.loop.log import MetricsLogger, write_samples
+from looprl.loop import checkpoint as checkpoints
+from looprl.loop import dist as ranks
+from looprl.loop import log
+from looprl.loop.dist import Dist, main_only
+from looprl.loop.evaluate import evaluate, load_model, player, summarize
+from looprl.loop.log import MetricsLogger
 from looprl.loop.optim import make_optimizer
-from looprl.loop.policy import Policy, load_policy
+from looprl.loop.policy import Policy
 from looprl.loop.progress import DONE, Progress
-from looprl.loop.rollout import run_episodes
 from looprl.loop.run_state import (
     Interrupted,
     LoopState,
@@ -54,9 +52,15 @@ from looprl.loop.run_state import (
 )
 from looprl.loop.trackers import check_trackers
 from looprl.loop.update import UpdateState, update_policy
-from looprl.report.stats import reward_with_ci
-from looprl.report.write import write_report
+from looprl.report import write as report_files
 from looprl.types import ENV_ERROR
+
+# Under torchrun every rank runs this loop and computes the same metrics from all ranks'
+# episodes (loop/dist.py); rank 0 alone writes the run folder. These writers do nothing
+# on the other ranks, so the loop reads the same for one process or many.
+save_checkpoint = main_only(checkpoints.save_checkpoint)
+write_samples = main_only(log.write_samples)
+write_report = main_only(report_files.write_report)
 
 # ============================================================================ the loop
 
@@ -69,11 +73,28 @@ def run_training(
     progress: Progress | None = None,
 ) -> dict:
     """Returns the EvalResults (`baseline`, `after_sft` or None, `final`), `run_dir` and
-    `report` (report.md's path); `progress` shows each phase (default: on stderr)."""
-    progress = progress or Progress()
+    `report` (report.md's path); `progress` shows each phase (default: on stderr).
+
+    Under torchrun, every rank calls this: see loop/dist.py. A rank that fails says so
+    with its rank before it exits; torchrun then stops the others."""
+    dist = ranks.start()
+    try:
+        result = train(cfg, out, dist, force, resume, progress or Progress(quiet=not dist.is_main))
+    except BaseException as err:
+        ranks.report_failure(err)
+        raise
+    ranks.stop()
+    return result
+
+
+def train(
+    cfg: Config, out: Path, dist: Dist, force: bool, resume: bool, progress: Progress
+) -> dict:
+    """The loop itself (see run_training)."""
     # ---- everything that can be wrong is checked before anything is written
     check_run_dir(out, force=force, resume=resume)
     check_trackers(cfg.logging.trackers)
+    ranks.check_split(cfg, dist)
     probe = make_env(cfg.env.name, cfg.env.args)
     if cfg.sft.enabled and not callable(getattr(probe, "demonstrations", None)):
         raise ConfigError(
@@ -87,8 +108,12 @@ def run_training(
         f"{cfg.train.steps} steps → {out}{' (resumed)' if resume else ''}"
     )
     policy = load_model(cfg, progress)
-    run_dir = prepare_run_dir(out, force=force, resume=resume)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    dist.broadcast_parameters(policy.trainable_parameters())  # the replicas start equal
+    dist.barrier()  # every rank has checked the folder before rank 0 changes it
+    run_dir = out
+    main_only(prepare_run_dir)(out, force=force, resume=resume)
+    main_only(write_config)(run_dir, cfg)
+    dist.barrier()  # and every rank reads the folder only once rank 0 has prepared it
     play = player(cfg, policy, probe)
 
     # ---- baseline: fixed held-out tasks and sampling seed, reused by the final eval
@@ -103,6 +128,7 @@ def run_training(
     after_sft = load_json(run_dir / "eval" / "after_sft.json") if cfg.sft.enabled else None
     if cfg.sft.enabled and after_sft is None:
         warm_start(policy, probe, cfg, run_dir, progress)
+        dist.broadcast_parameters(policy.trainable_parameters())
         after_sft = evaluate(policy, play, eval_tasks, cfg, run_dir, "after_sft", progress)
 
     # ---- optimizer, schedule, resume
@@ -113,8 +139,9 @@ def run_training(
     loop = LoopState(update=UpdateState(micro_batch_tokens=cfg.train.micro_batch_tokens))
     start = resume_state(run_dir, policy, optimizer, scheduler, loop) if resume else 0
     logger = MetricsLogger(
-        run_dir, cfg.logging.trackers, cfg.model_dump(mode="json"), cfg.logging.project
-    )
+        run_dir, cfg.logging.trackers, cfg.model_dump(mode="json"), cfg.logging.project,
+        enabled=dist.is_main,
+    )  # fmt: skip
 
     def checkpoint(step: int) -> None:
         save_checkpoint(
@@ -140,9 +167,13 @@ def run_training(
                 max_new_tokens=cfg.rollout.max_new_tokens,
                 seed=cfg.seed * 1_000_003 + step,
             )
-            episodes = play(
-                [t for t in tasks for _ in range(cfg.rollout.group_size)], params=params
-            )
+            # this rank plays its share of whole groups; every rank then sees all episodes
+            group = cfg.rollout.group_size
+            mine = dist.share(range(len(tasks)))
+            episodes = dist.gather(
+                play([tasks[i] for i in mine for _ in range(group)], params=params,
+                     first_index=mine[0] * group)
+            )  # fmt: skip
             rollout_s = time.time() - t0
 
             # feedback: environment bugs are counted against the budget, never trained on
@@ -165,13 +196,15 @@ def run_training(
                 dynamic_sampling=cfg.algo.dynamic_sampling,
             )  # fmt: skip
             batch = [(e, a) for e, a in zip(episodes, advantages) if a is not None]
+            mine_batch = [(e, a) for e, a in dist.share(list(zip(episodes, advantages)))
+                          if a is not None]  # fmt: skip
 
             # policy update
             t1 = time.time()
             stats = update_policy(
-                policy, optimizer, batch, cfg.algo, cfg.train, group_size=cfg.rollout.group_size,
+                policy, optimizer, mine_batch, cfg.algo, cfg.train, group_size=group,
                 max_tokens=cfg.rollout.max_new_tokens * probe.max_turns,
-                seed=cfg.seed * 7 + step, state=loop.update,
+                seed=cfg.seed * 7 + step, state=loop.update, dist=dist,
             )  # fmt: skip
             train_s = time.time() - t1
             if stats["skipped"]:
@@ -224,6 +257,8 @@ def run_training(
                 detail=f"step {step} · reward {metrics['rollout/rewards_mean']:+.3f} · "
                 f"{metrics['perf/step_s']:.1f} s/step",
             )
+            stopping = dist.all_reduce([bool(stop.requested)], op="max")[0]  # all or none
+            stop.requested = stop.requested or ("SIGTERM" if stopping else None)
             if loop.bad_steps >= cfg.train.max_bad_steps or stop.requested:
                 checkpoint(step)
                 write_report(run_dir, cfg, baseline, None, time.time() - started, peak_rss_gb())
@@ -242,7 +277,8 @@ def run_training(
     # ---- retest on exactly the same tasks and seeds, then report
     final = evaluate(policy, play, eval_tasks, cfg, run_dir, "final", progress)
     with progress.phase("write report") as phase:
-        report = write_report(run_dir, cfg, baseline, final, time.time() - started, peak_rss_gb())
+        write_report(run_dir, cfg, baseline, final, time.time() - started, peak_rss_gb())
+        report = run_dir / "report.md"
         phase.done(f"{report.name}, {report.with_suffix('.html').name}, plots/")
     logger.close(report_dir=run_dir)
     return {
@@ -257,92 +293,8 @@ def run_training(
 # ============================================================================ plumbing
 
 
-EVAL_TITLES = {"baseline": "baseline eval", "after_sft": "eval after SFT", "final": "final eval"}
-
-
-def evaluate(
-    policy: Policy,
-    play: Any,
-    tasks: list,
-    cfg: Config,
-    run_dir: Path | None,
-    name: str,
-    progress: Progress | None = None,
-) -> dict:
-    """Play the eval tasks with the eval sampling settings; write eval/NAME.json."""
-    params = SamplingParams(
-        temperature=cfg.eval.temperature,
-        top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        seed=cfg.eval.seed,
-    )
-    repeated = [t for t in tasks for _ in range(cfg.eval.samples_per_task)]
-    title = EVAL_TITLES.get(name, name)
-    with (progress or Progress(quiet=True)).phase(title, len(repeated), "episode") as phase:
-        episodes = play(repeated, params=params, on_progress=phase.update)
-        result = eval_result(episodes, cfg.env.name, cfg.model.name, cfg.eval.seed)
-        phase.done(
-            f"reward {reward_with_ci(result)} · valid calls "
-            f"{result['valid_tool_call_rate']:.0%} · {result['n']} episodes"
-        )
-    if run_dir is not None:
-        (run_dir / "eval").mkdir(parents=True, exist_ok=True)
-        (run_dir / "eval" / f"{name}.json").write_text(json.dumps(result, indent=2))
-        write_samples(run_dir / "samples" / f"{name}.jsonl", episodes)
-    return result
-
-
-def player(cfg: Config, policy: Policy, probe: Any) -> Any:
-    """`play(tasks, params=...) -> episodes` with this policy, in fresh env instances
-    (agent environments, which have `run_agent`, are played by looprl.openai.agents)."""
-    from looprl.openai.agents import is_agent_env, run_agents
-
-    return partial(
-        run_agents if is_agent_env(probe) else run_episodes,
-        make_env=lambda: make_env(cfg.env.name, cfg.env.args),
-        engine=policy.engine,
-        renderer=policy.renderer,
-        max_turns=probe.max_turns,
-        max_episode_tokens=cfg.rollout.max_episode_tokens,
-    )
-
-
-def run_eval(
-    cfg: Config,
-    checkpoint: Path | None = None,
-    out: Path | None = None,
-    progress: Progress | None = None,
-) -> dict:
-    """`looprl eval`: evaluate a model, or a run's checkpoint, on the held-out tasks."""
-    progress = progress or Progress()
-    if checkpoint is not None and not (checkpoint / "trainable.safetensors").exists():
-        raise ConfigError(f"{checkpoint} is not a looprl checkpoint folder")
-    policy = load_model(cfg, progress)
-    if checkpoint is not None:
-        load_weights(policy.model, checkpoint)
-        progress.note(f"{DONE} weights from {checkpoint}")
-    probe = make_env(cfg.env.name, cfg.env.args)
-    play = player(cfg, policy, probe)
-    tasks = probe.tasks("eval", n=cfg.eval.tasks, seed=cfg.eval.seed)
-    result = evaluate(policy, play, tasks, cfg, None, "eval", progress)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2))
-    return result
-
-
-def load_model(cfg: Config, progress: Progress) -> Policy:
-    """`load_policy` as a phase of its own: the first minute of a run on a slow disk."""
-    with progress.phase("load model") as phase:
-        policy = load_policy(cfg)
-        params = list(policy.model.parameters())
-        trained = sum(p.numel() for p in params if p.requires_grad)
-        phase.done(
-            f"{cfg.model.name} on {policy.device} · {trained:,} of "
-            f"{sum(p.numel() for p in params):,} parameters trained"
-        )
-    return policy
+def write_config(run_dir: Path, cfg: Config) -> None:
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
 
 
 def warm_start(
@@ -353,10 +305,10 @@ def warm_start(
 
     # weight decay 0.01: torch AdamW's default, which the warm start has always used
     optimizer = make_optimizer(policy.trainable_parameters(), cfg.train.optimizer, cfg.sft.lr, 0.01)
-    with (
-        (progress or Progress(quiet=True)).phase("SFT warm start", cfg.sft.steps, "step") as phase,
-        (run_dir / "sft_metrics.jsonl").open("w") as log,
-    ):
+    sft_log = run_dir / "sft_metrics.jsonl"
+    main_only(sft_log.write_text)("")
+    append_line = main_only(log.append_json)
+    with (progress or Progress(quiet=True)).phase("SFT warm start", cfg.sft.steps, "step") as phase:
         for step in range(1, cfg.sft.steps + 1):
             tasks = probe.tasks("train", n=cfg.sft.batch_size, seed=cfg.seed * 999_983 + step)
             episodes = [
@@ -364,8 +316,7 @@ def warm_start(
                 for t in tasks
             ]
             stats = sft_step(policy, optimizer, episodes, cfg)
-            log.write(json.dumps({"step": step, **stats}) + "\n")
-            log.flush()
+            append_line(sft_log, {"step": step, **stats})
             phase.update(step, detail=f"loss {stats['sft/loss']:.3f}")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     save_checkpoint(run_dir, 0, policy.model, optimizer, scheduler, {"stage": "sft"}, 1_000_000)

@@ -19,6 +19,7 @@ import torch
 from looprl.algo import LOSSES, Normalizer, scoring_temperature
 from looprl.config import AlgoConfig, TrainConfig
 from looprl.errors import LoopRLError
+from looprl.loop.dist import Dist
 from looprl.loop.policy import Policy, prompt_length, sequence_logprobs
 from looprl.model.memory import release_free_memory
 from looprl.types import Episode
@@ -78,16 +79,22 @@ def update_policy(
     max_tokens: int,
     seed: int,
     state: UpdateState,
+    dist: Dist | None = None,
 ) -> dict[str, Any]:
     """`algo.num_minibatches` optimizer updates on one rollout batch (episode, advantage).
 
     `group_size` episodes of one task form a group; `max_tokens` is the generation budget
     of one episode (the constant length of Dr.GRPO's normaliser); `seed` shuffles this
     step's groups into minibatches. Each episode is scored at its own sampling temperature.
+
+    Over several processes (`dist`), `batch` is this rank's share of whole groups; the
+    minibatches, the loss normaliser, the gradient and the returned stats are those of
+    the whole batch over all ranks, so the update is the one-process update.
     """
+    dist = dist or Dist()
     out = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "ratio_max": 1.0,
            "logprob_gap": 0.0, "skipped": 0, "updated": 0, "tokens": 0}  # fmt: skip
-    if not batch:
+    if not dist.all_reduce([len(batch)])[0]:
         return out
     model, pad = policy.model, policy.tokenizer.pad_token_id or 0
 
@@ -111,9 +118,10 @@ def update_policy(
     # old logprobs from the trainer's own forward pass, before any update; the gap to
     # the engine's sampling logprobs is the token-parity check. Only the episodes that
     # can move the loss need them: A = 0 episodes are skipped below (unless the KL term
-    # needs them); with none left, one group still measures the gap.
+    # needs them); with none left on any rank, one group per rank still measures the gap.
     learning = [e for e, a in batch if a != 0.0 or algo.kl_coef > 0]
-    episodes = learning or [e for e, _ in batch][:group_size]
+    anyone_learning = dist.all_reduce([len(learning)])[0] > 0
+    episodes = learning if anyone_learning else [e for e, _ in batch][:group_size]
     model.eval()
     old = retry_on_oom(lambda budget: masked_values(episodes, budget), state, optimizer)
     ref: dict[int, torch.Tensor] = {}
@@ -121,24 +129,20 @@ def update_policy(
         with model.disable_adapter():
             ref = retry_on_oom(lambda budget: masked_values(episodes, budget), state, optimizer)
     model.train()
-    out["logprob_gap"] = float(
-        np.mean([
-            (old[id(e)] - torch.tensor([lp for lp, m in zip(e.logprobs, e.loss_mask) if m]))
-            .abs().mean().item()
-            for e in episodes
-        ])
-    )  # fmt: skip
+    gaps = [
+        (old[id(e)] - torch.tensor([lp for lp, m in zip(e.logprobs, e.loss_mask) if m]))
+        .abs().mean().item()
+        for e in episodes
+    ]  # fmt: skip
+    gap_sum, gap_count = dist.all_reduce([float(np.sum(gaps)), len(gaps)])
+    out["logprob_gap"] = gap_sum / gap_count if gap_count else float("nan")
 
     loss_fn = LOSSES[algo.name]
 
-    def backward(minibatch: list[tuple[Episode, float]], budget: int) -> dict[str, float]:
-        """Accumulate the gradient of one minibatch's loss over micro-batches."""
-        # the whole minibatch's counts: each loss divides by its own (algo/losses.py)
-        normalizer = Normalizer(
-            sequences=float(len(minibatch)),
-            tokens=float(sum(e.response_len for e, _ in minibatch)),
-            max_tokens=max_tokens,
-        )
+    def backward(
+        minibatch: list[tuple[Episode, float]], normalizer: Normalizer, budget: int
+    ) -> dict[str, float]:
+        """Accumulate the gradient of this rank's part of one minibatch's loss."""
         # A = 0 sequences add nothing to the policy-gradient loss: skip their forward
         # pass (unless the KL term needs them); they still count in the normaliser.
         active = [(e, a) for e, a in minibatch if a != 0.0 or algo.kl_coef > 0]
@@ -168,11 +172,23 @@ def update_policy(
         return acc
 
     losses, clips, norms = [], [], []
-    for minibatch in minibatches(batch, algo.num_minibatches, seed=seed):
-        acc = retry_on_oom(lambda budget, mb=minibatch: backward(mb, budget), state, optimizer)
+    for minibatch in minibatches(batch, algo.num_minibatches, seed=seed, dist=dist):
+        # the whole minibatch's counts, over all ranks: each loss divides by its own
+        # (algo/losses.py)
+        sequences, tokens = dist.all_reduce(
+            [len(minibatch), sum(e.response_len for e, _ in minibatch)]
+        )
+        normalizer = Normalizer(sequences=sequences, tokens=tokens, max_tokens=max_tokens)
+        acc = retry_on_oom(
+            lambda budget, mb=minibatch, n=normalizer: backward(mb, n, budget), state, optimizer
+        )
+        dist.sum_gradients(policy.trainable_parameters())
+        keys = ("loss", "units", "clipped", "tokens")
+        acc.update(zip(keys, dist.all_reduce([acc[k] for k in keys])))
+        acc["ratio_max"] = dist.all_reduce([acc["ratio_max"]], op="max")[0]
         if not acc["tokens"]:
             continue  # every advantage was 0: nothing to learn from this minibatch
-        out["tokens"] += acc["tokens"]
+        out["tokens"] += int(acc["tokens"])
         out["ratio_max"] = max(out["ratio_max"], acc["ratio_max"])
         norm = torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), train.max_grad_norm)
         if not (np.isfinite(acc["loss"]) and torch.isfinite(norm)):
@@ -195,17 +211,29 @@ def update_policy(
 
 
 def minibatches(
-    batch: list[tuple[Episode, float]], count: int, seed: int
+    batch: list[tuple[Episode, float]], count: int, seed: int, dist: Dist | None = None
 ) -> list[list[tuple[Episode, float]]]:
     """Shuffle whole groups (episodes of one task) into `count` minibatches, so that a
-    group's episodes share one prompt pass (see sequence_logprobs)."""
+    group's episodes share one prompt pass (see sequence_logprobs).
+
+    Over several processes the shuffle is of all ranks' groups, in rank order (the order
+    of one process's batch), and each rank keeps its own groups of every minibatch: every
+    rank returns the same number of minibatches, some possibly empty on some ranks."""
+    dist = dist or Dist()
     by_task: dict[str, list[tuple[Episode, float]]] = {}
     for item in batch:
         by_task.setdefault(item[0].task.id, []).append(item)
     groups = list(by_task.values())
-    order = torch.randperm(len(groups), generator=torch.Generator().manual_seed(seed))
-    splits = torch.tensor_split(order, min(count, len(groups)))
-    return [[item for i in split.tolist() for item in groups[i]] for split in splits if len(split)]
+    counts = [int(n) for n in dist.gather([len(groups)])]
+    first = sum(counts[: dist.rank])
+    total = sum(counts)
+    order = torch.randperm(total, generator=torch.Generator().manual_seed(seed))
+    splits = [split for split in torch.tensor_split(order, min(count, total)) if len(split)]
+    return [
+        [item for i in split.tolist() if first <= i < first + len(groups)
+         for item in groups[i - first]]
+        for split in splits
+    ]  # fmt: skip
 
 
 def micro_batches(episodes: list[Episode], token_budget: int) -> list[list[Episode]]:

@@ -88,8 +88,10 @@ class _Batcher:
         params: SamplingParams,
         live: int,
         on_progress: Callable[[int], None] | None = None,
+        first_index: int = 0,
     ) -> None:
         self.engine, self.params, self.live = engine, params, live
+        self.first_index = first_index
         self.total, self.on_progress = live, on_progress
         self.pending: list[_Pending] = []
         self.batches = 0
@@ -139,6 +141,7 @@ class _Batcher:
         self.batches += 1
         for p in batch:  # an agent may call again: keep its KV for that call (see _play)
             p.request.keep_kv = True
+            p.request.stream = self.first_index + p.episode  # as run_episodes
         completions = self.engine.generate([p.request for p in batch], params)
         for p, completion in zip(batch, completions):
             if not p.future.done():
@@ -157,13 +160,16 @@ def run_agents(
     max_turns: int,
     max_episode_tokens: int,
     on_progress: Callable[[int], None] | None = None,
+    first_index: int = 0,
 ) -> list[Episode]:
     """Play one agent episode per entry of `tasks` (repeat a task for a group), all
     concurrently, and return them in the same order (see the module doc). `on_progress(n)`
-    hears how many episodes have ended, as they end, like `rollout.run_episodes`."""
+    hears how many episodes have ended, as they end, like `rollout.run_episodes`, and
+    episode i samples from random stream `first_index + i`, as there."""
     play = _play(
-        tasks, make_env, engine, renderer, params, max_turns, max_episode_tokens, on_progress
-    )
+        tasks, make_env, engine, renderer, params, max_turns, max_episode_tokens, on_progress,
+        first_index,
+    )  # fmt: skip
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -181,10 +187,11 @@ async def _play(
     max_turns: int,
     max_episode_tokens: int,
     on_progress: Callable[[int], None] | None,
+    first_index: int,
 ) -> list[Episode]:
     from looprl.openai.proxy import AgentSession
 
-    batcher = _Batcher(engine, params, live=len(tasks), on_progress=on_progress)
+    batcher = _Batcher(engine, params, len(tasks), on_progress, first_index)
     sessions = [
         AgentSession(
             renderer,

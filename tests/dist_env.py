@@ -1,0 +1,35 @@
+"""A one-turn environment for the multi-process tests: the reward is the length of the
+reply modulo 3, so even a randomly initialised model gets rewards that differ within a
+group and every step trains. With LOOPRL_TEST_FAIL_RANK set, that rank's train tasks
+raise (a rank that fails mid-run)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import ClassVar
+
+from looprl.types import Message, Observation, StepResult, Task
+
+
+class LengthEnv:
+    name: ClassVar[str] = "length"
+    description: ClassVar[str] = "reward = reply length mod 3"
+    outcomes: ClassVar[tuple[str, ...]] = ("done",)
+    reward_range: ClassVar[tuple[float, float]] = (0.0, 2.0)
+    max_turns = 1
+
+    def tasks(self, split: str, n: int | None = None, seed: int = 0) -> list[Task]:
+        failing = os.environ.get("LOOPRL_TEST_FAIL_RANK")
+        if split == "train" and failing is not None and failing == os.environ.get("RANK"):
+            raise RuntimeError(f"rank {os.environ['RANK']} fails on purpose at {time.time()}")
+        return [Task(id=f"{split}-{seed}-{i}", data={"i": i}) for i in range(n or 4)]
+
+    def reset(self, task: Task) -> Observation:
+        text = f"Say something about the number {task.data['i']}."
+        return Observation(messages=[Message(role="user", content=text)], tools=[])
+
+    def step(self, message: Message) -> StepResult:
+        return StepResult(
+            messages=[], done=True, reward=float(len(message.content or "") % 3), outcome="done"
+        )
