@@ -409,7 +409,7 @@ def test_session_keeps_only_rows_marked_keep_kv(tiny_model, tokenizer, renderer,
 def test_sampler_draws_from_the_distribution(tiny_model, tokenizer, renderer):
     """Each row's draw follows softmax(logits / T) (and its top-k filter): frequencies
     over 6,000 rows with their own streams, and a zero-probability token is never drawn."""
-    from looprl.engine.hf import _Row
+    from looprl.engine.sampling import Row as _Row
 
     engine = HFEngine(tiny_model, tokenizer, renderer.eos_ids)
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5])

@@ -23,7 +23,6 @@ import copy
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,7 +30,12 @@ import torch
 from looprl.algo.logprobs import scoring_temperature, tempered_log_softmax
 from looprl.engine import Completion, GenerationRequest, SamplingParams
 from looprl.engine.grammar import GrammarCache
-from looprl.engine.sampling import filter_top_k_top_p, inverse_cdf
+from looprl.engine.sampling import (
+    Row,
+    jump_forward_tokens,
+    sample_rows,
+    top_alternatives,
+)
 from looprl.forward import cascade, weight_first
 from looprl.forward.kv import (
     Part,
@@ -156,7 +160,7 @@ class HFEngine:
             self._retained = []
         results: list[Completion | None] = [None] * len(requests)
         running: Part | None = None
-        rows: list[_Row] = []
+        rows: list[Row] = []
         was_training = self.model.training
         self.model.eval()
         try:
@@ -183,10 +187,10 @@ class HFEngine:
         base_seed: int,
         waiting: deque[int],
         running: Part | None,
-        rows: list[_Row],
+        rows: list[Row],
         previous: list[Retained],
         keep_rows: bool,
-    ) -> tuple[Part | None, list[_Row]]:
+    ) -> tuple[Part | None, list[Row]]:
         """Drop finished rows and admit waiting requests, when it pays."""
         live = [j for j, row in enumerate(rows) if not row.done]
         free = self.batch_size - len(live)
@@ -258,24 +262,24 @@ class HFEngine:
 
     def _row(
         self, index: int, request: GenerationRequest, params: SamplingParams, base_seed: int
-    ) -> _Row:
+    ) -> Row:
         matcher = None
         if request.constraint is not None:
             matcher = self.grammars().matcher(request.constraint)
         limit = min(params.max_new_tokens, request.max_new_tokens or params.max_new_tokens)
         stream = index if request.stream is None else request.stream
         generator = torch.Generator().manual_seed((base_seed * 1_000_003 + stream) % 2**63)
-        return _Row(
+        return Row(
             index, request.prompt_ids, limit, matcher, generator, request.keep_kv,
             request.top_logprobs, request.on_token,
         )  # fmt: skip
 
-    def _step(self, running: Part, rows: list[_Row], params: SamplingParams) -> list[_Row]:
+    def _step(self, running: Part, rows: list[Row], params: SamplingParams) -> list[Row]:
         """Choose the next token(s) of every live row, run them through the model, and
         return the rows that finished."""
         temperature = scoring_temperature(params.temperature)
         next_CV = running.logits_CV.float().cpu()  # sampling runs on the CPU generators
-        jump = self._jump_forward(rows)
+        jump = jump_forward_tokens(rows, self.tokenizer, self.pad_id) if self.jump_forward else None
         if jump is not None:
             tokens_CK = torch.tensor(jump, dtype=torch.long)
             _, logp_CV = tempered_log_softmax(next_CV, temperature)
@@ -285,7 +289,7 @@ class HFEngine:
             tokens_CK, logp_CK = tokens_C[:, None], first_C[:, None]
         k = tokens_CK.shape[1]
         top_k = max((row.top_k for row in rows if not row.done), default=0)
-        tops = _alternatives(next_CV[:, None], temperature, top_k) if top_k else None
+        tops = top_alternatives(next_CV[:, None], temperature, top_k) if top_k else None
         finished = self._finished(tokens_CK, rows, params)
         if k == 1:  # before the next forward pass, so that a streaming caller hears sooner
             self._append(rows, tokens_CK, logp_CK, tops)
@@ -296,7 +300,7 @@ class HFEngine:
                 rest_CK = rest_CKV.gather(-1, tokens_CK[:, 1:, None]).squeeze(-1)
                 logp_CK = torch.cat([logp_CK, rest_CK], dim=1)
                 if tops is not None:
-                    rest = _alternatives(logits_CKV[:, :-1], temperature, top_k)
+                    rest = top_alternatives(logits_CKV[:, :-1], temperature, top_k)
                     tops = [first + later for first, later in zip(tops, rest)]
         if k > 1:
             self._append(rows, tokens_CK, logp_CK, tops)
@@ -315,7 +319,7 @@ class HFEngine:
 
     @staticmethod
     def _append(
-        rows: list[_Row], tokens_CK: torch.Tensor, logp_CK: torch.Tensor, tops: list | None
+        rows: list[Row], tokens_CK: torch.Tensor, logp_CK: torch.Tensor, tops: list | None
     ) -> None:
         """Give each live row its new tokens (advancing its grammar), and tell a streaming
         caller of each one."""
@@ -333,7 +337,7 @@ class HFEngine:
                 if row.matcher is not None and not row.matcher.is_terminated():
                     row.matcher.accept_token(token)
 
-    def _forward(self, running: Part, tokens_CK: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+    def _forward(self, running: Part, tokens_CK: torch.Tensor, rows: list[Row]) -> torch.Tensor:
         """Append k tokens to every row of the running batch; logits of those k. Rows
         that had finished get masked columns (their KV stays exactly their own)."""
         k = tokens_CK.shape[1]
@@ -363,7 +367,7 @@ class HFEngine:
         return logits_CKV
 
     def _finished(
-        self, tokens_CK: torch.Tensor, rows: list[_Row], params: SamplingParams
+        self, tokens_CK: torch.Tensor, rows: list[Row], params: SamplingParams
     ) -> list[bool]:
         """Which live rows end once `tokens_CK` is appended (EOS, stop string, limit)."""
         out = []
@@ -379,70 +383,10 @@ class HFEngine:
             )
         return out
 
-    def _jump_forward(self, rows: list[_Row]) -> list[list[int]] | None:
-        """Jump-forward decoding: when the grammar allows only one continuing *string* for
-        every live row, append its tokens in one forward pass instead of sampling them one
-        by one. The string is tokenized canonically (sampling would pick that tokenization
-        almost surely); the recorded logprobs are the policy's, as for sampled tokens.
-        Returns k >= 2 tokens per row (pad for finished rows), or None."""
-        if not self.jump_forward:
-            return None
-        live = [row for row in rows if not row.done]
-        if not live or any(row.matcher is None for row in live):
-            return None
-        forced: dict[int, list[int]] = {}
-        for row in live:
-            text = row.matcher.find_jump_forward_string()
-            if not text:
-                return None
-            forced[row.index] = self.tokenizer.encode(text, add_special_tokens=False)
-        k = min(min(len(t) for t in forced.values()), min(r.limit - len(r.ids) for r in live))
-        if k < 2:
-            return None
-        return [forced[r.index][:k] if r.index in forced else [self.pad_id] * k for r in rows]
-
     def _sample(
-        self, logits_CV: torch.Tensor, params: SamplingParams, rows: list[_Row]
+        self, logits_CV: torch.Tensor, params: SamplingParams, rows: list[Row]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Next token of every live row (pad for finished ones) and its unconstrained
-        logprob at temperature T. Sampling inverts the row's cumulative distribution at
-        one uniform drawn from the row's own generator: a multinomial draw, independent
-        of the other rows (cdf[i] > U * total >= cdf[i - 1] implies p[i] > 0)."""
-        logits_CV = logits_CV.contiguous()  # softmax over a strided vocabulary is slow
-        scaled_CV, logp_CV = tempered_log_softmax(
-            logits_CV, scoring_temperature(params.temperature)
-        )
-        tokens_C = torch.full((len(rows),), self.pad_id, dtype=torch.long)
-        live = [j for j, row in enumerate(rows) if not row.done]
-        if live:
-            candidates_LV = scaled_CV[live] if len(live) < len(rows) else scaled_CV
-            constrained = [
-                n
-                for n, j in enumerate(live)
-                if rows[j].matcher is not None and not rows[j].matcher.is_terminated()
-            ]
-            if constrained:
-                import xgrammar as xgr
-
-                bitmask = self._bitmask(len(constrained))
-                for slot, n in enumerate(constrained):
-                    rows[live[n]].matcher.fill_next_token_bitmask(bitmask, slot)
-                if candidates_LV is scaled_CV:
-                    candidates_LV = scaled_CV.clone()  # the mask must not touch logp
-                picked = torch.tensor(constrained)
-                sub = candidates_LV[picked]
-                xgr.apply_token_bitmask_inplace(sub, bitmask[: len(constrained)])
-                candidates_LV[picked] = sub
-            if params.temperature <= 0:
-                chosen_L = candidates_LV.argmax(dim=-1)
-            else:
-                candidates_LV = filter_top_k_top_p(candidates_LV, params.top_k, params.top_p)
-                uniform_L = torch.cat(
-                    [torch.rand(1, generator=rows[j].generator, dtype=torch.float64) for j in live]
-                )
-                chosen_L = inverse_cdf(torch.softmax(candidates_LV, dim=-1), uniform_L)
-            tokens_C[torch.tensor(live)] = chosen_L
-        return tokens_C, logp_CV.gather(-1, tokens_C[:, None]).squeeze(-1)
+        return sample_rows(logits_CV, params, rows, self.pad_id, self._bitmask)
 
     def _bitmask(self, rows: int) -> torch.Tensor:
         import xgrammar as xgr
@@ -458,38 +402,3 @@ class HFEngine:
             return False
         tail = self.tokenizer.decode(ids[-16:])
         return any(s in tail for s in params.stop)
-
-
-def _alternatives(
-    logits_CKV: torch.Tensor, temperature: float, k: int
-) -> list[list[list[tuple[int, float]]]]:
-    """Per row and position, the k most likely tokens of `log_softmax(logits / T)`: the
-    same distribution the recorded logprobs come from, so the sampled token's logprob
-    equals its entry here whenever it is among the k."""
-    logp_CKV = torch.log_softmax(logits_CKV / temperature, -1)
-    values_CKk, ids_CKk = logp_CKV.topk(k, dim=-1)
-    return [
-        [list(zip(ids, values)) for ids, values in zip(row_ids, row_values)]
-        for row_ids, row_values in zip(ids_CKk.tolist(), values_CKk.tolist())
-    ]
-
-
-@dataclass
-class _Row:
-    """A request being decoded: its index in the request list, token limit, grammar
-    matcher (forced calls), own random stream, and what it has produced so far."""
-
-    index: int
-    prompt: list[int]
-    limit: int
-    matcher: Any
-    generator: torch.Generator
-    keep_kv: bool = False  # inside a session: keep its KV for the next turn
-    top_k: int = 0  # alternatives to keep per position (top_logprobs)
-    on_token: Any = None  # streaming: called with each token as it is chosen
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top: list[list[tuple[int, float]]] = field(default_factory=list)
-    done: bool = False
-    finish: str = "length"
-    fed: int = 0  # generated tokens that went through the model (their KV is cached)

@@ -1,9 +1,16 @@
-"""Sampling one token per row from logits: top-k / top-p filtering and an exact
-inverse-CDF draw at one uniform from each row's own random stream."""
+"""Choosing tokens per decoding row: top-k / top-p filtering, an exact inverse-CDF draw
+at one uniform from each row's own random stream, the top alternatives of a position
+(`top_logprobs`), and jump-forward decoding where a grammar leaves one string open."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
+
+from looprl.algo.logprobs import scoring_temperature, tempered_log_softmax
 
 CDF_BLOCK = 512  # tokens per block of the two-level inverse CDF
 
@@ -52,3 +59,105 @@ def filter_top_k_top_p(logits_BV: torch.Tensor, top_k: int, top_p: float) -> tor
         drop = drop_sorted.scatter(-1, sorted_idx, drop_sorted)
         logits_BV = logits_BV.masked_fill(drop, float("-inf"))
     return logits_BV
+
+
+def sample_rows(
+    logits_CV: torch.Tensor,
+    params: Any,
+    rows: list[Row],
+    pad_id: int,
+    bitmask: Callable[[int], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next token of every live row (pad for finished ones) and its unconstrained
+    logprob at temperature T. Sampling inverts the row's cumulative distribution at
+    one uniform drawn from the row's own generator: a multinomial draw, independent
+    of the other rows (cdf[i] > U * total >= cdf[i - 1] implies p[i] > 0)."""
+    logits_CV = logits_CV.contiguous()  # softmax over a strided vocabulary is slow
+    scaled_CV, logp_CV = tempered_log_softmax(logits_CV, scoring_temperature(params.temperature))
+    tokens_C = torch.full((len(rows),), pad_id, dtype=torch.long)
+    live = [j for j, row in enumerate(rows) if not row.done]
+    if live:
+        candidates_LV = scaled_CV[live] if len(live) < len(rows) else scaled_CV
+        constrained = [
+            n
+            for n, j in enumerate(live)
+            if rows[j].matcher is not None and not rows[j].matcher.is_terminated()
+        ]
+        if constrained:
+            import xgrammar as xgr
+
+            bitmask = bitmask(len(constrained))
+            for slot, n in enumerate(constrained):
+                rows[live[n]].matcher.fill_next_token_bitmask(bitmask, slot)
+            if candidates_LV is scaled_CV:
+                candidates_LV = scaled_CV.clone()  # the mask must not touch logp
+            picked = torch.tensor(constrained)
+            sub = candidates_LV[picked]
+            xgr.apply_token_bitmask_inplace(sub, bitmask[: len(constrained)])
+            candidates_LV[picked] = sub
+        if params.temperature <= 0:
+            chosen_L = candidates_LV.argmax(dim=-1)
+        else:
+            candidates_LV = filter_top_k_top_p(candidates_LV, params.top_k, params.top_p)
+            uniform_L = torch.cat(
+                [torch.rand(1, generator=rows[j].generator, dtype=torch.float64) for j in live]
+            )
+            chosen_L = inverse_cdf(torch.softmax(candidates_LV, dim=-1), uniform_L)
+        tokens_C[torch.tensor(live)] = chosen_L
+    return tokens_C, logp_CV.gather(-1, tokens_C[:, None]).squeeze(-1)
+
+
+def top_alternatives(
+    logits_CKV: torch.Tensor, temperature: float, k: int
+) -> list[list[list[tuple[int, float]]]]:
+    """Per row and position, the k most likely tokens of `log_softmax(logits / T)`: the
+    same distribution the recorded logprobs come from, so the sampled token's logprob
+    equals its entry here whenever it is among the k."""
+    _, logp_CKV = tempered_log_softmax(logits_CKV, temperature)
+    values_CKk, ids_CKk = logp_CKV.topk(k, dim=-1)
+    return [
+        [list(zip(ids, values)) for ids, values in zip(row_ids, row_values)]
+        for row_ids, row_values in zip(ids_CKk.tolist(), values_CKk.tolist())
+    ]
+
+
+def jump_forward_tokens(rows: list[Row], tokenizer: Any, pad_id: int) -> list[list[int]] | None:
+    """Jump-forward decoding: when the grammar allows only one continuing *string* for
+    every live row, append its tokens in one forward pass instead of sampling them one
+    by one. The string is tokenized canonically (sampling would pick that tokenization
+    almost surely); the recorded logprobs are the policy's, as for sampled tokens.
+    Returns k >= 2 tokens per row (pad for finished rows), or None."""
+    live = [row for row in rows if not row.done]
+    if not live or any(row.matcher is None for row in live):
+        return None
+    forced: dict[int, list[int]] = {}
+    for row in live:
+        text = row.matcher.find_jump_forward_string()
+        if not text:
+            return None
+        forced[row.index] = tokenizer.encode(text, add_special_tokens=False)
+    k = min(min(len(t) for t in forced.values()), min(r.limit - len(r.ids) for r in live))
+    if k < 2:
+        return None
+    return [forced[r.index][:k] if r.index in forced else [pad_id] * k for r in rows]
+
+
+@dataclass
+class Row:
+    """A request being decoded: its index in the request list, token limit, grammar
+    matcher (forced calls), own random stream, and what it has produced so far."""
+
+    index: int
+    prompt: list[int]
+    limit: int
+    matcher: Any
+    generator: torch.Generator
+    keep_kv: bool = False  # inside a session: keep its KV for the next turn
+    top_k: int = 0  # alternatives to keep per position (top_logprobs)
+    on_token: Any = None  # streaming: called with each token as it is chosen
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    done: bool = False
+    finish: str = "length"
+    fed: int = 0  # generated tokens that went through the model (their KV is cached)
