@@ -10,6 +10,11 @@ out=$(mktemp -d)
 # tiny model, bf16 on cuda (dtype auto), 3 steps: the run folder contract must hold
 .venv/bin/looprl run --set model.name=tiny-random --set model.device=cuda --set train.steps=3 \
   --set rollout.tasks_per_step=4 --set eval.tasks=8 --out "$out/tiny" --force
+# one GPU through torchrun (NCCL, one rank): the multi-process path end to end
+.venv/bin/torchrun --nproc_per_node 1 -m looprl run --set model.name=tiny-random \
+  --set model.device=cuda --set train.steps=2 --set rollout.tasks_per_step=4 \
+  --set eval.tasks=8 --out "$out/torchrun" --force
+test -s "$out/torchrun/metrics.jsonl" && echo "RESULT torchrun_1gpu=ok"
 # the default model on the GPU for 3 steps: logprob parity between engine and trainer
 .venv/bin/looprl run --set model.device=cuda --set train.steps=3 --set eval.tasks=16 \
   --out "$out/smollm2" --force
