@@ -44,6 +44,7 @@ BENCH_SESSIONS :=
 BENCH_PACKING  := --repeats 3
 BENCH_MEMORY   := --phases
 BENCH_STEP     := --save runs/bench-step
+BENCH_STREAM   := --repeats 5
 else
 BENCH_ROLLOUT  := --batches 8 --repeats 1
 BENCH_GEMM     := --rows 8 --repeats 2
@@ -52,6 +53,7 @@ BENCH_PACKING  := --tasks 2 --group 4 --repeats 1
 BENCH_MEMORY   := --phases --out runs/bench-memory-quick --set train.steps=2 \
                   --set rollout.tasks_per_step=4 --set eval.tasks=8
 BENCH_STEP     := --steps 1 --warmup 1 --tasks 4 --group 4 --updates 2 --max-new-tokens 32
+BENCH_STREAM   := --repeats 1 --max-tokens 64
 endif
 
 # TRL and datasets for bench/step.py (the `bench` extra), torch pinned as in setup.
@@ -80,6 +82,8 @@ bench: setup $(BENCH_STAMP)
 	else \
 	  echo "== bench/gpu_check.sh: skipped (no CUDA device)"; \
 	fi
+	@echo "== bench/stream.py: first streamed token vs the whole reply, over HTTP"
+	$(BIN)/python bench/stream.py $(BENCH_STREAM)
 	@echo "== bench/step.py: one RL step (rollouts + GSPO update), looprl vs TRL's GRPOTrainer"
 	$(BIN)/python bench/step.py $(BENCH_STEP)
 
