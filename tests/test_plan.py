@@ -149,3 +149,12 @@ def test_plan_command_on_tiny_random():
 @pytest.mark.parametrize("name", ["dgx-spark", "h200", "a100-80g", "rtx-4090", "cpu-24g"])
 def test_named_devices(name):
     assert device(name).usable < device(name).memory
+
+
+def test_the_embedded_models_known_config_is_what_its_gguf_says():
+    """`smollm2-135m`'s config is written out so the planner needs no 6 s GGUF read; it
+    must stay the GGUF's own."""
+    from looprl.model.load import SMOLLM2_CONFIG, load_model_config, smollm2_gguf_path
+
+    from_gguf = load_model_config(f"gguf:{smollm2_gguf_path()}")
+    assert {key: getattr(from_gguf, key) for key in SMOLLM2_CONFIG} == SMOLLM2_CONFIG

@@ -208,12 +208,16 @@ def create_app(
         variant_of(model_id)
         return model_list([model_id])["data"][0]
 
-    async def answer(body: ChatCompletionRequest) -> dict[str, Any]:
-        """The whole `chat.completion` body for a request (the Responses route's path)."""
+    def chat_request(body: ChatCompletionRequest) -> tuple[str, dict[str, Any]]:
+        """The variant a chat request asks for, and its `ChatModel.chat` arguments."""
         variant = variant_of(body.model)
         asked = body.max_completion_tokens or body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        kwargs = chat_kwargs(body, variant, check_max_tokens(asked, param))
+        return variant, chat_kwargs(body, variant, check_max_tokens(asked, param))
+
+    async def answer(body: ChatCompletionRequest) -> dict[str, Any]:
+        """The whole `chat.completion` body for a request (the Responses route's path)."""
+        variant, kwargs = chat_request(body)
         choices = await asyncio.wrap_future(batcher.submit(kwargs))
         return completion_response(
             choices, body.model, model.tokenizer, bool(body.logprobs), f"looprl-{variant}"
@@ -231,10 +235,9 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest) -> Any:
-        variant = variant_of(body.model)
-        asked = body.max_completion_tokens or body.max_tokens
-        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        kwargs = chat_kwargs(body, variant, check_max_tokens(asked, param))
+        if not body.stream:
+            return await answer(body)
+        variant, kwargs = chat_request(body)
         fingerprint = f"looprl-{variant}"
         logprobs = bool(body.logprobs)
 
@@ -243,8 +246,6 @@ def create_app(
                 results[0], body.model, model.tokenizer, logprobs, fingerprint
             )
 
-        if not body.stream:
-            return respond([await asyncio.wrap_future(batcher.submit(kwargs))])
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": body.model,
                 "system_fingerprint": fingerprint}  # fmt: skip
