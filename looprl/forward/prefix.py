@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from looprl.forward import cascade
-from looprl.forward.kv import Part, bufferable
+from looprl.forward.kv import Part, bufferable, select_rows
 
 MIN_SHARED_PREFIX = 16  # shorter common prefixes are not worth a pass of their own
 
@@ -26,6 +26,7 @@ def shared_prefill(
     device: torch.device,
     min_shared: int = MIN_SHARED_PREFIX,
     use_cascade: bool | None = None,
+    share_head: bool = True,
 ) -> Part:
     """Prefill with prefix sharing at two levels.
 
@@ -38,13 +39,15 @@ def shared_prefill(
        tails; otherwise the head is copied to every cache row, the tails left-padded
        after it (the gap masked). Positions count real tokens, so every token sees
        exactly the positions and keys a plain forward of its own prompt would give it.
-    Only the last position's logits are computed. Under autograd the shared passes
+    `share_head=False` skips level 2 (models whose fast paths rule out a masked gap
+    between the head and the tails: `looprl.model.arch.fast_paths`); the prompts are then
+    left-padded to one width. Only the last position's logits are computed. Under autograd the shared passes
     receive the gradients of every row that uses them (the trainer relies on that)."""
     unique: dict[tuple[int, ...], int] = {}
     rows_of = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
     distinct = list(unique)
     shared = 0
-    if len(distinct) > 1:
+    if len(distinct) > 1 and share_head:
         # keep >= 1 own token per prompt: its last logits come from the tail pass
         shared = min(len(_common_prefix(distinct)), min(len(p) for p in distinct) - 1)
         shared = shared if shared >= min_shared else 0
@@ -65,7 +68,7 @@ def shared_prefill(
             )
             start = Part(None, rows, empty, next_pos, prefix=cascade.Prefix([level]))
         else:
-            cache.batch_select_indices(torch.zeros(len(distinct), dtype=torch.long, device=device))
+            select_rows(cache, torch.zeros(len(distinct), dtype=torch.long, device=device))
             attention = torch.ones((len(distinct), shared), dtype=torch.long, device=device)
             start = Part(cache, rows, attention, next_pos)
     return extend(model, start, [p[shared:] for p in distinct], pad_id)

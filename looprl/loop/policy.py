@@ -17,6 +17,7 @@ from looprl.forward import cascade
 from looprl.forward.kv import bufferable
 from looprl.forward.prefix import prefix_kwargs, shared_prefill
 from looprl.loop.optim import quiet_bitsandbytes
+from looprl.model.arch import fast_paths
 from looprl.model.load import base_model, load_causal_lm, load_tokenizer
 
 
@@ -115,7 +116,9 @@ def sequence_logprobs(
     as one row (no padding through the linear layers), and only attention unpacks them
     (`cascade.Packing`). Positions follow the engine's
     convention, so trainer and engine logprobs agree. A model training under gradient
-    checkpointing cannot use a cache (transformers drops it): it runs whole sequences.
+    checkpointing cannot use a cache (transformers drops it), and a model whose cache is
+    not plain keys and values (`arch.fast_paths`: sliding windows, linear attention, an
+    architecture outside the tested matrix) does not share it: both run whole sequences.
 
     Logits are computed only where the loss needs them: at the loss-masked positions,
     in chunks (`head_logprobs`), never as a [B, S, vocab] tensor, when the model's logits
@@ -123,7 +126,7 @@ def sequence_logprobs(
     Returns logp_BS (with grad if enabled; 0 off the mask) and mask_BS (bool); callers
     use only the masked entries, in order.
     """
-    if _cache_dropped(model):
+    if _cache_dropped(model) or not fast_paths(base_model(model).config).trainer_prefix:
         return _whole_sequence_logprobs(model, sequences, masks, pad_id, device, temperature)
     starts = [prompt_length(m) for m in masks]
     prefill = shared_prefill(
