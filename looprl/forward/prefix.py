@@ -41,8 +41,9 @@ def shared_prefill(
        exactly the positions and keys a plain forward of its own prompt would give it.
     `share_head=False` skips level 2 (models whose fast paths rule out a masked gap
     between the head and the tails: `looprl.model.arch.fast_paths`); the prompts are then
-    left-padded to one width. Only the last position's logits are computed. Under autograd the shared passes
-    receive the gradients of every row that uses them (the trainer relies on that)."""
+    left-padded to one width. Only the last position's logits are computed. Under
+    autograd the shared passes receive the gradients of every row that uses them (the
+    trainer relies on that)."""
     unique: dict[tuple[int, ...], int] = {}
     rows_of = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
     distinct = list(unique)

@@ -144,4 +144,3 @@ def lora_targets(model: Any, target_modules: Any, router: bool = False) -> dict[
         if linear:
             out["exclude_modules"] = linear
     return out
-

@@ -22,7 +22,9 @@ TINY_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma3": (
         "Gemma3TextConfig",
         dict(
-            intermediate_size=128, head_dim=16, sliding_window=16,
+            intermediate_size=128,
+            head_dim=16,
+            sliding_window=16,
             layer_types=["sliding_attention"] * 3 + ["full_attention"],
         ),
     ),  # fmt: skip
@@ -35,10 +37,21 @@ TINY_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "bailing_hybrid": (
         "BailingHybridConfig",
         dict(
-            intermediate_size=128, moe_intermediate_size=32, num_experts=8, n_group=2,
-            topk_group=1, first_k_dense_replace=1, layer_group_size=2, head_dim=16,
-            kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-            num_mtp_layers=0, num_key_value_heads=4, **_MOE,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_experts=8,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            layer_group_size=2,
+            head_dim=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            num_mtp_layers=0,
+            num_key_value_heads=4,
+            **_MOE,
         ),
     ),  # fmt: skip
 }
@@ -57,7 +70,8 @@ def tiny_config(arch: str, tokenizer: Any) -> Any:
     import transformers
 
     if arch not in TINY_ARCHITECTURES:
-        raise ValueError(f"unknown tiny architecture {arch!r}; known: {', '.join(TINY_ARCHITECTURES)}")
+        known = ", ".join(TINY_ARCHITECTURES)
+        raise ValueError(f"unknown tiny architecture {arch!r}; known: {known}")
     class_name, extra = TINY_ARCHITECTURES[arch]
     kwargs = {**_COMMON, **extra}
     if arch == "bailing_hybrid":
