@@ -43,7 +43,12 @@ class LoraConfig(Section):
     alpha: float = Field(32.0, gt=0, description="LoRA alpha (scale = alpha / rank).")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
     target_modules: list[str] | Literal["all-linear"] = Field(
-        "all-linear", description="Module names to adapt, or 'all-linear'."
+        "all-linear",
+        description="Module names to adapt, or 'all-linear' (MoE models: the attention, "
+        "dense and shared MLPs, and the fused expert weights).",
+    )
+    train_router: bool = Field(
+        False, description="MoE models: adapt the expert routers too (frozen by default)."
     )
 
 
@@ -54,6 +59,11 @@ class ModelConfig(Section):
     )
     trust_remote_code: bool = Field(
         False, description="Allow the model's own Python code to run (only when you trust it)."
+    )
+    chat_template: str | None = Field(
+        None,
+        description="A Jinja chat template, or a file holding one, for a model whose "
+        "tokenizer has none (a base model); unset = the tokenizer's own.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weight dtype; auto = float32 on CPU, bfloat16 on GPU."

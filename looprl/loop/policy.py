@@ -3,6 +3,8 @@ log-probability computation over episode token sequences."""
 
 from __future__ import annotations
 
+import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,13 +13,14 @@ import torch
 from looprl.algo import head_logprobs, token_logprobs
 from looprl.chat import ChatRenderer
 from looprl.config import Config
+from looprl.config import LoraConfig as LoraSettings
 from looprl.engine.hf import HFEngine
 from looprl.errors import ConfigError
 from looprl.forward import cascade
 from looprl.forward.kv import bufferable
 from looprl.forward.prefix import prefix_kwargs, shared_prefill
 from looprl.loop.optim import quiet_bitsandbytes
-from looprl.model.arch import fast_paths
+from looprl.model.arch import fast_paths, lora_targets
 from looprl.model.load import base_model, load_causal_lm, load_tokenizer
 
 
@@ -49,29 +52,20 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def load_policy(cfg: Config) -> Policy:
     """Load the model named in the config, wrap it in LoRA adapters if asked, and build the
-    renderer and the engine that samples from this very module."""
+    renderer and the engine that samples from this very module. A model whose
+    architecture rules out some fast paths gets one line on stderr saying which and why."""
     device = pick_device(cfg.model.device)
     dtype = pick_dtype(cfg.model.dtype, device)
-    tokenizer = load_tokenizer(cfg.model.name, cfg.model.trust_remote_code)
+    tokenizer = load_tokenizer(cfg.model.name, cfg.model.trust_remote_code, cfg.model.chat_template)
     model = load_causal_lm(cfg.model.name, dtype, cfg.model.trust_remote_code).to(device)
+    notice = fast_paths(model.config).notice()
+    if notice is not None:
+        print(f"note: {notice}", file=sys.stderr)
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
     if cfg.model.lora.enabled:
-        quiet_bitsandbytes()  # before peft imports it
-        from peft import LoraConfig, get_peft_model
-
-        lora = cfg.model.lora
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=lora.rank,
-                lora_alpha=lora.alpha,
-                lora_dropout=lora.dropout,
-                target_modules=lora.target_modules,
-                task_type="CAUSAL_LM",
-            ),
-        )
+        model = add_lora(model, cfg.model.lora)
         if cfg.model.gradient_checkpointing:
             model.enable_input_require_grads()
     renderer = ChatRenderer(
@@ -88,6 +82,22 @@ def load_policy(cfg: Config) -> Policy:
         weight_first_linear=cfg.model.weight_first_linear,
     )
     return Policy(model, tokenizer, renderer, engine, device)
+
+
+def add_lora(model: Any, lora: LoraSettings) -> Any:
+    """`model` wrapped in PEFT LoRA adapters: the targets `lora.target_modules` names,
+    widened for MoE models to the fused expert weights (`arch.lora_targets`)."""
+    quiet_bitsandbytes()  # before peft imports it
+    from peft import LoraConfig, get_peft_model
+
+    targets = lora_targets(model, lora.target_modules, router=lora.train_router)
+    config = LoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type="CAUSAL_LM",
+        **targets,
+    )  # fmt: skip
+    with warnings.catch_warnings():  # PEFT's note on its own patterns for expert weights
+        warnings.filterwarnings("ignore", message=".*_pattern keys did not match")
+        return get_peft_model(model, config)
 
 
 def prompt_length(mask: list[int]) -> int:

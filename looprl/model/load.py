@@ -162,8 +162,24 @@ def resolve(name: str) -> tuple[str, dict[str, Any]]:
     return name, {}
 
 
-def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
-    """The tokenizer of `name` (for `tiny-random`: SmolLM2's). Pad token = EOS if unset."""
+def read_chat_template(value: str) -> str:
+    """`model.chat_template`: a Jinja template as is, or the text of the file it names."""
+    if "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ModelError(
+            f"model.chat_template={value!r} is neither a Jinja template (no '{{{{' or '{{%') "
+            "nor an existing file; give the template text or the path of a file holding it"
+        )
+    return path.read_text()
+
+
+def load_tokenizer(
+    name: str, trust_remote_code: bool = False, chat_template: str | None = None
+) -> Any:
+    """The tokenizer of `name` (for `tiny-random`: SmolLM2's), with `chat_template` (see
+    `read_chat_template`) in place of its own if given. Pad token = EOS if unset."""
     from transformers import AutoTokenizer
 
     try:
@@ -178,6 +194,8 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
         raise
     except (OSError, ValueError) as err:
         raise ModelError(_not_found(name, err)) from None
+    if chat_template is not None:
+        tok.chat_template = read_chat_template(chat_template)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -207,6 +225,7 @@ def load_causal_lm(name: str, dtype: Any, trust_remote_code: bool = False) -> An
     if name == "tiny-random":
         return build_tiny_random(load_tokenizer(name)).to(dtype)
     source, kwargs = resolve(name)
+    _check_causal_lm(name, trust_remote_code)
     try:
         return AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs
@@ -236,6 +255,29 @@ def load_model_config(name: str, trust_remote_code: bool = False) -> Any:
         return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         raise ModelError(_not_found(name, err)) from None
+
+
+def _check_causal_lm(name: str, trust_remote_code: bool) -> None:
+    """Fail, naming the problem, when `name` is no causal LM (no language-model head that
+    AutoModelForCausalLM can load), before any weights are read."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = load_model_config(name, trust_remote_code)
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return
+    if "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
+        if trust_remote_code:
+            return
+        raise ModelError(
+            f"{name} loads its causal LM from its own code; set model.trust_remote_code=true "
+            "if you trust it"
+        )
+    kind = getattr(config, "model_type", type(config).__name__)
+    raise ModelError(
+        f"{name} is a {kind!r} model without a causal language-model head "
+        "(AutoModelForCausalLM cannot load it); looprl trains causal LMs: pick a "
+        "checkpoint with one (its config lists a ...ForCausalLM architecture)"
+    )
 
 
 def base_model(model: Any) -> Any:
