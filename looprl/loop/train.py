@@ -240,6 +240,7 @@ def train(
                 "perf/train_tokens_per_s": stats["tokens"] / max(train_s, 1e-9),
                 "perf/peak_rss_gb": peak_rss_gb(),
             }
+            metrics.update(stats.get("router", {}))  # MoE models only
             for outcome, frac in summary["outcomes"].items():
                 metrics[f"outcomes/{outcome}"] = frac
             logger.log(metrics)

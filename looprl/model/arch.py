@@ -127,20 +127,28 @@ def expert_parameters(model: Any) -> list[str]:
 
 
 def lora_targets(model: Any, target_modules: Any, router: bool = False) -> dict[str, Any]:
-    """PEFT `LoraConfig` target arguments. A dense model: `target_modules` as given
-    ('all-linear': the attention and MLP projections). An MoE model with 'all-linear': the
-    attention projections, dense/shared-expert MLPs and the fused expert weights; the
-    routers stay frozen unless `router` (some routers are nn.Linear, which 'all-linear'
-    would otherwise adapt)."""
+    """PEFT `LoraConfig` target arguments. A dense model, or explicit `target_modules`:
+    as given ('all-linear': every nn.Linear but the output head). An MoE model with
+    'all-linear': its nn.Linear layers (attention, dense and shared-expert MLPs) by name,
+    the routers left out unless `router`, plus the fused expert weights as
+    `target_parameters`. The names are spelled out because PEFT 0.21 rewrites a bare
+    'all-linear' on mixtral/qwen-MoE-style models to the transformers-4 layout, where
+    the router was an nn.Linear: it would adapt the routers too."""
     routers = router_modules(model)
     if not routers or target_modules != "all-linear":
         return {"target_modules": target_modules}
-    out: dict[str, Any] = {"target_modules": "all-linear"}
-    experts = expert_parameters(model)
-    if experts:
-        out["target_parameters"] = experts
-    if not router:
-        linear = [name for name, m in routers.items() if isinstance(m, torch.nn.Linear)]
-        if linear:
-            out["exclude_modules"] = linear
-    return out
+    head = model.get_output_embeddings()
+    inside_routers = tuple(f"{name}." for name in routers)
+    names = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+        and module is not head
+        and name not in routers
+        and not name.startswith(inside_routers)
+    }
+    parameters = expert_parameters(model)
+    if router:
+        leaves = {name.rsplit(".", 1)[-1] for name in routers}
+        parameters += sorted(f"{leaf}.weight" for leaf in leaves)
+    return {"target_modules": sorted(names), "target_parameters": parameters}
