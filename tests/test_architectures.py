@@ -251,3 +251,44 @@ def assert_export_matches_the_run(run, exported) -> None:
     with torch.no_grad():
         want = policy.model.eval()(ids).logits
         torch.testing.assert_close(merged(ids).logits, want, rtol=1e-4, atol=1e-4)
+
+
+# ---- models that cannot run fail before anything is written
+
+
+def test_a_model_without_a_causal_lm_head_fails_first(tokenizer, tmp_path):
+    from transformers import DistilBertConfig
+
+    from looprl.cli import app
+
+    folder = tmp_path / "encoder"
+    DistilBertConfig(vocab_size=len(tokenizer)).save_pretrained(folder)  # no weights needed
+    tokenizer.save_pretrained(folder)
+    run = tmp_path / "run"
+    res = CliRunner().invoke(app, ["run", "--out", str(run), "--set", f"model.name={folder}"])
+    assert res.exit_code == 2, res.output
+    assert "'distilbert' model without a causal language-model head" in res.output
+    assert not run.exists()
+
+
+def test_a_base_model_without_a_chat_template_names_the_field(tokenizer, tmp_path):
+    from looprl.chat import ChatRenderer
+    from looprl.cli import app
+    from looprl.errors import ModelError
+    from looprl.model.load import load_tokenizer
+
+    folder = save_tiny("qwen3", tmp_path / "base")
+    (folder / "chat_template.jinja").unlink()  # a base model ships no template
+    run = tmp_path / "run"
+    res = CliRunner().invoke(app, ["run", "--out", str(run), "--set", f"model.name={folder}"])
+    assert res.exit_code == 2, res.output
+    assert "has no chat template" in res.output and "model.chat_template" in res.output
+    assert not run.exists()
+    template = tmp_path / "template.jinja"
+    template.write_text(tokenizer.chat_template)
+    for value in (str(template), tokenizer.chat_template):
+        named = load_tokenizer(str(folder), chat_template=value)
+        assert named.chat_template == tokenizer.chat_template
+        assert ChatRenderer(named).eos_ids == ChatRenderer(tokenizer).eos_ids
+    with pytest.raises(ModelError, match="neither a Jinja template"):
+        load_tokenizer(str(folder), chat_template=str(tmp_path / "missing.jinja"))

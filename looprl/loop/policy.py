@@ -57,6 +57,10 @@ def load_policy(cfg: Config) -> Policy:
     device = pick_device(cfg.model.device)
     dtype = pick_dtype(cfg.model.dtype, device)
     tokenizer = load_tokenizer(cfg.model.name, cfg.model.trust_remote_code, cfg.model.chat_template)
+    # the template is checked before any weights are read
+    renderer = ChatRenderer(
+        tokenizer, cfg.model.tool_format, cfg.model.tool_prompt, model_name=cfg.model.name
+    )
     model = load_causal_lm(cfg.model.name, dtype, cfg.model.trust_remote_code).to(device)
     notice = fast_paths(model.config).notice()
     if notice is not None:
@@ -68,9 +72,6 @@ def load_policy(cfg: Config) -> Policy:
         model = add_lora(model, cfg.model.lora)
         if cfg.model.gradient_checkpointing:
             model.enable_input_require_grads()
-    renderer = ChatRenderer(
-        tokenizer, cfg.model.tool_format, cfg.model.tool_prompt, model_name=cfg.model.name
-    )
     engine = HFEngine(
         model,
         tokenizer,
