@@ -267,7 +267,7 @@ def test_a_model_without_a_causal_lm_head_fails_first(tokenizer, tmp_path):
     run = tmp_path / "run"
     res = CliRunner().invoke(app, ["run", "--out", str(run), "--set", f"model.name={folder}"])
     assert res.exit_code == 2, res.output
-    assert "'distilbert' model without a causal language-model head" in res.output
+    assert "'DistilBert' model without a causal language-model head" in res.output
     assert not run.exists()
 
 

@@ -225,13 +225,13 @@ def load_causal_lm(name: str, dtype: Any, trust_remote_code: bool = False) -> An
     if name == "tiny-random":
         return build_tiny_random(load_tokenizer(name)).to(dtype)
     source, kwargs = resolve(name)
-    _check_causal_lm(name, trust_remote_code)
     try:
         return AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs
         )
     except (OSError, ValueError) as err:
-        raise ModelError(_not_found(name, err)) from None
+        headless = _no_causal_lm_head(name, err) if isinstance(err, ValueError) else None
+        raise ModelError(headless or _not_found(name, err)) from None
 
 
 def load_model_config(name: str, trust_remote_code: bool = False) -> Any:
@@ -257,23 +257,15 @@ def load_model_config(name: str, trust_remote_code: bool = False) -> Any:
         raise ModelError(_not_found(name, err)) from None
 
 
-def _check_causal_lm(name: str, trust_remote_code: bool) -> None:
-    """Fail, naming the problem, when `name` is no causal LM (no language-model head that
-    AutoModelForCausalLM can load), before any weights are read."""
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    config = load_model_config(name, trust_remote_code)
-    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
-        return
-    if "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
-        if trust_remote_code:
-            return
-        raise ModelError(
-            f"{name} loads its causal LM from its own code; set model.trust_remote_code=true "
-            "if you trust it"
-        )
-    kind = getattr(config, "model_type", type(config).__name__)
-    raise ModelError(
+def _no_causal_lm_head(name: str, err: ValueError) -> str | None:
+    """The message for a model AutoModelForCausalLM refuses for its architecture (an
+    encoder, say), naming what is missing; None for any other error. transformers
+    refuses such a config before it reads any weights."""
+    text = str(err)
+    if "Unrecognized configuration class" not in text:
+        return None
+    kind = text.split("<class '")[-1].split("'>")[0].rsplit(".", 1)[-1].removesuffix("Config")
+    return (
         f"{name} is a {kind!r} model without a causal language-model head "
         "(AutoModelForCausalLM cannot load it); looprl trains causal LMs: pick a "
         "checkpoint with one (its config lists a ...ForCausalLM architecture)"
