@@ -6,6 +6,7 @@ gemma3)."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -158,6 +159,13 @@ def test_lora_targets_and_trainer_logprobs(arch, tokenizer, renderer, requests):
     for name, param in model.named_parameters():
         if param.requires_grad:
             assert param.grad is not None and param.grad.abs().sum() > 0, name
+
+
+def test_lora_dropout_on_expert_weights_is_refused_clearly(models):
+    from looprl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="model.lora.dropout=0"):
+        add_lora(copy.deepcopy(models("mixtral")), LoraSettings(dropout=0.1))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

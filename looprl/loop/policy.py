@@ -92,6 +92,11 @@ def add_lora(model: Any, lora: LoraSettings) -> Any:
     from peft import LoraConfig, get_peft_model
 
     targets = lora_targets(model, lora.target_modules, router=lora.train_router)
+    if targets.get("target_parameters") and lora.dropout:
+        raise ConfigError(
+            f"model.lora.dropout={lora.dropout}: PEFT adapts an MoE model's fused expert "
+            "weights only without dropout; set model.lora.dropout=0"
+        )
     config = LoraConfig(
         r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type="CAUSAL_LM",
         **targets,
