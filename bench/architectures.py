@@ -29,7 +29,7 @@ from looprl.envs.tictactoe import TicTacToeMove
 from looprl.loop.policy import add_lora, sequence_logprobs
 from looprl.model.arch import router_modules
 from looprl.model.load import load_tokenizer
-from looprl.model.tiny import TINY_ARCHITECTURES, build_tiny
+from looprl.model.tiny import TINY_ARCHITECTURES, build_tiny, perturb_adapters
 
 
 def chosen_experts(model, sequence: list[int], prompt_len: int | None) -> list[torch.Tensor]:
@@ -62,12 +62,7 @@ def chosen_experts(model, sequence: list[int], prompt_len: int | None) -> list[t
 
 
 def measure(arch: str, tokenizer, renderer, sampler_dtype: str | None) -> dict[str, float]:
-    model = add_lora(build_tiny(arch, tokenizer), LoraConfig(rank=8, alpha=16.0))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    model = perturb_adapters(add_lora(build_tiny(arch, tokenizer), LoraConfig(rank=8, alpha=16.0)))
     env = TicTacToeMove(tool_choice="auto")
     requests = []
     for task in env.tasks("train", n=4, seed=3):

@@ -20,7 +20,7 @@ from looprl.envs.tictactoe import TicTacToeMove
 from looprl.forward.prefix import shared_prefill
 from looprl.loop.policy import add_lora, sequence_logprobs
 from looprl.model.arch import MATRIX, fast_paths, router_modules
-from looprl.model.tiny import TINY_ARCHITECTURES, build_tiny, save_tiny
+from looprl.model.tiny import TINY_ARCHITECTURES, build_tiny, perturb_adapters, save_tiny
 
 ARCHS = list(TINY_ARCHITECTURES)
 MOE = {"qwen3_moe", "mixtral", "olmoe", "bailing_hybrid"}
@@ -111,13 +111,7 @@ def test_a_shared_head_would_shift_gemma3s_sliding_window(models, requests):
 
 def lora_model(arch, tokenizer):
     """The tiny model with LoRA as `load_policy` adds it, B matrices non-zero."""
-    model = add_lora(build_tiny(arch, tokenizer), LoraSettings(rank=4, alpha=8.0))
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    return model
+    return perturb_adapters(add_lora(build_tiny(arch, tokenizer), LoraSettings(rank=4, alpha=8.0)))
 
 
 def adapted(model) -> set[str]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from looprl.model.load import TINY_CONFIG
+
 # The matrix by short name -> (transformers config class, its arguments beyond the common
 # ones). Four layers, so that every kind of layer appears at least once: gemma3 has three
 # sliding-window layers (a window of 16 tokens, shorter than any env prompt) and one global
@@ -55,14 +57,7 @@ TINY_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),  # fmt: skip
 }
-_COMMON = dict(
-    hidden_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
-)
+_COMMON = {**TINY_CONFIG, "num_hidden_layers": 4}  # tiny-random's sizes, four layers
 
 
 def tiny_config(arch: str, tokenizer: Any) -> Any:
@@ -107,6 +102,19 @@ def _randomise_routers(model: Any, seed: int) -> None:
         for name, param in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+
+
+def perturb_adapters(model: Any, seed: int = 0, std: float = 0.05) -> Any:
+    """Give a LoRA model's B matrices random values (PEFT starts them at zero, which
+    makes every adapter a no-op), so that a test sees each adapter act and learn."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    return model
 
 
 def save_tiny(arch: str, out: Path, seed: int = 0) -> Path:
