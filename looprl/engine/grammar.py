@@ -85,13 +85,13 @@ def thinking_grammar(thinking: Thinking, fmt: str) -> Any:
         ebnf = f"root ::= {json.dumps(THINK_OPEN)} {body} {json.dumps(THINK_CLOSE + chr(10))}"
     elif thinking.mode == "plain":
         first = CALL_OPENINGS[fmt][0]
-        ebnf = f'root ::= [^{re_class(first)}]* "\\n"'
+        ebnf = f'root ::= [^{_char_class(first)}]* "\\n"'
     else:
         raise ChatError(f"unknown thinking mode {thinking.mode!r}; use off, tagged or plain")
     return xgr.Grammar.from_ebnf(ebnf)
 
 
-def re_class(char: str) -> str:
+def _char_class(char: str) -> str:
     """`char` as a member of an EBNF character class."""
     return "\\" + char if char in "[]\\^-" else char
 
