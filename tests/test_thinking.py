@@ -46,6 +46,7 @@ TYPED = _tool(
     x={"type": "number"},
     flag={"type": "boolean"},
     word={"type": "string", "enum": ["red", "green"]},
+    shade={"enum": ["dark", "light"]},  # no type: written as text too
     text={"type": "string", "maxLength": 12},
     items={"type": "array", "items": {"type": "integer"}},
     opt_note={"type": "string"},
@@ -114,7 +115,8 @@ def test_ling_template_writes_calls_as_formats_does(ling):
 
 def test_glm_grammar_takes_what_formats_writes_typed_by_the_schema(grammars, tokenizer):
     forced = ToolConstraint([TYPED], "required", "glm")
-    good = {"n": 3, "x": 2.5, "flag": True, "word": "red", "text": "a b", "items": [1, 2]}
+    good = {"n": 3, "x": 2.5, "flag": True, "word": "red", "shade": "dark", "text": "a b"}
+    good["items"] = [1, 2]
     assert accepts(grammars, tokenizer, forced, format_tool_call(ToolCall("f", good), "glm"))
     with_optional = {**good, "opt_note": "fine"}
     assert accepts(
@@ -125,6 +127,7 @@ def test_glm_grammar_takes_what_formats_writes_typed_by_the_schema(grammars, tok
         {**good, "n": "three"},  # not an integer
         {**good, "flag": "yes"},
         {**good, "word": "blue"},  # not in the enum
+        {**good, "shade": "mid"},
         {**good, "text": "far too long a text"},  # over maxLength
         {**good, "text": "a<b"},  # '<' could open a tag inside the value
         {k: v for k, v in good.items() if k != "x"},  # a required argument left out
@@ -135,7 +138,7 @@ def test_glm_grammar_takes_what_formats_writes_typed_by_the_schema(grammars, tok
 
 def test_glm_grammar_keeps_the_schema_property_order(grammars, tokenizer):
     forced = ToolConstraint([TYPED], "required", "glm")
-    args = {"x": 2.5, "n": 3, "flag": True, "word": "red", "text": "", "items": []}
+    args = {"x": 2.5, "n": 3, "flag": True, "word": "red", "shade": "dark", "text": "", "items": []}
     assert not accepts(grammars, tokenizer, forced, format_tool_call(ToolCall("f", args), "glm"))
 
 

@@ -34,7 +34,12 @@ def _literal(text: str) -> Any:
 
 
 def _is_text(prop: dict[str, Any]) -> bool:
+    """Whether the value is written as raw text: a string type, or (no type) a string
+    `const` or an `enum` of strings, which formats.py also writes unquoted."""
     declared = prop.get("type")
+    if declared is None:
+        choices = prop["enum"] if "enum" in prop else [prop["const"]] if "const" in prop else []
+        return bool(choices) and all(isinstance(c, str) for c in choices)
     return declared == "string" or (isinstance(declared, list) and "string" in declared)
 
 
