@@ -178,6 +178,7 @@ class Row:
     think_end: str | None = None
     think_close: str = ""
     think_limit: int = 0
+    think_seen: int = 0  # generated tokens already searched for `think_end`
     forced: list[int] = field(default_factory=list)  # tokens of that closing still to write
 
 
@@ -199,8 +200,10 @@ def advance_thinking(rows: list[Row], tokenizer: Any) -> None:
     for row in rows:
         if row.done or row.think_end is None or row.forced:
             continue
-        # the marker's tokens all lie among the last few, however it was tokenized
-        tail = tokenizer.decode(row.ids[-(len(row.think_end) + 8) :])
+        # the new tokens (a jump-forward may add many) and a few before: the marker's
+        # tokens all lie there, however it was tokenized
+        tail = tokenizer.decode(row.ids[max(0, row.think_seen - len(row.think_end) - 8) :])
+        row.think_seen = len(row.ids)
         if row.think_end in tail:
             row.think_end = None
         elif len(row.ids) >= row.think_limit:
