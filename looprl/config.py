@@ -128,6 +128,24 @@ class RolloutConfig(Section):
         description="Sample from a copy of the policy in this dtype (faster on CPUs with "
         "bf16 units; the sampling mismatch shows in rollout/logprob_gap); 'model' = exact.",
     )
+    think: Literal["off", "tagged", "plain"] = Field(
+        "off",
+        description="Free text before a forced tool call: off (the call alone), tagged "
+        "(<think>...</think> then the call) or plain (text, then the call).",
+    )
+    think_max_tokens: int = Field(
+        256, ge=1, description="Most tokens of that text; then the engine closes it."
+    )
+
+    @model_validator(mode="after")
+    def _check_think(self) -> RolloutConfig:
+        if self.think != "off" and self.think_max_tokens >= self.max_new_tokens:
+            raise ValueError(
+                f"rollout.think_max_tokens ({self.think_max_tokens}) must be below "
+                f"rollout.max_new_tokens ({self.max_new_tokens}), which leaves the room for "
+                "the call after the thinking; raise max_new_tokens or lower think_max_tokens"
+            )
+        return self
 
 
 class AlgoConfig(Section):

@@ -32,8 +32,10 @@ from looprl.engine import Completion, GenerationRequest, SamplingParams
 from looprl.engine.grammar import GrammarCache
 from looprl.engine.sampling import (
     Row,
+    advance_thinking,
     jump_forward_tokens,
     sample_rows,
+    thinking_fields,
     top_alternatives,
 )
 from looprl.forward import cascade, weight_first
@@ -280,7 +282,7 @@ class HFEngine:
         generator = torch.Generator().manual_seed((base_seed * 1_000_003 + stream) % 2**63)
         return Row(
             index, request.prompt_ids, limit, matcher, generator, request.keep_kv,
-            request.top_logprobs, request.on_token,
+            request.top_logprobs, request.on_token, **thinking_fields(request.constraint),
         )  # fmt: skip
 
     def _step(self, running: Part, rows: list[Row], params: SamplingParams) -> list[Row]:
@@ -313,6 +315,7 @@ class HFEngine:
                     tops = [first + later for first, later in zip(tops, rest)]
         if k > 1:
             self._append(rows, tokens_CK, logp_CK, tops)
+        advance_thinking(rows, self.tokenizer)
         ended = []
         for j, row in enumerate(rows):
             if row.done:
@@ -338,6 +341,8 @@ class HFEngine:
             for pos, (token, logp) in enumerate(zip(tokens_CK[j].tolist(), logp_CK[j].tolist())):
                 row.ids.append(token)
                 row.logprobs.append(logp)
+                if row.forced and row.forced[0] == token:
+                    row.forced.pop(0)
                 top = tops[j][pos][: row.top_k] if tops is not None and row.top_k else None
                 if top is not None:
                     row.top.append(top)

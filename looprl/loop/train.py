@@ -226,6 +226,9 @@ def train(
                 "rollout/valid_tool_call_rate": summary["valid_tool_call_rate"],
                 "rollout/env_errors": len(errors),
                 "rollout/token_mismatch": sum("token_mismatch" in e.info for e in episodes),
+                "rollout/retokenize_mismatch": sum(
+                    "retokenize_mismatch" in e.info for e in episodes
+                ),
                 "rollout/logprob_gap": stats["logprob_gap"],
                 "train/loss": stats["loss"],
                 "train/clip_frac": stats["clip_frac"],

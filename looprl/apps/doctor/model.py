@@ -26,7 +26,7 @@ MODEL_FIX = (
     "set model.name to a hub id, a local model folder, gguf:PATH, or an alias: "
     + ", ".join(ALIASES)
 )
-FORCED_FORMATS = "hermes, llama3 or mistral"
+FORCED_FORMATS = "hermes, llama3, mistral or glm"
 
 
 def check_environment(name: str, args: dict[str, Any]) -> Check:
