@@ -214,7 +214,9 @@ class EvalConfig(Section):
     )
     seed: int = Field(1234, description="Seed of the eval task sample and sampling.")
     greedy: bool = Field(
-        True, description="Also evaluate greedily (T = 0, one episode per task) before and after."
+        True,
+        description="Also evaluate greedily (T = 0, one episode per task) before and after "
+        "(skipped when eval.temperature is already 0).",
     )
 
 

@@ -123,9 +123,11 @@ def train(
         baseline = evaluate(policy, play, eval_tasks, cfg, run_dir, "baseline", progress)
     else:
         progress.note(f"{DONE} baseline eval: kept from {run_dir / 'eval' / 'baseline.json'}")
-    # the greedy policy (T = 0, one episode per task) on the same tasks, beside it
+    # the greedy policy (T = 0, one episode per task) on the same tasks, beside it (unless
+    # the eval above already was greedy)
+    greedy = cfg.eval.greedy and cfg.eval.temperature > 0
     baseline_greedy = load_json(run_dir / "eval" / "baseline_greedy.json")
-    if cfg.eval.greedy and baseline_greedy is None:
+    if greedy and baseline_greedy is None:
         baseline_greedy = evaluate(
             policy, play, eval_tasks, cfg, run_dir, "baseline_greedy", progress, greedy=True
         )
@@ -266,7 +268,7 @@ def train(
     # ---- retest on exactly the same tasks and seeds, then report
     final = evaluate(policy, play, eval_tasks, cfg, run_dir, "final", progress)
     final_greedy = None
-    if cfg.eval.greedy:
+    if greedy:
         final_greedy = evaluate(
             policy, play, eval_tasks, cfg, run_dir, "final_greedy", progress, greedy=True
         )
@@ -303,11 +305,13 @@ def warm_start(
     sft_log = run_dir / "sft_metrics.jsonl"
     main_only(sft_log.write_text)("")
     append_line = main_only(log.append_json)
+    # sft.loss_on=free: the loss leaves out the tokens a forced call's grammar fixes
+    grammars = policy.engine.grammars() if cfg.sft.loss_on == "free" else None
     with (progress or Progress(quiet=True)).phase("SFT warm start", cfg.sft.steps, "step") as phase:
         for step in range(1, cfg.sft.steps + 1):
             tasks = probe.tasks("train", n=cfg.sft.batch_size, seed=cfg.seed * 999_983 + step)
             episodes = [
-                demo_episode(make_env(cfg.env.name, cfg.env.args), t, policy.renderer)
+                demo_episode(make_env(cfg.env.name, cfg.env.args), t, policy.renderer, grammars)
                 for t in tasks
             ]
             stats = sft_step(policy, optimizer, episodes, cfg)
