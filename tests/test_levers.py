@@ -153,3 +153,74 @@ def test_choose_tasks_prefers_weight_and_fills_from_retired():
     assert {1, 3, 4} <= set(filled) and len(filled) == 4
     with pytest.raises(ValueError):
         choose_tasks(weights, 6, 0)
+
+
+# ------------------------------------------------------------- in the loop, tiny model
+
+
+@pytest.fixture(scope="module")
+def tiny_step():
+    """The levers' config on the tiny model, its policy, env and player."""
+    from looprl.config import config_from_dict
+    from looprl.envs import make_env
+    from looprl.loop.evaluate import player
+    from looprl.loop.policy import load_policy
+
+    cfg = config_from_dict(
+        {
+            "model": {"name": "tiny-random"},
+            "rollout": {"tasks_per_step": 2, "group_size": 4, "max_new_tokens": 32},
+            "algo": {"dynamic_sampling": True, "max_oversample": 3.0},
+            "curriculum": {"enabled": True, "candidates": 3, "window": 2},
+        }
+    )
+    policy = load_policy(cfg)
+    probe = make_env(cfg.env.name, cfg.env.args)
+    return cfg, probe, player(cfg, policy, probe)
+
+
+def test_play_step_refills_up_to_the_cap_and_records_the_curriculum(tiny_step):
+    from looprl.loop.dist import Dist
+    from looprl.loop.groups import play_step
+
+    cfg, probe, play = tiny_step
+    played, history = play_step(cfg, probe, play, Dist(), step=1, history={})
+    group, wanted = cfg.rollout.group_size, cfg.rollout.tasks_per_step
+    sampled = len(played.episodes) // group
+    metrics = played.metrics
+    assert metrics["train/oversample_ratio"] == sampled / wanted
+    assert wanted <= sampled <= 6  # tasks_per_step × max_oversample
+    groups = [played.advantages[i : i + group] for i in range(0, len(played.episodes), group)]
+    rewards = [
+        [e.reward for e in played.episodes[i : i + group]]
+        for i in range(0, len(played.episodes), group)
+    ]
+    kept = [i for i, adv in enumerate(groups) if any(a is not None for a in adv)]
+    assert metrics["train/kept_groups"] == len(kept) <= wanted
+    assert all(len(set(rewards[i])) > 1 for i in kept)  # only groups with a spread train
+    if len(kept) < wanted:
+        assert sampled == 6  # it refilled until the cap
+    else:
+        assert kept[-1] == len(groups) - 1 or sampled == wanted  # it stopped once full
+    # the curriculum remembered every group played, as [mixed, mean reward]
+    played_ids = {e.task.id for e in played.episodes}
+    assert set(history) == played_ids
+    assert metrics["curriculum/tasks_seen"] == len(played_ids)
+    # the same step from the same history plays the same episodes (a resumed run's step)
+    again, history_again = play_step(cfg, probe, play, Dist(), step=1, history={})
+    assert [e.reward for e in again.episodes] == [e.reward for e in played.episodes]
+    assert history_again == history
+
+
+def test_curriculum_history_survives_a_checkpoint(tmp_path):
+    import json
+
+    from looprl.loop.run_state import LoopState
+    from looprl.loop.update import UpdateState
+
+    state = LoopState(update=UpdateState(micro_batch_tokens=512))
+    state.curriculum = record_groups({}, ["a", "b"], [[1.0, 0.0], [0.8, 0.8]], window=4)
+    meta = json.loads(json.dumps(state.to_meta()))  # as checkpoint meta.json holds it
+    restored = LoopState(update=UpdateState(micro_batch_tokens=2048))
+    restored.load_meta(meta)
+    assert restored.curriculum == state.curriculum and restored.update.micro_batch_tokens == 512
