@@ -3,7 +3,10 @@
 One training step:
   1. sample `tasks_per_step` train tasks; play `group_size` episodes of each with the
      current policy (the engine samples from the very module being trained);
-  2. rewards → group-relative advantages (A = (r − mean) / std per task group);
+  2. rewards → group-relative advantages (A = (r − mean) / std per task group); with
+     `algo.dynamic_sampling` and `algo.max_oversample` the step plays more tasks until
+     `tasks_per_step` groups with a reward spread are kept, and `curriculum.enabled`
+     picks the tasks by their recent groups (both in loop/groups.py);
   3. recompute old logprobs with the trainer's own forward pass (the token-parity check
      `rollout/logprob_gap` compares them with the engine's);
   4. split the batch into `num_minibatches` optimizer updates of the chosen loss.
@@ -12,6 +15,8 @@ How this differs from the GSPO paper (arXiv 2507.18071): nothing in the objectiv
 engine records the *unconstrained* policy logprobs of tokens sampled under a forced-call
 grammar (see engine/hf.py), and groups whose rewards are all equal produce no gradient
 (A = 0); they stay in the loss normaliser unless `algo.dynamic_sampling` drops them.
+The held-out eval runs twice before and after: at the eval temperature, and greedily
+(`eval.greedy`, T = 0, one episode per task).
 """
 
 from __future__ import annotations
