@@ -86,7 +86,11 @@ def run(
         return  # rank 0 of a torchrun job prints the headline
     console.print()
     for line in headline(
-        result["baseline"], result["final"], Path(result["report"]), result["after_sft"]
+        result["baseline"],
+        result["final"],
+        Path(result["report"]),
+        result["after_sft"],
+        greedy=result.get("greedy"),
     ):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
 

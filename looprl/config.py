@@ -25,6 +25,7 @@ from looprl.errors import ConfigError
 DEFAULT_CLIP = {
     "gspo": (3e-4, 4e-4),
     "gspo_token": (3e-4, 4e-4),
+    "gspo_turn": (3e-4, 4e-4),
     "grpo": (0.2, 0.28),
     "dr_grpo": (0.2, 0.28),
 }
@@ -149,8 +150,10 @@ class RolloutConfig(Section):
 
 
 class AlgoConfig(Section):
-    name: Literal["gspo", "gspo_token", "grpo", "dr_grpo"] = Field(
-        "gspo", description="Policy loss: gspo, gspo_token, grpo (clip-higher), dr_grpo."
+    name: Literal["gspo", "gspo_token", "gspo_turn", "grpo", "dr_grpo"] = Field(
+        "gspo",
+        description="Policy loss: gspo, gspo_token, gspo_turn (one ratio per assistant "
+        "turn), grpo (clip-higher), dr_grpo.",
     )
     eps_low: float | None = Field(
         None, ge=0, lt=1, description="Lower clip range; unset = the algorithm's default."
@@ -167,6 +170,13 @@ class AlgoConfig(Section):
     dynamic_sampling: bool = Field(
         False, description="DAPO: drop groups whose rewards are all equal."
     )
+    max_oversample: float = Field(
+        1.0,
+        ge=1,
+        le=16,
+        description="With dynamic_sampling: play up to this many times tasks_per_step tasks "
+        "to refill the dropped groups; 1 = drop only.",
+    )
     kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the initial policy; 0 = off.")
 
     @model_validator(mode="after")
@@ -177,6 +187,25 @@ class AlgoConfig(Section):
         if self.eps_high is None:
             object.__setattr__(self, "eps_high", high)
         return self
+
+
+class CurriculumConfig(Section):
+    enabled: bool = Field(
+        False, description="Prefer train tasks whose recent groups were mixed; retire mastered."
+    )
+    candidates: int = Field(
+        4, ge=1, le=64, description="Tasks drawn per step, as a multiple of tasks_per_step."
+    )
+    window: int = Field(4, ge=1, description="Recent groups remembered per task.")
+    retire_after: int = Field(
+        2, ge=1, description="Equal-reward groups in a row at mastered_reward that retire a task."
+    )
+    mastered_reward: float = Field(
+        0.5, description="Group reward at or above which an equal-reward group counts as mastered."
+    )
+    floor: float = Field(
+        0.2, gt=0, le=1, description="Weight of a seen task whose recent groups were never mixed."
+    )
 
 
 class TrainConfig(Section):
@@ -212,6 +241,11 @@ class EvalConfig(Section):
         4, ge=1, description="Episodes per eval task (the same seeds before and after)."
     )
     seed: int = Field(1234, description="Seed of the eval task sample and sampling.")
+    greedy: bool = Field(
+        True,
+        description="Also evaluate greedily (T = 0, one episode per task) before and after "
+        "(skipped when eval.temperature is already 0).",
+    )
 
 
 class SFTConfig(Section):
@@ -221,6 +255,11 @@ class SFTConfig(Section):
     steps: int = Field(30, ge=1, description="SFT optimizer steps.")
     batch_size: int = Field(16, ge=1, description="Demonstrations per SFT step.")
     lr: float = Field(1e-4, gt=0, le=1, description="SFT learning rate (AdamW, constant).")
+    loss_on: Literal["all", "free"] = Field(
+        "all",
+        description="Tokens the SFT loss averages over: all assistant tokens, or only those "
+        "a forced call's grammar leaves free (the decision, e.g. the square's digit).",
+    )
 
 
 class LoggingConfig(Section):
@@ -281,6 +320,9 @@ class Config(Section):
     env: EnvConfig = Field(default_factory=EnvConfig, description="The environment.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollouts.")
     algo: AlgoConfig = Field(default_factory=AlgoConfig, description="The RL algorithm.")
+    curriculum: CurriculumConfig = Field(
+        default_factory=CurriculumConfig, description="Which train tasks a step plays."
+    )
     train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation.")
     sft: SFTConfig = Field(default_factory=SFTConfig, description="Optional SFT warm start.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Before/after eval.")
@@ -293,6 +335,11 @@ class Config(Section):
             raise ValueError(
                 "algo.kl_coef > 0 needs model.lora.enabled=true: the KL reference is the "
                 "base model with the adapters switched off"
+            )
+        if self.algo.max_oversample > 1 and not self.algo.dynamic_sampling:
+            raise ValueError(
+                "algo.max_oversample > 1 refills the groups dynamic sampling drops: set "
+                "algo.dynamic_sampling=true as well (or algo.max_oversample=1)"
             )
         eight_bit = self.train.optimizer == "adamw_8bit"
         if eight_bit and importlib.util.find_spec("bitsandbytes") is None:

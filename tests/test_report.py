@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from looprl.config import load_config, to_yaml
@@ -313,3 +314,98 @@ def test_chromium_check_sees_broken_images_and_errors(chromium, tmp_path):
     title, console = open_in_chromium(chromium, page, tmp_path)
     assert title.startswith("PROBE images=0/1"), title
     assert any("Uncaught Error: boom" in line for line in console), console
+
+
+# ============================================================================ levers shown
+
+
+def paired_result(outcomes: list[str], rewards: list[float], solved: list[str]) -> dict:
+    shares = {k: outcomes.count(k) / len(outcomes) for k in sorted(set(outcomes))}
+    result = eval_result(rewards, shares)
+    result.update(episode_outcomes=outcomes, solved_outcomes=solved)
+    return result
+
+
+def test_reward_rise_without_more_solved_episodes_is_flagged_at_the_top(tmp_path):
+    # 8 tasks × 2 episodes: the illegal moves became legal non-optimal ones (reward -1 -> 0),
+    # the optimal ones stayed: the reward rose, the solved share (win, optimal) did not
+    run = make_run(tmp_path, [step(1)])
+    solved = ["win", "optimal"]
+    before = paired_result(["illegal", "optimal"] * 4, [-1.0, 0.8] * 4, solved)
+    after = paired_result(["legal", "optimal"] * 4, [0.0, 0.8] * 4, solved)
+    (run / "eval" / "baseline.json").write_text(json.dumps(before))
+    (run / "eval" / "final.json").write_text(json.dumps(after))
+    md, page = write(run)
+    warning = md.split("## Before / after")[0]
+    assert "> **Warning:** Check the reward: the held-out reward rose (+0.500" in warning
+    assert "share of solved episodes (win, optimal) did not: 50.0% → 50.0%" in warning
+    assert "illegal 50% → 0%, legal 0% → 50%" in warning
+    assert '<p class="warn"><strong>Warning:</strong> Check the reward' in page
+    assert "Solved (win, optimal): 50.0% → 50.0%, paired +0.0 points" in md
+    # the same rise with the illegal moves turned into optimal ones: no warning
+    better = paired_result(["optimal", "optimal"] * 4, [0.8, 0.8] * 4, solved)
+    (run / "eval" / "final.json").write_text(json.dumps(better))
+    md, _ = write(run)
+    assert "Warning" not in md and "Solved (win, optimal): 50.0% → 100.0%" in md
+
+
+def test_greedy_section_and_its_own_flag(tmp_path):
+    run = make_run(tmp_path, [step(1)])
+    solved = ["win", "optimal"]
+    before = paired_result(["illegal", "win", "legal", "win"], [-1.0, 1.0, 0.0, 1.0], solved)
+    after = paired_result(["legal", "win", "legal", "win"], [0.0, 1.0, 0.0, 1.0], solved)
+    before["task_ids"] = after["task_ids"] = ["move-0", "move-1", "move-2", "move-3"]
+    (run / "eval" / "baseline_greedy.json").write_text(json.dumps(before))
+    (run / "eval" / "final_greedy.json").write_text(json.dumps(after))
+    md, _ = write(run)
+    greedy = md.split("## Greedy policy (T = 0)")[1].split("##")[0]
+    assert "| reward mean [95% CI] |" in greedy and "| outcome: illegal | 25.0% | 0.0% |" in greedy
+    assert "Paired difference (after − before, episode by episode): +0.250" in greedy
+    # one task in four moved: the task bootstrap's CI reaches 0, so no greedy warning
+    assert "greedy (T = 0) reward rose" not in md
+
+
+def test_outcome_colours_carry_meaning():
+    from looprl.report.plots import outcome_colors
+
+    labels = ["bad_json", "draw", "illegal", "legal", "loss", "optimal", "win"]
+    colors = dict(zip(labels, outcome_colors(labels, ("win", "optimal"))))
+    rgb = {k: tuple(int(c[i : i + 2], 16) for i in (1, 3, 5)) for k, c in colors.items()}
+    for good in ("win", "optimal"):
+        r, g, b = rgb[good]
+        assert g > r + 40 and g > b + 20, (good, colors[good])  # green
+    for bad in ("illegal", "loss"):
+        r, g, b = rgb[bad]
+        assert r > g + 80 and r > b + 60, (bad, colors[bad])  # red
+    r, g, b = rgb["bad_json"]
+    assert abs(r - g) < 10 and abs(g - b) < 10  # grey
+    assert len(set(colors.values())) == len(labels)
+    # against perfect play a draw is the success: green
+    r, g, b = (int(outcome_colors(["draw"], ("win", "draw"))[0][i : i + 2], 16) for i in (1, 3, 5))
+    assert g > r + 40
+
+
+def test_outcome_chart_colours_in_chromium(chromium, tmp_path):
+    """A screenshot of the outcome chart as a browser shows it: red for the illegal share
+    before, green for the wins after, and no blue anywhere."""
+    from PIL import Image
+
+    from looprl.report.plots import plot_outcomes
+
+    png = plot_outcomes(
+        [("before", {"illegal": 1.0}), ("after", {"win": 1.0})], tmp_path / "o.png", ("win",)
+    )
+    shot = tmp_path / "shot.png"
+    cmd = [
+        chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+        f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}",
+        "--window-size=1000,400", png.as_uri(),
+    ]  # fmt: skip
+    subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert shot.is_file(), "chromium wrote no screenshot"
+    r, g, b = np.asarray(Image.open(shot).convert("RGB"), dtype=int).reshape(-1, 3).T
+    red = int(((r > g + 80) & (r > b + 80)).sum())
+    green = int(((g > r + 40) & (g > b + 20)).sum())
+    blue = int(((b > r + 60) & (b > g + 30)).sum())
+    assert red > 2000 and green > 2000, (red, green)
+    assert blue < 50, blue

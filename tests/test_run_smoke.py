@@ -101,8 +101,10 @@ def test_run_shows_each_phase_and_ends_with_the_headline(first_run):
     assert starts == [
         "▶ load model",
         "▶ baseline eval (16 episodes)",
+        "▶ greedy baseline eval (4 episodes)",
         "▶ training (2 steps)",
         "▶ final eval (16 episodes)",
+        "▶ greedy final eval (4 episodes)",
         "▶ write report",
     ]
     for title in ("load model", "baseline eval", "training", "final eval", "write report"):
@@ -114,13 +116,20 @@ def test_run_shows_each_phase_and_ends_with_the_headline(first_run):
         lo, hi = result["reward_ci95"]
         return f"{result['reward_mean']:+.3f} [{lo:+.3f}, {hi:+.3f}]"
 
-    reward_line, paired_line, report_line = res.stdout.strip().splitlines()
+    reward_line, paired_line, greedy_line, report_line = res.stdout.strip().splitlines()
     assert reward_line == (
         f"held-out reward, 16 episodes, mean [95% CI]: before {reward(baseline)} → "
         f"after {reward(final)}"
     )
     assert paired_line.startswith("paired difference, after − before: ")
     assert f"over {len(set(baseline['task_ids']))} tasks" in paired_line
+    greedy = [
+        json.loads((run / f"eval/{n}_greedy.json").read_text()) for n in ("baseline", "final")
+    ]
+    assert greedy[0]["n"] == greedy[1]["n"] == 4 and greedy[0]["temperature"] == 0.0
+    assert greedy_line.startswith(
+        f"greedy (T = 0), 4 episodes: before {reward(greedy[0])} → after {reward(greedy[1])}"
+    )
     assert report_line == f"report: {run / 'report.md'}, {run / 'report.html'}"
     # the paired figure is the report's own
     figure = paired_line.split(": ", 1)[1].split(" over ")[0]  # "+0.000 [95% CI …]"

@@ -67,3 +67,29 @@ def test_sft_teaches_a_free_form_tool_call(tmp_path):
         "▶ write report",
     ]
     assert result["after_sft"] == after_sft
+
+
+def test_free_tokens_of_a_forced_call_are_the_decision(renderer, tokenizer):
+    # sft.loss_on=free: of the forced choose_square call only the square's digit is free
+    from looprl.engine.grammar import GrammarCache
+
+    grammars = GrammarCache(
+        tokenizer, len(tokenizer), [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    )
+    env = TicTacToeMove(tool_choice="required")
+    for seed in (5, 6, 7):
+        task = env.tasks("train", n=1, seed=seed)[0]
+        every = demo_episode(env, task, renderer)
+        free = demo_episode(env, task, renderer, grammars)
+        assert free.token_ids == every.token_ids and free.reward == every.reward
+        picked = [t for t, m in zip(free.token_ids, free.loss_mask) if m]
+        square = env.demonstrations(task)[0].tool_calls[0].arguments["square"]
+        assert tokenizer.decode(picked) == str(square)
+        assert sum(every.loss_mask) > 20  # the whole scaffold, for comparison
+    # free tool choice: no grammar, every assistant token counts
+    env = TicTacToeMove(tool_choice="auto")
+    task = env.tasks("train", n=1, seed=5)[0]
+    assert (
+        demo_episode(env, task, renderer, grammars).loss_mask
+        == demo_episode(env, task, renderer).loss_mask
+    )

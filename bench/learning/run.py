@@ -6,8 +6,9 @@
 
 Writes runs/bench-NAME/ (the usual run folder, report included) and ends with
 `RESULT name=... before=... after=... ...` (rewards on the same held-out episodes).
-Then it re-evaluates the base model and the final checkpoint greedily (temperature 0)
-and under the extra settings listed in EXTRA_EVALS (e.g. another opponent), writing
+The run's own greedy evals (eval.greedy) add `greedy_before`/`greedy_after` and their
+outcome shares to that line. Then it re-evaluates the base model and the final
+checkpoint under the extra settings listed in EXTRA_EVALS (e.g. another opponent), writing
 runs/bench-NAME/eval/extra-*.json, and prints one `EXTRA ...` line per setting.
 """
 
@@ -65,7 +66,7 @@ def main() -> None:
     minutes = (time.time() - started) / 60
     evals = {p.stem: json.loads(p.read_text()) for p in (out / "eval").glob("*.json")}
     print(f"\n{'stage':<10} {'reward [95% CI]':<28} {'valid calls':>11}  outcomes")
-    for stage in ("baseline", "after_sft", "final"):
+    for stage in ("baseline", "after_sft", "final", "baseline_greedy", "final_greedy"):
         if stage in evals:
             r = evals[stage]
             ci = f"{r['reward_mean']:+.3f} [{r['reward_ci95'][0]:+.3f}, {r['reward_ci95'][1]:+.3f}]"
@@ -83,6 +84,14 @@ def main() -> None:
     }
     if "after_sft" in evals:
         fields["after_sft"] = f"{evals['after_sft']['reward_mean']:.3f}"
+    for stage in ("baseline_greedy", "final_greedy"):  # eval.greedy: T = 0 on the same tasks
+        if stage in evals:
+            r = evals[stage]
+            side = stage.split("_")[0].replace("baseline", "before").replace("final", "after")
+            fields[f"greedy_{side}"] = f"{r['reward_mean']:.3f}"
+            for label in ("win", "draw", "illegal", "optimal", "success"):
+                if label in r["outcomes"]:
+                    fields[f"greedy_{side}_{label}"] = f"{r['outcomes'][label]:.3f}"
     print("RESULT " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
     extra_evals(name, out)
 

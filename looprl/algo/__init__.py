@@ -17,31 +17,55 @@ from looprl.algo.logprobs import (
     token_logprobs,
 )
 from looprl.algo.losses import (
-    LOSSES,
+    LossFn,
     Normalizer,
     dr_grpo_loss,
     grpo_loss,
     gspo_loss,
     gspo_token_loss,
 )
+from looprl.algo.selection import (
+    choose_tasks,
+    is_mastered,
+    record_groups,
+    refill_count,
+    task_weights,
+)
+from looprl.algo.turns import gspo_turn_loss, turn_ids
+
+# every policy loss by its `algo.name`; all take the same arguments (losses.py)
+LOSSES: dict[str, LossFn] = {
+    "gspo": gspo_loss,
+    "gspo_token": gspo_token_loss,
+    "gspo_turn": gspo_turn_loss,
+    "grpo": grpo_loss,
+    "dr_grpo": dr_grpo_loss,
+}
 
 __all__ = [
     "LOSSES",
     "Normalizer",
     "batch_advantages",
+    "choose_tasks",
     "dr_grpo_loss",
     "dynamic_sampling_keep",
     "episode_advantages",
     "group_advantages",
     "head_logprobs",
+    "is_mastered",
     "grpo_loss",
     "gspo_loss",
     "gspo_token_loss",
+    "gspo_turn_loss",
     "k3_kl",
     "masked_mean",
     "masked_sum",
+    "record_groups",
+    "refill_count",
     "scale_logits",
     "scoring_temperature",
+    "task_weights",
     "tempered_log_softmax",
     "token_logprobs",
+    "turn_ids",
 ]

@@ -6,7 +6,7 @@ Every loss is called the same way
                      ref_logp_BT=None, kl_coef=0.0, normalizer=None, loss_scale=1.0)
 
 and returns a 0-dim loss to minimise and a dict of python floats, so a trainer picks one
-from `LOSSES` by name and never needs to know which. Inputs:
+from `looprl.algo.LOSSES` by name and never needs to know which. Inputs:
 
     logp_BT      log pi_theta(y_t) of the current policy, with grad        [B, T]
     old_logp_BT  log pi_old(y_t) of the policy that sampled (no grad)      [B, T]
@@ -395,11 +395,3 @@ def dr_grpo_loss(
         ref_logp_BT=ref_logp_BT, kl_coef=kl_coef, normalizer=normalizer,
         loss_scale=loss_scale, token_mean=False,
     )  # fmt: skip
-
-
-LOSSES: dict[str, LossFn] = {
-    "gspo": gspo_loss,
-    "gspo_token": gspo_token_loss,
-    "grpo": grpo_loss,
-    "dr_grpo": dr_grpo_loss,
-}

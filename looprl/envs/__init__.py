@@ -10,10 +10,17 @@ import sys
 from importlib.metadata import entry_points
 from typing import Any
 
-from looprl.envs.base import Environment, demonstrations
+from looprl.envs.base import Environment, demonstrations, solved_outcomes
 from looprl.errors import EnvError
 
-__all__ = ["Environment", "demonstrations", "env_class", "list_envs", "make_env"]
+__all__ = [
+    "Environment",
+    "demonstrations",
+    "env_class",
+    "list_envs",
+    "make_env",
+    "solved_outcomes",
+]
 
 
 _BUILTIN_MODULES = ("tictactoe", "extraction", "workflow", "instructions")

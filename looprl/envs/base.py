@@ -42,6 +42,13 @@ class Environment(Protocol):
         ...
 
 
+def solved_outcomes(env: Any) -> tuple[str, ...]:
+    """The outcome labels that count as the task solved, if the environment declares them
+    (an optional `solved_outcomes` attribute): the report checks that a rising reward
+    comes with more solved episodes, not only with fewer malformed ones."""
+    return tuple(getattr(env, "solved_outcomes", ()) or ())
+
+
 def demonstrations(env: Any, task: Task) -> list[Message] | None:
     """Expert assistant messages for `task`, if the environment provides them (for SFT)."""
     fn = getattr(env, "demonstrations", None)

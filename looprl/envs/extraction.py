@@ -193,6 +193,7 @@ class Extraction:
         "Extract an invoice, contact or event record from a short document (one tool call)."
     )
     outcomes: ClassVar[tuple[str, ...]] = ("exact", "partial", "wrong", *PARSE_FAILURES)
+    solved_outcomes: ClassVar[tuple[str, ...]] = ("exact",)
     reward_range: ClassVar[tuple[float, float]] = (-1.0, 1.0)
     default_prompt: ClassVar[str] = (
         "You extract structured records from documents. Read the document, then call the "

@@ -250,6 +250,7 @@ class InstructionsEnv:
         "Write a short business text obeying 2-4 checkable rules (JSON keys, length, terms, style)."
     )
     outcomes: ClassVar[tuple[str, ...]] = ("all_passed", "partial", "none_passed", "empty")
+    solved_outcomes: ClassVar[tuple[str, ...]] = ("all_passed",)
     reward_range: ClassVar[tuple[float, float]] = (0.0, 1.0)
     default_prompt: ClassVar[str] = (
         "You write short business texts. Follow every rule in the request exactly. "

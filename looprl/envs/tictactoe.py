@@ -111,6 +111,7 @@ class TicTacToeMove(_TicTacToeEnv):
     name: ClassVar[str] = "tictactoe-move"
     description: ClassVar[str] = "Pick X's best move in a tic-tac-toe position (one tool call)."
     outcomes: ClassVar[tuple[str, ...]] = ("win", "optimal", "legal", "illegal", *PARSE_FAILURES)
+    solved_outcomes: ClassVar[tuple[str, ...]] = ("win", "optimal")  # the best move was played
     reward_range: ClassVar[tuple[float, float]] = (ILLEGAL_REWARD, WIN_REWARD)
     default_prompt: ClassVar[str] = (
         "You are playing tic-tac-toe as X. Squares are numbered 1-9 row by row from the top "
@@ -224,6 +225,8 @@ class TicTacToeGame(_TicTacToeEnv):
         super().__init__(tool_choice, system_prompt)
         parse_opponent(opponent)
         self.opponent = opponent
+        # against perfect play a draw is the best there is; otherwise only a win
+        self.solved_outcomes = ("win", "draw") if opponent == "minimax" else ("win",)
         self.agent_plays = check_choice("agent_plays", agent_plays, ("X", "O", "alternate"))
         self.eval_size = check_int("eval_size", eval_size, 1)
         # X places at most 5 marks, so 5 agent turns always finish the game: the env never

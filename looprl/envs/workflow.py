@@ -235,6 +235,7 @@ class WorkflowEnv:
         "turn_limit",
         *PARSE_FAILURES,
     )
+    solved_outcomes: ClassVar[tuple[str, ...]] = ("success",)
     reward_range: ClassVar[tuple[float, float]] = (-1.0, 1.0)
 
     def __init__(

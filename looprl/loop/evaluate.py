@@ -15,7 +15,7 @@ from typing import Any
 
 from looprl.config import Config
 from looprl.engine import SamplingParams, Thinking
-from looprl.envs import make_env
+from looprl.envs import make_env, solved_outcomes
 from looprl.errors import ConfigError
 from looprl.loop import dist as ranks
 from looprl.loop import log
@@ -49,8 +49,19 @@ def valid_call_rate(episodes: list[Episode]) -> float:
     return sum(1 for m in turns if m.tool_calls and not m.parse_failure) / len(turns)
 
 
+def sampled_entropy(episodes: list[Episode]) -> float:
+    """Mean −log π(y_t) over the generated tokens, from the logprobs recorded while sampling
+    (the unconstrained policy's, at the sampling temperature): a Monte Carlo estimate of
+    the per-token entropy E_y~π[−log π(y)], exact in expectation where the token was sampled
+    from π itself, at no extra cost. Tokens a grammar forced or narrowed add their
+    surprisal instead, so on forced calls it reads as "how unlikely the policy found its
+    own reply"; it falls as the policy sharpens either way. 0 without generated tokens."""
+    values = [-lp for e in episodes for lp, m in zip(e.logprobs, e.loss_mask) if m]
+    return sum(values) / len(values) if values else 0.0
+
+
 def summarize(episodes: list[Episode]) -> dict[str, Any]:
-    """Reward, validity, length and outcome statistics of a batch of episodes.
+    """Reward, validity, length, entropy and outcome statistics of a batch of episodes.
     `env_error` episodes are counted in `outcomes` but left out of the reward mean."""
     scored = [e for e in episodes if e.outcome != ENV_ERROR]
     mean, lo, hi = mean_ci95([e.reward for e in scored])
@@ -62,13 +73,23 @@ def summarize(episodes: list[Episode]) -> dict[str, Any]:
         "reward_ci95": [lo, hi],
         "valid_tool_call_rate": valid_call_rate(scored),
         "response_len": sum(e.response_len for e in scored) / max(len(scored), 1),
+        "entropy": sampled_entropy(scored),
         "outcomes": {k: v / n for k, v in sorted(counts.items())},
         "env_errors": counts.get(ENV_ERROR, 0),
     }
 
 
-def eval_result(episodes: list[Episode], env: str, model: str, task_seed: int) -> dict[str, Any]:
-    """The EvalResult JSON object of the run-folder contract."""
+def eval_result(
+    episodes: list[Episode],
+    env: str,
+    model: str,
+    task_seed: int,
+    temperature: float | None = None,
+    solved: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """The EvalResult JSON object of the run-folder contract, with per-episode `rewards`,
+    `task_ids` and `episode_outcomes` (for paired comparisons), the eval `temperature` and
+    the env's `solved_outcomes` (labels that count as solved; [] when it declares none)."""
     stats = summarize(episodes)
     return {
         "env": env,
@@ -82,10 +103,20 @@ def eval_result(episodes: list[Episode], env: str, model: str, task_seed: int) -
         "task_seed": task_seed,
         "rewards": [e.reward for e in episodes],
         "task_ids": [e.task.id for e in episodes],
+        "episode_outcomes": [e.outcome for e in episodes],
+        "temperature": temperature,
+        "solved_outcomes": list(solved),
     }
 
 
-EVAL_TITLES = {"baseline": "baseline eval", "after_sft": "eval after SFT", "final": "final eval"}
+EVAL_TITLES = {
+    "baseline": "baseline eval",
+    "after_sft": "eval after SFT",
+    "final": "final eval",
+    "baseline_greedy": "greedy baseline eval",
+    "final_greedy": "greedy final eval",
+}
+GREEDY_SUFFIX = "_greedy"  # eval/NAME_greedy.json: the same tasks at T = 0, one episode each
 
 
 def evaluate(
@@ -96,16 +127,19 @@ def evaluate(
     run_dir: Path | None,
     name: str,
     progress: Progress | None = None,
+    greedy: bool = False,
 ) -> dict:
-    """Play the eval tasks with the eval sampling settings; write eval/NAME.json."""
+    """Play the eval tasks with the eval sampling settings; write eval/NAME.json. With
+    `greedy`, at T = 0 and one episode per task (another sample would be the same)."""
+    temperature = 0.0 if greedy else cfg.eval.temperature
     params = SamplingParams(
-        temperature=cfg.eval.temperature,
+        temperature=temperature,
         top_p=cfg.rollout.top_p,
         top_k=cfg.rollout.top_k,
         max_new_tokens=cfg.rollout.max_new_tokens,
         seed=cfg.eval.seed,
     )
-    repeated = [t for t in tasks for _ in range(cfg.eval.samples_per_task)]
+    repeated = [t for t in tasks for _ in range(1 if greedy else cfg.eval.samples_per_task)]
     title = EVAL_TITLES.get(name, name)
     dist = ranks.current()  # each rank plays its share; every rank then has them all
     mine = dist.share(range(len(repeated)))
@@ -114,7 +148,10 @@ def evaluate(
             play([repeated[i] for i in mine], params=params, on_progress=phase.update,
                  first_index=mine[0] if mine else 0)
         )  # fmt: skip
-        result = eval_result(episodes, cfg.env.name, cfg.model.name, cfg.eval.seed)
+        solved = solved_outcomes(make_env(cfg.env.name, cfg.env.args))
+        result = eval_result(
+            episodes, cfg.env.name, cfg.model.name, cfg.eval.seed, temperature, solved
+        )
         phase.done(
             f"reward {reward_with_ci(result)} · valid calls "
             f"{result['valid_tool_call_rate']:.0%} · {result['n']} episodes"

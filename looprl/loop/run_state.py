@@ -11,7 +11,7 @@ import resource
 import shutil
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +32,15 @@ class LoopState:
     update: UpdateState
     env_errors: int = 0
     bad_steps: int = 0
+    # the curriculum's recent groups per task id (loop/groups.py); empty when it is off
+    curriculum: dict[str, list[list[float]]] = field(default_factory=dict)
 
-    def to_meta(self) -> dict[str, int]:
+    def to_meta(self) -> dict[str, Any]:
         return {
             "env_errors": self.env_errors,
             "bad_steps": self.bad_steps,
             "micro_batch_tokens": self.update.micro_batch_tokens,
+            "curriculum": self.curriculum,
         }
 
     def load_meta(self, meta: dict[str, Any]) -> None:
@@ -46,6 +49,10 @@ class LoopState:
         self.update.micro_batch_tokens = int(
             meta.get("micro_batch_tokens", self.update.micro_batch_tokens)
         )
+        self.curriculum = {
+            str(task): [[float(x) for x in group] for group in groups]
+            for task, groups in (meta.get("curriculum") or {}).items()
+        }
 
 
 class Interrupted(LoopRLError):

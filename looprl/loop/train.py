@@ -3,7 +3,10 @@
 One training step:
   1. sample `tasks_per_step` train tasks; play `group_size` episodes of each with the
      current policy (the engine samples from the very module being trained);
-  2. rewards → group-relative advantages (A = (r − mean) / std per task group);
+  2. rewards → group-relative advantages (A = (r − mean) / std per task group); with
+     `algo.dynamic_sampling` and `algo.max_oversample` the step plays more tasks until
+     `tasks_per_step` groups with a reward spread are kept, and `curriculum.enabled`
+     picks the tasks by their recent groups (both in loop/groups.py);
   3. recompute old logprobs with the trainer's own forward pass (the token-parity check
      `rollout/logprob_gap` compares them with the engine's);
   4. split the batch into `num_minibatches` optimizer updates of the chosen loss.
@@ -12,6 +15,8 @@ How this differs from the GSPO paper (arXiv 2507.18071): nothing in the objectiv
 engine records the *unconstrained* policy logprobs of tokens sampled under a forced-call
 grammar (see engine/hf.py), and groups whose rewards are all equal produce no gradient
 (A = 0); they stay in the loss normaliser unless `algo.dynamic_sampling` drops them.
+The held-out eval runs twice before and after: at the eval temperature, and greedily
+(`eval.greedy`, T = 0, one episode per task).
 """
 
 from __future__ import annotations
@@ -25,9 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from looprl.algo import episode_advantages
 from looprl.config import Config, to_yaml
-from looprl.engine import SamplingParams
 from looprl.envs import make_env
 from looprl.errors import ConfigError, LoopRLError
 from looprl.loop import checkpoint as checkpoints
@@ -35,6 +38,7 @@ from looprl.loop import dist as ranks
 from looprl.loop import log
 from looprl.loop.dist import Dist, main_only
 from looprl.loop.evaluate import evaluate, load_model, player, summarize
+from looprl.loop.groups import play_step
 from looprl.loop.log import MetricsLogger
 from looprl.loop.optim import make_optimizer
 from looprl.loop.policy import Policy
@@ -72,7 +76,8 @@ def run_training(
     resume: bool = False,
     progress: Progress | None = None,
 ) -> dict:
-    """Returns the EvalResults (`baseline`, `after_sft` or None, `final`), `run_dir` and
+    """Returns the EvalResults (`baseline`, `after_sft` or None, `final`, and `greedy`: the
+    greedy (baseline, final) pair or None), `run_dir` and
     `report` (report.md's path); `progress` shows each phase (default: on stderr).
 
     Under torchrun, every rank calls this: see loop/dist.py. A rank that fails says so
@@ -123,6 +128,14 @@ def train(
         baseline = evaluate(policy, play, eval_tasks, cfg, run_dir, "baseline", progress)
     else:
         progress.note(f"{DONE} baseline eval: kept from {run_dir / 'eval' / 'baseline.json'}")
+    # the greedy policy (T = 0, one episode per task) on the same tasks, beside it (unless
+    # the eval above already was greedy)
+    greedy = cfg.eval.greedy and cfg.eval.temperature > 0
+    baseline_greedy = load_json(run_dir / "eval" / "baseline_greedy.json")
+    if greedy and baseline_greedy is None:
+        baseline_greedy = evaluate(
+            policy, play, eval_tasks, cfg, run_dir, "baseline_greedy", progress, greedy=True
+        )
 
     # ---- optional SFT warm start on the env's demonstrations, then its own eval
     after_sft = load_json(run_dir / "eval" / "after_sft.json") if cfg.sft.enabled else None
@@ -157,23 +170,9 @@ def train(
         phase.update(start)
         for step in range(start + 1, cfg.train.steps + 1):
             t0 = time.time()
-            tasks = probe.tasks(
-                "train", n=cfg.rollout.tasks_per_step, seed=cfg.seed * 1_000_003 + step
-            )
-            params = SamplingParams(
-                temperature=cfg.rollout.temperature,
-                top_p=cfg.rollout.top_p,
-                top_k=cfg.rollout.top_k,
-                max_new_tokens=cfg.rollout.max_new_tokens,
-                seed=cfg.seed * 1_000_003 + step,
-            )
-            # this rank plays its share of whole groups; every rank then sees all episodes
-            group = cfg.rollout.group_size
-            mine = dist.share(range(len(tasks)))
-            episodes = dist.gather(
-                play([tasks[i] for i in mine for _ in range(group)], params=params,
-                     first_index=mine[0] * group)
-            )  # fmt: skip
+            # play the step's groups (refilled and picked by the levers of loop/groups.py)
+            played, loop.curriculum = play_step(cfg, probe, play, dist, step, loop.curriculum)
+            episodes, advantages = played.episodes, played.advantages
             rollout_s = time.time() - t0
 
             # feedback: environment bugs are counted against the budget, never trained on
@@ -189,12 +188,7 @@ def train(
                     f"{run_dir / 'samples' / 'env_errors.jsonl'}; the last checkpoint is kept"
                 )
 
-            # advantages within each task group (env_error episodes take no part)
-            advantages, zero_std_groups = episode_advantages(
-                [e.reward for e in episodes], [e.trainable for e in episodes],
-                cfg.rollout.group_size, scale=cfg.algo.scale_advantages,
-                dynamic_sampling=cfg.algo.dynamic_sampling,
-            )  # fmt: skip
+            # advantages were computed within each task group (env_error episodes take no part)
             batch = [(e, a) for e, a in zip(episodes, advantages) if a is not None]
             mine_batch = [(e, a) for e, a in dist.share(list(zip(episodes, advantages)))
                           if a is not None]  # fmt: skip
@@ -202,7 +196,8 @@ def train(
             # policy update
             t1 = time.time()
             stats = update_policy(
-                policy, optimizer, mine_batch, cfg.algo, cfg.train, group_size=group,
+                policy, optimizer, mine_batch, cfg.algo, cfg.train,
+                group_size=cfg.rollout.group_size,
                 max_tokens=cfg.rollout.max_new_tokens * probe.max_turns,
                 seed=cfg.seed * 7 + step, state=loop.update, dist=dist,
             )  # fmt: skip
@@ -230,11 +225,12 @@ def train(
                     "retokenize_mismatch" in e.info for e in episodes
                 ),
                 "rollout/logprob_gap": stats["logprob_gap"],
+                "rollout/entropy": summary["entropy"],
                 "train/loss": stats["loss"],
                 "train/clip_frac": stats["clip_frac"],
                 "train/grad_norm": stats["grad_norm"],
                 "train/lr": optimizer.param_groups[0]["lr"],
-                "train/zero_std_groups": zero_std_groups,
+                **played.metrics,  # train/zero_std_groups, kept_groups, ...; curriculum/*
                 "train/skipped_steps": stats["skipped"],
                 "train/ratio_max": stats["ratio_max"],
                 "train/micro_batch_tokens": loop.update.micro_batch_tokens,
@@ -280,6 +276,11 @@ def train(
 
     # ---- retest on exactly the same tasks and seeds, then report
     final = evaluate(policy, play, eval_tasks, cfg, run_dir, "final", progress)
+    final_greedy = None
+    if greedy:
+        final_greedy = evaluate(
+            policy, play, eval_tasks, cfg, run_dir, "final_greedy", progress, greedy=True
+        )
     with progress.phase("write report") as phase:
         write_report(run_dir, cfg, baseline, final, time.time() - started, peak_rss_gb())
         report = run_dir / "report.md"
@@ -289,6 +290,7 @@ def train(
         "baseline": baseline,
         "after_sft": after_sft,
         "final": final,
+        "greedy": (baseline_greedy, final_greedy) if final_greedy is not None else None,
         "run_dir": str(run_dir),
         "report": str(report),
     }
@@ -312,11 +314,13 @@ def warm_start(
     sft_log = run_dir / "sft_metrics.jsonl"
     main_only(sft_log.write_text)("")
     append_line = main_only(log.append_json)
+    # sft.loss_on=free: the loss leaves out the tokens a forced call's grammar fixes
+    grammars = policy.engine.grammars() if cfg.sft.loss_on == "free" else None
     with (progress or Progress(quiet=True)).phase("SFT warm start", cfg.sft.steps, "step") as phase:
         for step in range(1, cfg.sft.steps + 1):
             tasks = probe.tasks("train", n=cfg.sft.batch_size, seed=cfg.seed * 999_983 + step)
             episodes = [
-                demo_episode(make_env(cfg.env.name, cfg.env.args), t, policy.renderer)
+                demo_episode(make_env(cfg.env.name, cfg.env.args), t, policy.renderer, grammars)
                 for t in tasks
             ]
             stats = sft_step(policy, optimizer, episodes, cfg)

@@ -48,19 +48,21 @@ def ema(values: list[float], beta: float = 0.7) -> list[float]:
 
 
 def plot_curves(rows: list[dict[str, Any]], path: Path) -> Path | None:
-    """`rollout/rewards_mean` and `response_len` against step, raw and smoothed.
-    Returns None (and writes nothing) when no step was logged."""
+    """`rollout/rewards_mean`, `response_len` and, when logged, `rollout/entropy` against
+    step, raw and smoothed. Returns None (and writes nothing) when no step was logged."""
     if not rows:
         return None
     from matplotlib.ticker import MaxNLocator
 
     steps = [finite(r.get("step")) for r in rows]
-    fig = _figure(figsize=(9, 3.4))
-    for ax, key, label in zip(
-        fig.subplots(1, 2),
-        ("rollout/rewards_mean", "response_len"),
-        ("reward (training rollouts)", "response length (tokens)"),
-    ):
+    panels = [
+        ("rollout/rewards_mean", "reward (training rollouts)"),
+        ("response_len", "response length (tokens)"),
+    ]
+    if any("rollout/entropy" in r for r in rows):
+        panels.append(("rollout/entropy", "nats per generated token"))
+    fig = _figure(figsize=(4.5 * len(panels), 3.4))
+    for ax, (key, label) in zip(fig.subplots(1, len(panels)), panels):
         raw = [finite(r.get(key)) for r in rows]
         ax.plot(steps, raw, color=AFTER_COLOR, alpha=0.35, marker="o", markersize=3, label="raw")
         ax.plot(steps, ema(raw), color=AFTER_COLOR, linewidth=2, label="EMA (β = 0.7)")
@@ -110,13 +112,19 @@ def plot_before_after(
     return _save(fig, path)
 
 
-def plot_outcomes(sides: list[tuple[str, dict[str, float]]], path: Path) -> Path:
+def plot_outcomes(
+    sides: list[tuple[str, dict[str, float]]], path: Path, solved: tuple[str, ...] = ()
+) -> Path:
     """Stacked horizontal bars of the outcome shares, one bar per side ("before",
-    "after"); every label seen on either side gets a segment (0 where absent)."""
-    labels = sorted({label for _, shares in sides for label in shares})
+    "after"); every label seen on either side gets a segment (0 where absent). Colours
+    carry meaning (`outcome_colors`): successes first, in greens, failures last."""
+    labels = sorted(
+        {label for _, shares in sides for label in shares},
+        key=lambda label: (_outcome_kind(label, solved), label),
+    )
     fig = _figure(figsize=(9, 1.2 + 0.6 * len(sides)))
     ax = fig.subplots()
-    colors = _palette(len(labels))
+    colors = outcome_colors(labels, solved)
     names = [name for name, _ in sides]
     starts = [0.0] * len(sides)
     for label, color in zip(labels, colors):
@@ -148,11 +156,38 @@ def _zero_if_nan(value: float) -> float:
     return 0.0 if math.isnan(value) else value
 
 
-def _palette(n: int) -> list[Any]:
-    from matplotlib import colormaps
+# Outcome colours by meaning: solved outcomes green, in-between ones amber, wrong answers
+# red, and output that never reached the task (malformed calls, truncation, env errors) grey.
+SUCCESS = ("win", "optimal", "success", "exact", "all_passed", "solved")
+MIDDLE = ("draw", "legal", "partial", "no_change")
+FAILURE = ("loss", "illegal", "wrong", "wrong_side_effect", "none_passed")
+SHADES = {
+    0: ["#1a9850", "#66bd63", "#a6d96a", "#006837"],  # greens
+    1: ["#fdae61", "#fee08b", "#e6c229", "#f4a03c"],  # ambers
+    2: ["#d73027", "#a50026", "#f46d43", "#e34a6f"],  # reds
+    3: ["#7f7f7f", "#a6a6a6", "#c8c8c8", "#595959"],  # greys
+}
 
-    cmap = colormaps["tab10" if n <= 10 else "tab20"]
-    return [cmap(i % cmap.N) for i in range(n)]
+
+def _outcome_kind(label: str, solved: tuple[str, ...] = ()) -> int:
+    """0 success, 1 in between, 2 wrong, 3 never reached the task (or unknown)."""
+    if label in solved or label in SUCCESS:
+        return 0
+    if label in MIDDLE:
+        return 1
+    return 2 if label in FAILURE else 3
+
+
+def outcome_colors(labels: list[str], solved: tuple[str, ...] = ()) -> list[str]:
+    """One colour per label: the next shade of its kind's family (`_outcome_kind`)."""
+    used = {kind: 0 for kind in SHADES}
+    colors = []
+    for label in labels:
+        kind = _outcome_kind(label, solved)
+        shades = SHADES[kind]
+        colors.append(shades[used[kind] % len(shades)])
+        used[kind] += 1
+    return colors
 
 
 def _figure(**kwargs: Any) -> Figure:
@@ -171,7 +206,7 @@ def _save(fig: Figure, path: Path) -> Path:
 # ============================================================================ pages
 
 
-# A report is a list of blocks: ("h1" | "h2" | "p" | "code", text), ("table", header,
+# A report is a list of blocks: ("h1" | "h2" | "p" | "warn" | "code", text), ("table", header,
 # rows), ("img", png_path, caption) and ("transcripts", [(task_id, prompt, before, after)])
 # where before/after are (headline, [(role, text), ...]). Text is plain: the renderers
 # escape it, never the caller.
@@ -185,6 +220,8 @@ def render_markdown(blocks: list[tuple]) -> str:
             out += [f"{'#' * int(kind[1])} {rest[0]}", ""]
         elif kind == "p":
             out += [rest[0], ""]
+        elif kind == "warn":
+            out += [f"> **Warning:** {rest[0]}", ""]
         elif kind == "code":
             out += [_fence(rest[0]), rest[0], _fence(rest[0]), ""]
         elif kind == "table":
@@ -220,6 +257,8 @@ def render_html(blocks: list[tuple], title: str) -> str:
             body.append(f"<{kind}>{e(rest[0])}</{kind}>")
         elif kind == "p":
             body.append(f"<p>{e(rest[0])}</p>")
+        elif kind == "warn":
+            body.append(f'<p class="warn"><strong>Warning:</strong> {e(rest[0])}</p>')
         elif kind == "code":
             body.append(f"<pre>{e(rest[0])}</pre>")
         elif kind == "table":
@@ -272,6 +311,7 @@ th, td {{ border: 1px solid #ddd; padding: 0.3em 0.7em; text-align: left; vertic
 th {{ background: #f2f2f2; }}
 figure {{ margin: 1em 0; }} figure img {{ max-width: 100%; height: auto; }}
 figcaption {{ color: #666; font-size: 0.9em; }}
+.warn {{ background: #fdecea; border-left: 4px solid #d73027; padding: 0.5em 0.8em; }}
 pre {{ white-space: pre-wrap; overflow-wrap: anywhere; background: #f6f6f6; margin: 0.2em 0;
        padding: 0.4em 0.6em; font-size: 0.85em; }}
 table.transcripts {{ width: 100%; table-layout: fixed; }}

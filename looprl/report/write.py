@@ -21,6 +21,7 @@ from typing import Any
 from looprl.config import Config, load_config
 from looprl.errors import ConfigError
 from looprl.report.plots import finite, render_html, render_markdown
+from looprl.report.solved import hacking_flag, solved_text
 from looprl.report.stats import (
     BOOTSTRAP_RESAMPLES,
     BOOTSTRAP_SEED,
@@ -152,9 +153,11 @@ def write_report(
             sides.append(("after SFT", mid.get("outcomes") or {}))
         sides.append(("after", final.get("outcomes") or {}))
         paired = paired_stats(baseline, final)
+        greedy = [_load_eval(run_dir / "eval" / f"{n}_greedy.json") for n in ("baseline", "final")]
         blocks += [
             ("h1", f"looprl run: {cfg.env.name} · {cfg.model.name} · {cfg.algo.name}"),
             ("p", _headline(cfg, wall_s, wall_label, peak_rss)),
+            *_flags(baseline, final, greedy),
             ("h2", "Before / after"),
             (
                 "p",
@@ -163,6 +166,8 @@ def write_report(
             ),
             ("table", headers, _summary_rows(columns)),
             ("p", _paired_text(paired)),
+            *[("p", text) for text in [solved_text(baseline, final)] if text],
+            *_greedy_blocks(*greedy),
         ]
         png = plot_before_after(
             before,
@@ -171,7 +176,9 @@ def write_report(
             plots / "before_after.png",
         )
         blocks.append(("img", png, "Held-out reward before and after, and the paired difference"))
-    blocks.append(("img", plot_outcomes(sides, plots / "outcomes.png"), "Outcome shares"))
+    solved = tuple(baseline.get("solved_outcomes") or ())
+    outcomes_png = plot_outcomes(sides, plots / "outcomes.png", solved)
+    blocks.append(("img", outcomes_png, "Outcome shares"))
 
     blocks.append(("h2", "Training curves"))
     curves = plot_curves(rows, plots / "training_curves.png")
@@ -201,6 +208,32 @@ def write_report(
     page = render_html(blocks, title=blocks[0][1])
     (run_dir / "report.html").write_text(page, encoding="utf-8")
     return md_path
+
+
+def _flags(baseline: dict, final: dict, greedy: list[dict | None]) -> list[tuple]:
+    """The warnings shown at the top: a reward that rose without more solved episodes."""
+    flags = [hacking_flag(baseline, final)]
+    if greedy[0] is not None and greedy[1] is not None:
+        flags.append(hacking_flag(greedy[0], greedy[1], what="greedy (T = 0) reward"))
+    return [("warn", flag) for flag in flags if flag]
+
+
+def _greedy_blocks(before: dict | None, after: dict | None) -> list[tuple]:
+    """The greedy policy (T = 0, one episode per task) before and after, if evaluated."""
+    if before is None or after is None:
+        return []
+    blocks = [
+        ("h2", "Greedy policy (T = 0)"),
+        (
+            "p",
+            f"The same {after.get('n', '?')} tasks, one greedy episode each: what the policy "
+            "does when it takes its most likely token every time.",
+        ),
+        ("table", ["metric", "before", "after"], _summary_rows([before, after])),
+        ("p", _paired_text(paired_stats(before, after))),
+    ]
+    text = solved_text(before, after)
+    return blocks + ([("p", text)] if text else [])
 
 
 def _summary_rows(sides: list[dict]) -> list[list[str]]:
