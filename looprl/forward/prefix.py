@@ -15,6 +15,7 @@ import torch
 
 from looprl.forward import cascade
 from looprl.forward.kv import Part, bufferable
+from looprl.model.load import base_model
 
 MIN_SHARED_PREFIX = 16  # shorter common prefixes are not worth a pass of their own
 
@@ -38,6 +39,7 @@ def shared_prefill(
        tails; otherwise the head is copied to every cache row, the tails left-padded
        after it (the gap masked). Positions count real tokens, so every token sees
        exactly the positions and keys a plain forward of its own prompt would give it.
+       Models with sliding-window layers (Gemma 3) skip this level: see below.
     Only the last position's logits are computed. Under autograd the shared passes
     receive the gradients of every row that uses them (the trainer relies on that)."""
     unique: dict[tuple[int, ...], int] = {}
@@ -48,6 +50,13 @@ def shared_prefill(
         # keep >= 1 own token per prompt: its last logits come from the tail pass
         shared = min(len(_common_prefix(distinct)), min(len(p) for p in distinct) - 1)
         shared = shared if shared >= min_shared else 0
+        if cascade.windowed(getattr(base_model(model), "config", None)):
+            # The head is copied into every cache row and shorter tails are left-padded
+            # after it, so the gap would sit inside a sliding window: a window of W cache
+            # columns then covers fewer than W real tokens once a row reaches W columns.
+            # Without the shared pass each prompt is left-padded at its start, where the
+            # padding lies before every real token and no window counts it.
+            shared = 0
     rows = torch.tensor(rows_of, dtype=torch.long, device=device)
     empty = torch.empty((len(distinct), 0), dtype=torch.long, device=device)
     start = Part(None, rows, empty, torch.zeros(len(distinct), dtype=torch.long, device=device))
