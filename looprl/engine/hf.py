@@ -214,7 +214,7 @@ class HFEngine:
             parts.append(running)
             keep.append(torch.tensor(live, dtype=torch.long, device=self.device))
         admitted: list[int] = []
-        for indices, part in self._prefill(requests, new, previous):
+        for indices, part in self._prefill(requests, new, previous, params):
             parts.append(part)
             keep.append(torch.arange(len(indices), device=self.device))
             admitted += indices
@@ -230,7 +230,11 @@ class HFEngine:
         return select(parts[0], keep[0]), rows  # only one part: see can_join
 
     def _prefill(
-        self, requests: list[GenerationRequest], new: list[int], previous: list[Retained]
+        self,
+        requests: list[GenerationRequest],
+        new: list[int],
+        previous: list[Retained],
+        params: SamplingParams,
     ) -> list[tuple[list[int], Part]]:
         """Prefill the admitted requests: those that extend a kept row (an episode's
         next turn) run only their new tokens on top of it, the others share prefixes."""
@@ -249,9 +253,11 @@ class HFEngine:
         fresh = [i for i in new if i not in found]
         if fresh:
             prompts = [requests[i].prompt_ids for i in fresh]
+            upcoming = max(requests[i].max_new_tokens or params.max_new_tokens for i in fresh)
             part = shared_prefill(
-                self.model, prompts, self.pad_id, self.device, use_cascade=self.cascade
-            )
+                self.model, prompts, self.pad_id, self.device, use_cascade=self.cascade,
+                upcoming=upcoming,
+            )  # fmt: skip
             out.append((fresh, part))
         if found:
             indices = list(found)

@@ -27,6 +27,7 @@ def shared_prefill(
     device: torch.device,
     min_shared: int = MIN_SHARED_PREFIX,
     use_cascade: bool | None = None,
+    upcoming: int | None = None,
 ) -> Part:
     """Prefill with prefix sharing at two levels.
 
@@ -39,7 +40,9 @@ def shared_prefill(
        tails; otherwise the head is copied to every cache row, the tails left-padded
        after it (the gap masked). Positions count real tokens, so every token sees
        exactly the positions and keys a plain forward of its own prompt would give it.
-       Models with sliding-window layers (Gemma 3) skip this level: see below.
+       Models with sliding-window layers (Gemma 3) use this level only when the rows
+       stay within the window: `upcoming` = the most tokens a row appends after its
+       prompt (decoding, or the trainer's suffixes); unknown (None): never. See below.
     Only the last position's logits are computed. Under autograd the shared passes
     receive the gradients of every row that uses them (the trainer relies on that)."""
     unique: dict[tuple[int, ...], int] = {}
@@ -50,7 +53,10 @@ def shared_prefill(
         # keep >= 1 own token per prompt: its last logits come from the tail pass
         shared = min(len(_common_prefix(distinct)), min(len(p) for p in distinct) - 1)
         shared = shared if shared >= min_shared else 0
-        if cascade.windowed(getattr(base_model(model), "config", None)):
+        config = getattr(base_model(model), "config", None)
+        window = getattr(config, "sliding_window", None)
+        columns = max(len(p) for p in distinct) + (upcoming or 0)
+        if cascade.windowed(config) and (upcoming is None or window is None or columns > window):
             # The head is copied into every cache row and shorter tails are left-padded
             # after it, so the gap would sit inside a sliding window: a window of W cache
             # columns then covers fewer than W real tokens once a row reaches W columns.

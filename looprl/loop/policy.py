@@ -126,8 +126,9 @@ def sequence_logprobs(
     if _cache_dropped(model):
         return _whole_sequence_logprobs(model, sequences, masks, pad_id, device, temperature)
     starts = [prompt_length(m) for m in masks]
+    upcoming = max(len(seq) - st for seq, st in zip(sequences, starts))
     prefill = shared_prefill(
-        model, [seq[:st] for seq, st in zip(sequences, starts)], pad_id, device
+        model, [seq[:st] for seq, st in zip(sequences, starts)], pad_id, device, upcoming=upcoming
     )
     ids_BS, attention_BS, mask_BS = _right_padded(
         [seq[st:] for seq, st in zip(sequences, starts)],
