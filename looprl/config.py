@@ -43,7 +43,12 @@ class LoraConfig(Section):
     alpha: float = Field(32.0, gt=0, description="LoRA alpha (scale = alpha / rank).")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
     target_modules: list[str] | Literal["all-linear"] = Field(
-        "all-linear", description="Module names to adapt, or 'all-linear'."
+        "all-linear",
+        description="Module names to adapt, or 'all-linear' (MoE models: the attention, "
+        "dense and shared MLPs, and the fused expert weights).",
+    )
+    train_router: bool = Field(
+        False, description="MoE models: adapt the expert routers too (frozen by default)."
     )
 
 
@@ -55,6 +60,11 @@ class ModelConfig(Section):
     )
     trust_remote_code: bool = Field(
         False, description="Allow the model's own Python code to run (only when you trust it)."
+    )
+    chat_template: str | None = Field(
+        None,
+        description="A Jinja chat template, or a file holding one, for a model whose "
+        "tokenizer has none (a base model); unset = the tokenizer's own.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weight dtype; auto = float32 on CPU, bfloat16 on GPU."
@@ -119,6 +129,24 @@ class RolloutConfig(Section):
         description="Sample from a copy of the policy in this dtype (faster on CPUs with "
         "bf16 units; the sampling mismatch shows in rollout/logprob_gap); 'model' = exact.",
     )
+    think: Literal["off", "tagged", "plain"] = Field(
+        "off",
+        description="Free text before a forced tool call: off (the call alone), tagged "
+        "(<think>...</think> then the call) or plain (text, then the call).",
+    )
+    think_max_tokens: int = Field(
+        256, ge=1, description="Most tokens of that text; then the engine closes it."
+    )
+
+    @model_validator(mode="after")
+    def _check_think(self) -> RolloutConfig:
+        if self.think != "off" and self.think_max_tokens >= self.max_new_tokens:
+            raise ValueError(
+                f"rollout.think_max_tokens ({self.think_max_tokens}) must be below "
+                f"rollout.max_new_tokens ({self.max_new_tokens}), which leaves the room for "
+                "the call after the thinking; raise max_new_tokens or lower think_max_tokens"
+            )
+        return self
 
 
 class AlgoConfig(Section):

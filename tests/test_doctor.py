@@ -353,9 +353,15 @@ def test_unforced_and_agent_prompts(policy):
     assert agent.ok and check_generate(policy.engine, agent.value).ok
 
 
-def test_call_syntax_without_forced_calls(policy, pick_seven):
+def test_call_syntax_that_cannot_force_the_schema(policy, pick_seven):
     glm = ChatRenderer(policy.tokenizer, tool_format="glm", model_name="tiny-random")
-    check = check_forced_call(dataclasses.replace(policy, renderer=glm), pick_seven)
+    glm_policy = dataclasses.replace(policy, renderer=glm)
+    assert "call in the glm syntax compiles" in check_forced_call(glm_policy, pick_seven).detail
+    # a top-level anyOf has no glm form (each argument is its own tag)
+    params = {"type": "object", "properties": {"n": {"type": "integer"}}, "anyOf": [{}]}
+    tool = {"type": "function", "function": {"name": "pick", "parameters": params}}
+    either = dataclasses.replace(pick_seven, tools=[tool])
+    check = check_forced_call(glm_policy, either)
     assert problem(check) and "glm" in check.detail and "model.tool_format" in check.fix
 
 

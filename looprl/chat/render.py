@@ -59,7 +59,8 @@ class ChatRenderer:
         if getattr(tokenizer, "chat_template", None) is None:
             raise ChatError(
                 f"the tokenizer of {model_name or 'this model'} has no chat template; "
-                "use an instruct/chat model or set tokenizer.chat_template"
+                "use an instruct/chat model, or set model.chat_template to a Jinja chat "
+                "template or a file holding one"
             )
         self.tokenizer = tokenizer
         template_renders_tools = self._template_renders_tools()

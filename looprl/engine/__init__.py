@@ -21,14 +21,26 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # extra stop strings (EOS always stops)
 
 
+@dataclass(frozen=True)
+class Thinking:
+    """Free text allowed before a forced call: `mode` "off" (none, the call alone),
+    "tagged" (`<think>TEXT</think>` then the call) or "plain" (TEXT then the call), of
+    at most `max_tokens` tokens; the engine closes the text when the limit is reached."""
+
+    mode: str = "off"
+    max_tokens: int = 0
+
+
 @dataclass
 class ToolConstraint:
     """Forces the completion to be a valid call: `tool_choice` is "required" (any of
-    `tools`) or the name of one tool. `fmt` is the model's call syntax."""
+    `tools`) or the name of one tool. `fmt` is the model's call syntax; `thinking` what
+    may come before the call."""
 
     tools: list[dict[str, Any]]
     tool_choice: str
     fmt: str
+    thinking: Thinking = field(default_factory=Thinking)
 
 
 @dataclass

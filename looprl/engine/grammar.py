@@ -5,7 +5,13 @@ call of an allowed tool, in the model's call syntax, whose arguments satisfy the
 JSON schema; for a `JsonConstraint` (`response_format`), one JSON value of the schema
 (`engine/json_schema.py` says which schemas), or with tools, that or one call. JSON is
 generated without free whitespace (`", "` and `": "` separators, as `json.dumps`
-writes them), so the forced reply costs as few tokens as possible.
+writes them), so the forced reply costs as few tokens as possible. The glm syntax
+(`engine/glm_grammar.py`) writes each argument as text, typed by its schema.
+
+With `Thinking` on, free text comes first (`thinking_grammar`): `<think>TEXT</think>\n`
+(tagged) or `TEXT\n` (plain), then the call. The grammar bounds its shape, not its
+length: the engine counts its tokens and writes the closing (`thinking_marks`) itself
+when the limit is reached.
 """
 
 from __future__ import annotations
@@ -14,31 +20,19 @@ import json
 from functools import lru_cache
 from typing import Any
 
-from looprl.engine import Constraint, JsonConstraint, ToolConstraint
+from looprl.engine import Constraint, JsonConstraint, Thinking, ToolConstraint
+from looprl.engine.glm_grammar import glm_call_grammar
+from looprl.engine.json_schema import safe_lengths
 from looprl.errors import ChatError
+
+# What opens a call in each syntax: plain thinking text may not hold its first character
+# (so that the call's start is unambiguous), and a plain text cut short ends with it.
+CALL_OPENINGS = {"hermes": "<tool_call>", "glm": "<tool_call>", "llama3": "{", "mistral": "["}
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 def _function(tool: dict[str, Any]) -> dict[str, Any]:
     return tool.get("function", tool)
-
-
-def _safe_lengths(schema: Any) -> Any:
-    """The schema with every length-limited string (`minLength`/`maxLength`, no
-    `pattern`) rewritten as a pattern of plain characters. xgrammar compiles length
-    limits into a rule that lets raw control characters through, which is invalid JSON;
-    the pattern keeps the limit and excludes them (and quotes and backslashes, so such a
-    string cannot hold escapes when a call is forced)."""
-    if isinstance(schema, list):
-        return [_safe_lengths(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {key: _safe_lengths(value) for key, value in schema.items()}
-    limited = "minLength" in out or "maxLength" in out
-    if out.get("type") == "string" and limited and "pattern" not in out:
-        low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
-        upper = "" if high is None else str(int(high))
-        out["pattern"] = '^[^\\x00-\\x1f"\\\\]{' + f"{low},{upper}" + "}$"
-    return out
 
 
 def call_schema(constraint: ToolConstraint, args_key: str = "arguments") -> dict[str, Any]:
@@ -53,7 +47,7 @@ def call_schema(constraint: ToolConstraint, args_key: str = "arguments") -> dict
                 "type": "object",
                 "properties": {
                     "name": {"const": fn["name"]},
-                    args_key: _safe_lengths(fn.get("parameters") or {"type": "object"}),
+                    args_key: safe_lengths(fn.get("parameters") or {"type": "object"}),
                 },
                 "required": ["name", args_key],
                 "additionalProperties": False,
@@ -73,6 +67,47 @@ def build_grammar(constraint: Constraint) -> Any:
 
     if isinstance(constraint, JsonConstraint):
         return _json_grammar(constraint)
+    call = _call_grammar(constraint)
+    if constraint.thinking.mode == "off":
+        return call
+    return xgr.Grammar.concat(thinking_grammar(constraint.thinking, constraint.fmt), call)
+
+
+def thinking_grammar(thinking: Thinking, fmt: str) -> Any:
+    """The free text before the call, with its closing. Tagged: `<think>`, then text in
+    which `<` is never followed by `/` or `<` (so `</think>` can only be the closing; a
+    single `<` may end it), then `</think>\n`. Plain: text without the first character
+    of the call's opening, then a newline."""
+    import xgrammar as xgr
+
+    if thinking.mode == "tagged":
+        body = '([^<] | "<" [^/<])* "<"?'
+        ebnf = f"root ::= {json.dumps(THINK_OPEN)} {body} {json.dumps(THINK_CLOSE + chr(10))}"
+    elif thinking.mode == "plain":
+        first = CALL_OPENINGS[fmt][0]
+        ebnf = f'root ::= [^{_char_class(first)}]* "\\n"'
+    else:
+        raise ChatError(f"unknown thinking mode {thinking.mode!r}; use off, tagged or plain")
+    return xgr.Grammar.from_ebnf(ebnf)
+
+
+def _char_class(char: str) -> str:
+    """`char` as a member of an EBNF character class."""
+    return "\\" + char if char in "[]\\^-" else char
+
+
+def thinking_marks(thinking: Thinking, fmt: str) -> tuple[str, str]:
+    """(end, close): thinking is over once `end` appears in the reply; `close` is the
+    text the engine writes to end it when the token limit is reached."""
+    if thinking.mode == "tagged":
+        return THINK_CLOSE, THINK_CLOSE + "\n"
+    first = CALL_OPENINGS[fmt][0]
+    return first, "\n" + first
+
+
+def _call_grammar(constraint: ToolConstraint) -> Any:
+    """Exactly one call of an allowed tool in the `fmt` syntax."""
+    import xgrammar as xgr
 
     def schema(key: str) -> Any:
         return xgr.Grammar.from_json_schema(
@@ -93,12 +128,23 @@ def build_grammar(constraint: Constraint) -> Any:
             schema("arguments"),
             xgr.Grammar.from_ebnf(_literal("]")),
         ]
+    elif constraint.fmt == "glm":
+        return glm_call_grammar(_allowed(constraint))
     else:
         raise ChatError(
             f"forced tool calls are not available for the {constraint.fmt!r} call syntax; "
-            "use tool_choice=auto or a hermes/llama3/mistral model"
+            "use tool_choice=auto or a hermes/llama3/mistral/glm model"
         )
     return xgr.Grammar.concat(*parts)
+
+
+def _allowed(constraint: ToolConstraint) -> list[dict[str, Any]]:
+    """The function schemas `tool_choice` allows."""
+    fns = [_function(t) for t in constraint.tools]
+    fns = [fn for fn in fns if constraint.tool_choice in ("required", fn["name"])]
+    if not fns:
+        raise ChatError(f"tool_choice {constraint.tool_choice!r} names no tool in the schemas")
+    return fns
 
 
 def _json_grammar(constraint: JsonConstraint) -> Any:
@@ -112,7 +158,7 @@ def _json_grammar(constraint: JsonConstraint) -> Any:
         )
     else:
         grammar = xgr.Grammar.from_json_schema(
-            json.dumps(_safe_lengths(constraint.schema)), any_whitespace=False, strict_mode=True
+            json.dumps(safe_lengths(constraint.schema)), any_whitespace=False, strict_mode=True
         )
     if not constraint.tools:
         return grammar
@@ -138,7 +184,8 @@ class GrammarCache:
         if "schema" in data:
             constraint = JsonConstraint(data["schema"], data["tools"], data["fmt"])
         else:
-            constraint = ToolConstraint(data["tools"], data["choice"], data["fmt"])
+            thinking = Thinking(data["thinking"])  # the limit is the engine's, not the grammar's
+            constraint = ToolConstraint(data["tools"], data["choice"], data["fmt"], thinking)
         return self.compiler.compile_grammar(build_grammar(constraint))
 
     def matcher(self, constraint: Constraint) -> Any:
@@ -149,6 +196,10 @@ class GrammarCache:
         if isinstance(constraint, JsonConstraint):
             data = {"schema": constraint.schema, "tools": constraint.tools}
         else:
-            data = {"tools": constraint.tools, "choice": constraint.tool_choice}
+            data = {
+                "tools": constraint.tools,
+                "choice": constraint.tool_choice,
+                "thinking": constraint.thinking.mode,
+            }
         key = json.dumps({**data, "fmt": constraint.fmt})
         return xgr.GrammarMatcher(self._compile(key))

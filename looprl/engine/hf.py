@@ -32,8 +32,10 @@ from looprl.engine import Completion, GenerationRequest, SamplingParams
 from looprl.engine.grammar import GrammarCache
 from looprl.engine.sampling import (
     Row,
+    advance_thinking,
     jump_forward_tokens,
     sample_rows,
+    thinking_fields,
     top_alternatives,
 )
 from looprl.forward import cascade, weight_first
@@ -48,6 +50,8 @@ from looprl.forward.kv import (
     select,
 )
 from looprl.forward.prefix import extend, prefix_kwargs, shared_prefill
+from looprl.model.arch import fast_paths
+from looprl.model.load import base_model
 from looprl.model.memory import release_free_memory
 
 
@@ -68,7 +72,9 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.stop_token_ids = list(stop_token_ids)
         self.batch_size = batch_size
-        self.jump_forward = jump_forward
+        # the fast paths that are exact for this architecture (the others are skipped)
+        self.paths = fast_paths(base_model(model).config)
+        self.jump_forward = jump_forward and self.paths.jump_forward
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._grammars: GrammarCache | None = None
         self._bitmask_rows: torch.Tensor | None = None
@@ -78,7 +84,7 @@ class HFEngine:
         self._sampler_versions: list[int] | None = None
         self._retained: list[Retained] | None = None  # inside `session()`: the last call's rows
         # the prompts' shared head kept once per batch (cascade attention), where it applies
-        self.cascade = cascade.enable(model) if cascade_attention else False
+        self.cascade = cascade.enable(model) if cascade_attention and self.paths.cascade else False
         # small-batch linear layers as W @ x^T, where this machine runs that form faster
         self.weight_first_linear = weight_first_linear
         self.weight_first = weight_first.enable(model) if weight_first_linear else False
@@ -194,14 +200,14 @@ class HFEngine:
         """Drop finished rows and admit waiting requests, when it pays."""
         live = [j for j, row in enumerate(rows) if not row.done]
         free = self.batch_size - len(live)
-        can_join = not live or (running is not None and bufferable(running.cache))
+        can_join = not live or (running is not None and self._plain(running.cache))
         join = bool(waiting) and free > 0 and can_join
         if join and live and free < max(1, self.batch_size // 4):
             join = False  # a merge copies the running rows' cache: wait for more room
         finished = len(rows) - len(live)
         if not join and not (finished and (not live or 4 * finished >= len(rows))):
             return running, rows
-        if keep_rows and running is not None and bufferable(running.cache):
+        if keep_rows and running is not None and self._plain(running.cache):
             for j, row in enumerate(rows):
                 if row.done and row.keep_kv:
                     tokens = tuple(row.prompt) + tuple(row.ids[: row.fed])
@@ -214,7 +220,7 @@ class HFEngine:
             parts.append(running)
             keep.append(torch.tensor(live, dtype=torch.long, device=self.device))
         admitted: list[int] = []
-        for indices, part in self._prefill(requests, new, previous, params):
+        for indices, part in self._prefill(requests, new, previous):
             parts.append(part)
             keep.append(torch.arange(len(indices), device=self.device))
             admitted += indices
@@ -225,16 +231,16 @@ class HFEngine:
         if not rows:
             return None, []
         room = max(row.limit - len(row.ids) for row in rows)
-        if all(bufferable(part.cache) for part in parts):
+        if all(self._plain(part.cache) for part in parts):
             return merge(parts, keep, room), rows
         return select(parts[0], keep[0]), rows  # only one part: see can_join
 
+    def _plain(self, cache: Any) -> bool:
+        """Whether the rows of this cache may move into buffers, merge and be kept."""
+        return self.paths.kv_buffers and bufferable(cache)
+
     def _prefill(
-        self,
-        requests: list[GenerationRequest],
-        new: list[int],
-        previous: list[Retained],
-        params: SamplingParams,
+        self, requests: list[GenerationRequest], new: list[int], previous: list[Retained]
     ) -> list[tuple[list[int], Part]]:
         """Prefill the admitted requests: those that extend a kept row (an episode's
         next turn) run only their new tokens on top of it, the others share prefixes."""
@@ -253,10 +259,9 @@ class HFEngine:
         fresh = [i for i in new if i not in found]
         if fresh:
             prompts = [requests[i].prompt_ids for i in fresh]
-            upcoming = max(requests[i].max_new_tokens or params.max_new_tokens for i in fresh)
             part = shared_prefill(
                 self.model, prompts, self.pad_id, self.device, use_cascade=self.cascade,
-                upcoming=upcoming,
+                share_head=self.paths.shared_head,
             )  # fmt: skip
             out.append((fresh, part))
         if found:
@@ -277,7 +282,7 @@ class HFEngine:
         generator = torch.Generator().manual_seed((base_seed * 1_000_003 + stream) % 2**63)
         return Row(
             index, request.prompt_ids, limit, matcher, generator, request.keep_kv,
-            request.top_logprobs, request.on_token,
+            request.top_logprobs, request.on_token, **thinking_fields(request.constraint),
         )  # fmt: skip
 
     def _step(self, running: Part, rows: list[Row], params: SamplingParams) -> list[Row]:
@@ -310,6 +315,7 @@ class HFEngine:
                     tops = [first + later for first, later in zip(tops, rest)]
         if k > 1:
             self._append(rows, tokens_CK, logp_CK, tops)
+        advance_thinking(rows, self.tokenizer)
         ended = []
         for j, row in enumerate(rows):
             if row.done:
@@ -335,6 +341,8 @@ class HFEngine:
             for pos, (token, logp) in enumerate(zip(tokens_CK[j].tolist(), logp_CK[j].tolist())):
                 row.ids.append(token)
                 row.logprobs.append(logp)
+                if row.forced and row.forced[0] == token:
+                    row.forced.pop(0)
                 top = tops[j][pos][: row.top_k] if tops is not None and row.top_k else None
                 if top is not None:
                     row.top.append(top)

@@ -89,3 +89,22 @@ def unsupported_features(schema: Any, path: str = "") -> list[str]:
 
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
+
+
+def safe_lengths(schema: Any) -> Any:
+    """The schema with every length-limited string (`minLength`/`maxLength`, no
+    `pattern`) rewritten as a pattern of plain characters. xgrammar compiles length
+    limits into a rule that lets raw control characters through, which is invalid JSON;
+    the pattern keeps the limit and excludes them (and quotes and backslashes, so such a
+    string cannot hold escapes when a call is forced)."""
+    if isinstance(schema, list):
+        return [safe_lengths(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: safe_lengths(value) for key, value in schema.items()}
+    limited = "minLength" in out or "maxLength" in out
+    if out.get("type") == "string" and limited and "pattern" not in out:
+        low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
+        upper = "" if high is None else str(int(high))
+        out["pattern"] = '^[^\\x00-\\x1f"\\\\]{' + f"{low},{upper}" + "}$"
+    return out

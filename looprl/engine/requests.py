@@ -15,7 +15,7 @@ from typing import Any
 
 import jsonschema
 
-from looprl.engine import Constraint, GenerationRequest, JsonConstraint, ToolConstraint
+from looprl.engine import Constraint, GenerationRequest, JsonConstraint, Thinking, ToolConstraint
 from looprl.engine.json_schema import unsupported_features
 from looprl.errors import ChatError, RequestError
 
@@ -129,14 +129,15 @@ def generation_request(
     max_new_tokens: int | None = None,
     engine: Any = None,
     response_format: dict[str, Any] | None = None,
+    thinking: Thinking | None = None,
 ) -> GenerationRequest:
     """The engine request for `prompt_ids`: a forced call when `tool_choice` is
-    "required" or a tool's name (and there are tools), a JSON reply when
-    `response_format` asks for one, free text otherwise. With an `engine` that compiles
-    grammars, the constraint's grammar is compiled now."""
+    "required" or a tool's name (and there are tools), after free text as `thinking`
+    allows, a JSON reply when `response_format` asks for one, free text otherwise. With
+    an `engine` that compiles grammars, the constraint's grammar is compiled now."""
     constraint: Constraint | None = json_constraint(response_format, tools, tool_choice, fmt)
     if constraint is None and tools and tool_choice not in ("auto", "none"):
-        constraint = ToolConstraint(tools, tool_choice, fmt)
+        constraint = ToolConstraint(tools, tool_choice, fmt, thinking or Thinking())
     grammars = getattr(engine, "grammars", None)
     if constraint is not None and grammars is not None:
         _compile(grammars, constraint)

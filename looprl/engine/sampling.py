@@ -95,6 +95,15 @@ def sample_rows(
             sub = candidates_LV[picked]
             xgr.apply_token_bitmask_inplace(sub, bitmask[: len(constrained)])
             candidates_LV[picked] = sub
+        forced = [n for n, j in enumerate(live) if rows[j].forced]
+        if forced:  # a closing the engine writes: only its next token stays open
+            if candidates_LV is scaled_CV:
+                candidates_LV = scaled_CV.clone()
+            for n in forced:
+                token = rows[live[n]].forced[0]
+                kept = candidates_LV[n, token].clone()
+                candidates_LV[n] = float("-inf")
+                candidates_LV[n, token] = kept if torch.isfinite(kept) else 0.0
         if params.temperature <= 0:
             chosen_L = candidates_LV.argmax(dim=-1)
         else:
@@ -132,6 +141,9 @@ def jump_forward_tokens(rows: list[Row], tokenizer: Any, pad_id: int) -> list[li
         return None
     forced: dict[int, list[int]] = {}
     for row in live:
+        if row.forced:  # a thinking closing the engine writes
+            forced[row.index] = list(row.forced)
+            continue
         text = row.matcher.find_jump_forward_string()
         if not text:
             return None
@@ -161,3 +173,43 @@ class Row:
     done: bool = False
     finish: str = "length"
     fed: int = 0  # generated tokens that went through the model (their KV is cached)
+    # thinking before a forced call: over once `think_end` appears in the text (None: no
+    # thinking, or over); at `think_limit` tokens the engine writes `think_close` itself
+    think_end: str | None = None
+    think_close: str = ""
+    think_limit: int = 0
+    think_seen: int = 0  # generated tokens already searched for `think_end`
+    forced: list[int] = field(default_factory=list)  # tokens of that closing still to write
+
+
+def thinking_fields(constraint: Any) -> dict[str, Any]:
+    """The `Row` fields of a request's thinking (none without it)."""
+    from looprl.engine import ToolConstraint
+    from looprl.engine.grammar import thinking_marks
+
+    if not isinstance(constraint, ToolConstraint) or constraint.thinking.mode == "off":
+        return {}
+    end, close = thinking_marks(constraint.thinking, constraint.fmt)
+    return {"think_end": end, "think_close": close, "think_limit": constraint.thinking.max_tokens}
+
+
+def advance_thinking(rows: list[Row], tokenizer: Any) -> None:
+    """After new tokens: end the thinking of rows whose text now holds its end marker,
+    and queue the closing of those that reached their thinking token limit (or, when the
+    text then ends inside a character split over tokens, at the first token after)."""
+    for row in rows:
+        if row.done or row.think_end is None or row.forced:
+            continue
+        # the new tokens (a jump-forward may add many) and a few before: the marker's
+        # tokens all lie there, however it was tokenized
+        tail = tokenizer.decode(row.ids[max(0, row.think_seen - len(row.think_end) - 8) :])
+        row.think_seen = len(row.ids)
+        if row.think_end in tail:
+            row.think_end = None
+        elif len(row.ids) >= row.think_limit:
+            closing = tokenizer.encode(row.think_close, add_special_tokens=False)
+            # not inside a character whose bytes are split over tokens: the closing must
+            # be what the grammar accepts next (else one more token completes it first)
+            probe = row.matcher.fork()
+            if all(probe.accept_token(token) for token in closing):
+                row.forced = closing

@@ -135,7 +135,7 @@ def enable(model: Any) -> bool:
         return False
     if float(getattr(config, "attention_dropout", 0.0) or 0.0) != 0.0:
         return False
-    if windowed(config):  # a sliding window would also have to cut the shared levels
+    if _windowed(config):  # a sliding window would also have to cut the shared levels
         return False
     _register()
     try:
@@ -145,7 +145,7 @@ def enable(model: Any) -> bool:
     return getattr(base.config, "_attn_implementation", None) == NAME
 
 
-def windowed(config: Any) -> bool:
+def _windowed(config: Any) -> bool:
     """Whether any layer attends through a sliding window (Mistral, Gemma 3, Qwen 2 with
     `use_sliding_window`; Qwen 2 clears `sliding_window` when it is unused)."""
     layer_types = getattr(config, "layer_types", None) or []

@@ -67,6 +67,18 @@ class BufferLayer(DynamicLayer):
         self._sync()
 
 
+def select_rows(cache: Any, indices: torch.Tensor) -> None:
+    """Keep (or repeat) the cache rows `indices`, in place, for any layer kind: keys and
+    values, sliding windows, and linear attention's conv and recurrent states (which
+    transformers reorders only through `reorder_cache`). An indexing op: under autograd,
+    gradients of repeated rows flow back into their source row."""
+    for layer in cache.layers:
+        if hasattr(layer, "batch_select_indices"):
+            layer.batch_select_indices(indices)
+        else:
+            layer.reorder_cache(indices)
+
+
 def bufferable(cache: Any) -> bool:
     """Only plain full-attention layers move into buffers; any other cache (sliding
     windows, linear attention, quantized) keeps transformers' own layers."""
@@ -106,7 +118,7 @@ class Part:
     def expand(self) -> Part:
         """One cache row per row (an indexing op: under autograd, the gradients of all
         rows that share a prompt flow back into its one pass)."""
-        self.cache.batch_select_indices(self.cache_rows)
+        select_rows(self.cache, self.cache_rows)
         rows = self.cache_rows
         return Part(
             self.cache,
@@ -197,7 +209,7 @@ def _release(layer: Any) -> None:
 def select(part: Part, rows: torch.Tensor) -> Part:
     """Keep some rows of a cache that cannot be buffered (transformers' own layers)."""
     source = part.cache_rows[rows]
-    part.cache.batch_select_indices(source)
+    select_rows(part.cache, source)
     return Part(
         part.cache,
         torch.arange(len(rows), device=rows.device),

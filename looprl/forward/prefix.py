@@ -14,8 +14,7 @@ from typing import Any
 import torch
 
 from looprl.forward import cascade
-from looprl.forward.kv import Part, bufferable
-from looprl.model.load import base_model
+from looprl.forward.kv import Part, bufferable, select_rows
 
 MIN_SHARED_PREFIX = 16  # shorter common prefixes are not worth a pass of their own
 
@@ -27,7 +26,7 @@ def shared_prefill(
     device: torch.device,
     min_shared: int = MIN_SHARED_PREFIX,
     use_cascade: bool | None = None,
-    upcoming: int | None = None,
+    share_head: bool = True,
 ) -> Part:
     """Prefill with prefix sharing at two levels.
 
@@ -40,29 +39,19 @@ def shared_prefill(
        tails; otherwise the head is copied to every cache row, the tails left-padded
        after it (the gap masked). Positions count real tokens, so every token sees
        exactly the positions and keys a plain forward of its own prompt would give it.
-       Models with sliding-window layers (Gemma 3) use this level only when the rows
-       stay within the window: `upcoming` = the most tokens a row appends after its
-       prompt (decoding, or the trainer's suffixes); unknown (None): never. See below.
-    Only the last position's logits are computed. Under autograd the shared passes
-    receive the gradients of every row that uses them (the trainer relies on that)."""
+    `share_head=False` skips level 2 (models whose fast paths rule out a masked gap
+    between the head and the tails: `looprl.model.arch.fast_paths`); the prompts are then
+    left-padded to one width. Only the last position's logits are computed. Under
+    autograd the shared passes receive the gradients of every row that uses them (the
+    trainer relies on that)."""
     unique: dict[tuple[int, ...], int] = {}
     rows_of = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
     distinct = list(unique)
     shared = 0
-    if len(distinct) > 1:
+    if len(distinct) > 1 and share_head:
         # keep >= 1 own token per prompt: its last logits come from the tail pass
         shared = min(len(_common_prefix(distinct)), min(len(p) for p in distinct) - 1)
         shared = shared if shared >= min_shared else 0
-        config = getattr(base_model(model), "config", None)
-        window = getattr(config, "sliding_window", None)
-        columns = max(len(p) for p in distinct) + (upcoming or 0)
-        if cascade.windowed(config) and (upcoming is None or window is None or columns > window):
-            # The head is copied into every cache row and shorter tails are left-padded
-            # after it, so the gap would sit inside a sliding window: a window of W cache
-            # columns then covers fewer than W real tokens once a row reaches W columns.
-            # Without the shared pass each prompt is left-padded at its start, where the
-            # padding lies before every real token and no window counts it.
-            shared = 0
     rows = torch.tensor(rows_of, dtype=torch.long, device=device)
     empty = torch.empty((len(distinct), 0), dtype=torch.long, device=device)
     start = Part(None, rows, empty, torch.zeros(len(distinct), dtype=torch.long, device=device))
@@ -80,7 +69,7 @@ def shared_prefill(
             )
             start = Part(None, rows, empty, next_pos, prefix=cascade.Prefix([level]))
         else:
-            cache.batch_select_indices(torch.zeros(len(distinct), dtype=torch.long, device=device))
+            select_rows(cache, torch.zeros(len(distinct), dtype=torch.long, device=device))
             attention = torch.ones((len(distinct), shared), dtype=torch.long, device=device)
             start = Part(cache, rows, attention, next_pos)
     return extend(model, start, [p[shared:] for p in distinct], pad_id)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from looprl.config import Config
-from looprl.engine import SamplingParams
+from looprl.engine import SamplingParams, Thinking
 from looprl.envs import make_env
 from looprl.errors import ConfigError
 from looprl.loop import dist as ranks
@@ -137,14 +137,17 @@ def player(cfg: Config, policy: Policy, probe: Any) -> Any:
     when this process plays a share of it (loop/dist.py)."""
     from looprl.openai.agents import is_agent_env, run_agents
 
-    return partial(
-        run_agents if is_agent_env(probe) else run_episodes,
-        make_env=lambda: make_env(cfg.env.name, cfg.env.args),
-        engine=policy.engine,
-        renderer=policy.renderer,
-        max_turns=probe.max_turns,
-        max_episode_tokens=cfg.rollout.max_episode_tokens,
-    )
+    common = {
+        "make_env": lambda: make_env(cfg.env.name, cfg.env.args),
+        "engine": policy.engine,
+        "renderer": policy.renderer,
+        "max_turns": probe.max_turns,
+        "max_episode_tokens": cfg.rollout.max_episode_tokens,
+    }
+    if is_agent_env(probe):
+        return partial(run_agents, **common)
+    thinking = Thinking(cfg.rollout.think, cfg.rollout.think_max_tokens)
+    return partial(run_episodes, **common, thinking=thinking)
 
 
 def run_eval(

@@ -3,6 +3,8 @@ log-probability computation over episode token sequences."""
 
 from __future__ import annotations
 
+import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,12 +13,14 @@ import torch
 from looprl.algo import head_logprobs, token_logprobs
 from looprl.chat import ChatRenderer
 from looprl.config import Config
+from looprl.config import LoraConfig as LoraSettings
 from looprl.engine.hf import HFEngine
 from looprl.errors import ConfigError
 from looprl.forward import cascade
 from looprl.forward.kv import bufferable
 from looprl.forward.prefix import prefix_kwargs, shared_prefill
 from looprl.loop.optim import quiet_bitsandbytes
+from looprl.model.arch import fast_paths, lora_targets
 from looprl.model.load import base_model, load_causal_lm, load_tokenizer
 
 
@@ -48,34 +52,26 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def load_policy(cfg: Config) -> Policy:
     """Load the model named in the config, wrap it in LoRA adapters if asked, and build the
-    renderer and the engine that samples from this very module."""
+    renderer and the engine that samples from this very module. A model whose
+    architecture rules out some fast paths gets one line on stderr saying which and why."""
     device = pick_device(cfg.model.device)
     dtype = pick_dtype(cfg.model.dtype, device)
-    tokenizer = load_tokenizer(cfg.model.name, cfg.model.trust_remote_code)
+    tokenizer = load_tokenizer(cfg.model.name, cfg.model.trust_remote_code, cfg.model.chat_template)
+    # the template is checked before any weights are read
+    renderer = ChatRenderer(
+        tokenizer, cfg.model.tool_format, cfg.model.tool_prompt, model_name=cfg.model.name
+    )
     model = load_causal_lm(cfg.model.name, dtype, cfg.model.trust_remote_code).to(device)
+    notice = fast_paths(model.config).notice()
+    if notice is not None:
+        print(f"note: {notice}", file=sys.stderr)
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
     if cfg.model.lora.enabled:
-        quiet_bitsandbytes()  # before peft imports it
-        from peft import LoraConfig, get_peft_model
-
-        lora = cfg.model.lora
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=lora.rank,
-                lora_alpha=lora.alpha,
-                lora_dropout=lora.dropout,
-                target_modules=lora.target_modules,
-                task_type="CAUSAL_LM",
-            ),
-        )
+        model = add_lora(model, cfg.model.lora)
         if cfg.model.gradient_checkpointing:
             model.enable_input_require_grads()
-    renderer = ChatRenderer(
-        tokenizer, cfg.model.tool_format, cfg.model.tool_prompt, model_name=cfg.model.name
-    )
     engine = HFEngine(
         model,
         tokenizer,
@@ -87,6 +83,27 @@ def load_policy(cfg: Config) -> Policy:
         weight_first_linear=cfg.model.weight_first_linear,
     )
     return Policy(model, tokenizer, renderer, engine, device)
+
+
+def add_lora(model: Any, lora: LoraSettings) -> Any:
+    """`model` wrapped in PEFT LoRA adapters: the targets `lora.target_modules` names,
+    widened for MoE models to the fused expert weights (`arch.lora_targets`)."""
+    quiet_bitsandbytes()  # before peft imports it
+    from peft import LoraConfig, get_peft_model
+
+    targets = lora_targets(model, lora.target_modules, router=lora.train_router)
+    if targets.get("target_parameters") and lora.dropout:
+        raise ConfigError(
+            f"model.lora.dropout={lora.dropout}: PEFT adapts an MoE model's fused expert "
+            "weights only without dropout; set model.lora.dropout=0"
+        )
+    config = LoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type="CAUSAL_LM",
+        **targets,
+    )  # fmt: skip
+    with warnings.catch_warnings():  # PEFT's note on its own patterns for expert weights
+        warnings.filterwarnings("ignore", message=".*_pattern keys did not match")
+        return get_peft_model(model, config)
 
 
 def prompt_length(mask: list[int]) -> int:
@@ -115,7 +132,9 @@ def sequence_logprobs(
     as one row (no padding through the linear layers), and only attention unpacks them
     (`cascade.Packing`). Positions follow the engine's
     convention, so trainer and engine logprobs agree. A model training under gradient
-    checkpointing cannot use a cache (transformers drops it): it runs whole sequences.
+    checkpointing cannot use a cache (transformers drops it), and a model whose cache is
+    not plain keys and values (`arch.fast_paths`: sliding windows, linear attention, an
+    architecture outside the tested matrix) does not share it: both run whole sequences.
 
     Logits are computed only where the loss needs them: at the loss-masked positions,
     in chunks (`head_logprobs`), never as a [B, S, vocab] tensor, when the model's logits
@@ -123,12 +142,11 @@ def sequence_logprobs(
     Returns logp_BS (with grad if enabled; 0 off the mask) and mask_BS (bool); callers
     use only the masked entries, in order.
     """
-    if _cache_dropped(model):
+    if _cache_dropped(model) or not fast_paths(base_model(model).config).trainer_prefix:
         return _whole_sequence_logprobs(model, sequences, masks, pad_id, device, temperature)
     starts = [prompt_length(m) for m in masks]
-    upcoming = max(len(seq) - st for seq, st in zip(sequences, starts))
     prefill = shared_prefill(
-        model, [seq[:st] for seq, st in zip(sequences, starts)], pad_id, device, upcoming=upcoming
+        model, [seq[:st] for seq, st in zip(sequences, starts)], pad_id, device
     )
     ids_BS, attention_BS, mask_BS = _right_padded(
         [seq[st:] for seq, st in zip(sequences, starts)],

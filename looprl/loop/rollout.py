@@ -4,6 +4,13 @@ Token-in/token-out: an episode's `token_ids` only ever grow by appending. The sa
 completion ids go in as they are (loss mask 1, with their sampling logprobs); the
 environment's reply is rendered by the chat layer into the ids that continue the
 conversation (loss mask 0). Every live episode's next model call is batched together.
+
+What the model wrote stays in the record as it was sampled, thinking included, although
+the chat templates of reasoning models drop earlier turns' thinking when they render a
+conversation: in a later turn the model sees its own earlier thinking, as it does not
+when served. An episode whose later prompt differs from the template's rendering of the
+same conversation says where (`info["retokenize_mismatch"]`, counted per step as
+`rollout/retokenize_mismatch`).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from functools import partial
 from typing import Any
 
 from looprl.chat import ChatRenderer
-from looprl.engine import GenerationRequest, RolloutEngine, SamplingParams
+from looprl.engine import GenerationRequest, RolloutEngine, SamplingParams, Thinking
 from looprl.engine.requests import generation_request
 from looprl.types import ENV_ERROR, TRUNCATED, Episode, Message, Observation, Task, Turn
 
@@ -29,6 +36,7 @@ class _Live:
     episode: Episode
     obs: Observation
     history: list[Message] = field(default_factory=list)
+    turn_starts: list[int] = field(default_factory=list)  # len(history) as each turn began
 
 
 def _fail(live: _Live, err: BaseException) -> None:
@@ -66,10 +74,30 @@ def _append(
     episode.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
 
 
-def _request(live: _Live, renderer: ChatRenderer) -> GenerationRequest:
+def _request(live: _Live, renderer: ChatRenderer, thinking: Thinking | None) -> GenerationRequest:
     """The episode's next model call: its whole token record so far as the prompt."""
     obs = live.obs
-    return generation_request(live.episode.token_ids, obs.tools, obs.tool_choice, renderer.format)
+    live.turn_starts.append(len(live.history))
+    return generation_request(
+        live.episode.token_ids, obs.tools, obs.tool_choice, renderer.format, thinking=thinking
+    )
+
+
+def retokenize_mismatch(live: _Live, renderer: ChatRenderer) -> int | None:
+    """Where the last turn's prompt (the record as sampled) first differs from the chat
+    template's rendering of the conversation up to that turn; None when they agree or
+    the episode had one turn."""
+    ep = live.episode
+    if len(ep.turns) < 2 or ep.outcome == ENV_ERROR:
+        return None
+    seen = ep.turns[-1].prompt_ids
+    try:
+        rendered = renderer.prompt_ids(live.history[: live.turn_starts[-1]], live.obs.tools)
+    except Exception:  # a template that cannot render the conversation differs from it
+        return 0
+    if rendered == seen:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(seen, rendered)) if a != b), len(seen))
 
 
 def run_episodes(
@@ -82,6 +110,7 @@ def run_episodes(
     max_episode_tokens: int,
     on_progress: Callable[[int], None] | None = None,
     first_index: int = 0,
+    thinking: Thinking | None = None,
 ) -> list[Episode]:
     """Play one episode per entry of `tasks` (repeat a task for a group) and return them
     in the same order. Malformed model output is an outcome; an environment that raises
@@ -90,7 +119,7 @@ def run_episodes(
 
     Episode i samples from random stream `first_index + i` in every turn: a batch split
     over several processes (each passing its share's offset) samples what one process
-    playing the whole batch would."""
+    playing the whole batch would. `thinking` allows free text before forced calls."""
     lives = [_start(task, make_env, renderer, params.temperature) for task in tasks]
     stream = {id(lv): first_index + i for i, lv in enumerate(lives)}
     ended = _Ended(on_progress)
@@ -114,7 +143,7 @@ def run_episodes(
             turn_params = replace(
                 params, seed=None if params.seed is None else params.seed + 7919 * turn
             )
-            requests = [_request(lv, renderer) for lv in active]
+            requests = [_request(lv, renderer, thinking) for lv in active]
             for lv, request, left in zip(active, requests, room):
                 request.stream = stream[id(lv)]
                 request.max_new_tokens = min(params.max_new_tokens, left)
@@ -132,6 +161,9 @@ def run_episodes(
             turn += 1
     for lv in lives:
         lv.episode.messages = lv.history
+        mismatch = retokenize_mismatch(lv, renderer)
+        if mismatch is not None:
+            lv.episode.info["retokenize_mismatch"] = mismatch
     return [lv.episode for lv in lives]
 
 

@@ -226,6 +226,9 @@ def train(
                 "rollout/valid_tool_call_rate": summary["valid_tool_call_rate"],
                 "rollout/env_errors": len(errors),
                 "rollout/token_mismatch": sum("token_mismatch" in e.info for e in episodes),
+                "rollout/retokenize_mismatch": sum(
+                    "retokenize_mismatch" in e.info for e in episodes
+                ),
                 "rollout/logprob_gap": stats["logprob_gap"],
                 "train/loss": stats["loss"],
                 "train/clip_frac": stats["clip_frac"],
@@ -240,6 +243,7 @@ def train(
                 "perf/train_tokens_per_s": stats["tokens"] / max(train_s, 1e-9),
                 "perf/peak_rss_gb": peak_rss_gb(),
             }
+            metrics.update(stats.get("router", {}))  # MoE models only
             for outcome, frac in summary["outcomes"].items():
                 metrics[f"outcomes/{outcome}"] = frac
             logger.log(metrics)

@@ -19,6 +19,7 @@ import torch
 from looprl.algo import LOSSES, Normalizer, scoring_temperature
 from looprl.config import AlgoConfig, TrainConfig
 from looprl.errors import LoopRLError
+from looprl.forward.routing import RouterLoad, router_metrics
 from looprl.loop.dist import Dist
 from looprl.loop.policy import Policy, prompt_length, sequence_logprobs
 from looprl.model.memory import release_free_memory
@@ -123,7 +124,10 @@ def update_policy(
     anyone_learning = dist.all_reduce([len(learning)])[0] > 0
     episodes = learning if anyone_learning else [e for e, _ in batch][:group_size]
     model.eval()
-    old = retry_on_oom(lambda budget: masked_values(episodes, budget), state, optimizer)
+    with RouterLoad(model) as load:  # MoE models: tokens per expert in this pass
+        old = retry_on_oom(lambda budget: masked_values(episodes, budget), state, optimizer)
+    if load.counts_LE is not None or (dist.world > 1 and load.routers):
+        out["router"] = _gathered_router_metrics(load, dist)
     ref: dict[int, torch.Tensor] = {}
     if algo.kl_coef > 0:
         with model.disable_adapter():
@@ -208,6 +212,16 @@ def update_policy(
         grad_norm=float(np.mean(norms)) if norms else float("nan"),
     )
     return out
+
+
+def _gathered_router_metrics(load: RouterLoad, dist: Dist) -> dict[str, float]:
+    """`routing.router_metrics` of the expert counts summed over all ranks."""
+    counts_LE = load.counts_LE
+    if counts_LE is None:  # this rank had no tokens: zeros of the right shape
+        experts = int(next(iter(load.routers.values())).weight.shape[0])
+        counts_LE = torch.zeros(len(load.routers), experts, dtype=torch.float64)
+    summed = dist.all_reduce(counts_LE.reshape(-1).tolist())
+    return router_metrics(torch.tensor(summed, dtype=torch.float64).reshape(counts_LE.shape))
 
 
 def minibatches(

@@ -262,8 +262,24 @@ def resolve(name: str) -> tuple[str, dict[str, Any]]:
     return name, {}
 
 
-def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
-    """The tokenizer of `name` (for `tiny-random`: SmolLM2's). Pad token = EOS if unset."""
+def read_chat_template(value: str) -> str:
+    """`model.chat_template`: a Jinja template as is, or the text of the file it names."""
+    if "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ModelError(
+            f"model.chat_template={value!r} is neither a Jinja template (no '{{{{' or '{{%') "
+            "nor an existing file; give the template text or the path of a file holding it"
+        )
+    return path.read_text()
+
+
+def load_tokenizer(
+    name: str, trust_remote_code: bool = False, chat_template: str | None = None
+) -> Any:
+    """The tokenizer of `name` (for `tiny-random`: SmolLM2's), with `chat_template` (see
+    `read_chat_template`) in place of its own if given. Pad token = EOS if unset."""
     from transformers import AutoTokenizer
 
     try:
@@ -278,6 +294,8 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
         raise
     except (OSError, ValueError) as err:
         raise ModelError(_not_found(name, err)) from None
+    if chat_template is not None:
+        tok.chat_template = read_chat_template(chat_template)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -312,7 +330,8 @@ def load_causal_lm(name: str, dtype: Any, trust_remote_code: bool = False) -> An
             source, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs
         )
     except (OSError, ValueError) as err:
-        raise ModelError(_not_found(name, err)) from None
+        headless = _no_causal_lm_head(name, err) if isinstance(err, ValueError) else None
+        raise ModelError(headless or _not_found(name, err)) from None
 
 
 def load_model_config(name: str, trust_remote_code: bool = False) -> Any:
@@ -338,6 +357,21 @@ def load_model_config(name: str, trust_remote_code: bool = False) -> Any:
         return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         raise ModelError(_not_found(name, err)) from None
+
+
+def _no_causal_lm_head(name: str, err: ValueError) -> str | None:
+    """The message for a model AutoModelForCausalLM refuses for its architecture (an
+    encoder, say), naming what is missing; None for any other error. transformers
+    refuses such a config before it reads any weights."""
+    text = str(err)
+    if "Unrecognized configuration class" not in text:
+        return None
+    kind = text.split("<class '")[-1].split("'>")[0].rsplit(".", 1)[-1].removesuffix("Config")
+    return (
+        f"{name} is a {kind!r} model without a causal language-model head "
+        "(AutoModelForCausalLM cannot load it); looprl trains causal LMs: pick a "
+        "checkpoint with one (its config lists a ...ForCausalLM architecture)"
+    )
 
 
 def base_model(model: Any) -> Any:

@@ -40,7 +40,10 @@ class Workload:
 
 def _tokenizer(cfg: Config) -> tuple[Any, str]:
     try:
-        return load_tokenizer(cfg.model.name, cfg.model.trust_remote_code), cfg.model.name
+        tokenizer = load_tokenizer(
+            cfg.model.name, cfg.model.trust_remote_code, cfg.model.chat_template
+        )
+        return tokenizer, cfg.model.name
     except (ModelError, OSError, ValueError):
         return load_tokenizer("tiny-random"), "SmolLM2's (the model ships none)"
 

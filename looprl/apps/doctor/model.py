@@ -26,7 +26,7 @@ MODEL_FIX = (
     "set model.name to a hub id, a local model folder, gguf:PATH, or an alias: "
     + ", ".join(ALIASES)
 )
-FORCED_FORMATS = "hermes, llama3 or mistral"
+FORCED_FORMATS = "hermes, llama3, mistral or glm"
 
 
 def check_environment(name: str, args: dict[str, Any]) -> Check:
@@ -71,7 +71,7 @@ def check_chat_template(model: ModelConfig) -> Check:
     """The tokenizer has a chat template; which way tools reach the prompt and which
     call syntax `model.tool_format` picks. `value` = the renderer."""
     try:
-        tokenizer = load_tokenizer(model.name, model.trust_remote_code)
+        tokenizer = load_tokenizer(model.name, model.trust_remote_code, model.chat_template)
     except Exception as err:
         return Check("chat template", False, f"tokenizer: {first_line(err)}", MODEL_FIX)
     if getattr(tokenizer, "chat_template", None) is None:
@@ -79,7 +79,7 @@ def check_chat_template(model: ModelConfig) -> Check:
             "chat template",
             False,
             f"the tokenizer of {model.name} has no chat template",
-            fix="use an instruct/chat model, or give its tokenizer a chat_template",
+            fix="use an instruct/chat model, or set model.chat_template (a template or a file)",
         )
     try:
         renderer = ChatRenderer(tokenizer, model.tool_format, model.tool_prompt, model.name)
