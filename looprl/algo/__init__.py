@@ -24,9 +24,12 @@ from looprl.algo.losses import (
     gspo_loss,
     gspo_token_loss,
 )
+from looprl.algo.tis import tis_weights, weight_gradient
 
 __all__ = [
     "LOSSES",
+    "tis_weights",
+    "weight_gradient",
     "Normalizer",
     "batch_advantages",
     "dr_grpo_loss",
