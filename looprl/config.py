@@ -100,7 +100,8 @@ class EnvConfig(Section):
 
 class RolloutConfig(Section):
     engine: Literal["hf", "vllm"] = Field(
-        "hf", description="Rollout engine: hf (in-process) or vllm (a vLLM server; docs/engines.md)."
+        "hf",
+        description="Rollout engine: hf (in-process) or vllm (a vLLM server; docs/engines.md).",
     )
     tasks_per_step: int = Field(8, ge=1, description="Distinct tasks sampled per training step.")
     group_size: int = Field(8, ge=1, description="Episodes per task (the advantage group).")
@@ -129,6 +130,9 @@ class RolloutConfig(Section):
     )
     vllm_eager: bool = Field(
         True, description="engine=vllm: no graph capture (starts in seconds, not minutes)."
+    )
+    vllm_kv_cache_gb: float | None = Field(
+        2.0, gt=0, description="engine=vllm: KV cache size; unset = vLLM's default share of memory."
     )
     vllm_args: list[str] = Field(
         default_factory=list, description="engine=vllm: extra `vllm serve` arguments."
@@ -159,7 +163,9 @@ class AlgoConfig(Section):
     )
     kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the initial policy; 0 = off.")
     tis_cap: float | None = Field(
-        None, gt=0, description="Truncated importance sampling: weight each token's loss by "
+        None,
+        gt=0,
+        description="Truncated importance sampling: weight each token's loss by "
         "min(exp(trainer old logp - engine logp), cap); unset = off.",
     )
 

@@ -4,6 +4,7 @@ log-probability computation over episode token sequences."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,7 +13,7 @@ from looprl.algo import head_logprobs, token_logprobs
 from looprl.chat import ChatRenderer
 from looprl.config import Config
 from looprl.engine.hf import HFEngine
-from looprl.errors import ConfigError
+from looprl.errors import ConfigError, EngineError
 from looprl.forward import cascade
 from looprl.forward.kv import bufferable
 from looprl.forward.prefix import prefix_kwargs, shared_prefill
@@ -25,7 +26,7 @@ class Policy:
     model: Any
     tokenizer: Any
     renderer: ChatRenderer
-    engine: HFEngine
+    engine: Any  # HFEngine, or a VLLMEngine once `attach_rollout_engine` has run
     device: torch.device
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
@@ -87,6 +88,48 @@ def load_policy(cfg: Config) -> Policy:
         weight_first_linear=cfg.model.weight_first_linear,
     )
     return Policy(model, tokenizer, renderer, engine, device)
+
+
+def check_rollout_engine(cfg: Config) -> None:
+    """rollout.engine=vllm: its environment is installed (or a URL is given); checked
+    before anything is loaded or written."""
+    if cfg.rollout.engine == "vllm" and cfg.rollout.vllm_url is None:
+        from looprl.engine.vllm_server import check_installed
+
+        try:
+            check_installed(cfg.rollout.vllm_python)
+        except EngineError as err:
+            raise ConfigError(str(err)) from None
+
+
+def attach_rollout_engine(cfg: Config, policy: Policy) -> None:
+    """rollout.engine=vllm: start (or attach to) the vLLM server that samples rollouts
+    from now on; the `hf` engine stays in place otherwise."""
+    if cfg.rollout.engine != "vllm":
+        return
+    import atexit
+
+    from looprl.engine.vllm import VLLMEngine
+    from looprl.engine.vllm_server import LaunchSpec
+
+    rollout = cfg.rollout
+    limit = getattr(base_model(policy.model).config, "max_position_embeddings", None) or 2**31
+    spec = LaunchSpec(
+        python=rollout.vllm_python,
+        model_dir=Path(),  # filled in by the engine: the saved base model
+        dtype=str(next(policy.model.parameters()).dtype).removeprefix("torch."),
+        max_model_len=min(limit, rollout.max_episode_tokens + rollout.max_new_tokens),
+        lora_rank=cfg.model.lora.rank if cfg.model.lora.enabled else None,
+        eager=rollout.vllm_eager,
+        kv_cache_gb=rollout.vllm_kv_cache_gb,
+        extra_args=list(rollout.vllm_args),
+        timeout_s=rollout.vllm_start_timeout_s,
+    )
+    engine = VLLMEngine.launch(
+        policy.model, policy.tokenizer, policy.renderer.eos_ids, spec, rollout.vllm_url
+    )
+    atexit.register(engine.close)
+    policy.engine = engine
 
 
 def prompt_length(mask: list[int]) -> int:
