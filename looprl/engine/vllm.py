@@ -167,23 +167,26 @@ class VLLMEngine:
                 f"{params.temperature}; use temperature 0 or 1, or rollout.engine=hf"
             )
 
-        def one(index: int) -> Completion:
+        def sample(index: int) -> Completion:
             request = requests[index]
             stream = index if request.stream is None else request.stream
             seed = (base_seed * 1_000_003 + stream) % 2**63
-            completion = self._sample(request, params, seed)
+            return self._sample(request, params, seed)
+
+        with ThreadPoolExecutor(max_workers=min(len(requests), MAX_THREADS)) as pool:
+            completions = list(pool.map(sample, range(len(requests))))
+        # Rescoring runs after all sampling and one request at a time: a batch that mixes
+        # prompt logprobs with other requests breaks vLLM's LoRA logits path (0.32, CPU).
+        for request, completion in zip(requests, completions):
             if request.constraint is not None:
                 self._rescore(request, completion)
-            for pos, (token, logp) in enumerate(zip(completion.ids, completion.logprobs)):
-                if request.on_token is not None:
-                    top = completion.top_logprobs[pos] if completion.top_logprobs else None
+            if request.on_token is not None:  # not streamed: told once the reply is back
+                tops = completion.top_logprobs or [None] * len(completion.ids)
+                for token, logp, top in zip(completion.ids, completion.logprobs, tops):
                     request.on_token(token, logp, top)
             if request.on_complete is not None:
                 request.on_complete()
-            return completion
-
-        with ThreadPoolExecutor(max_workers=min(len(requests), MAX_THREADS)) as pool:
-            return list(pool.map(one, range(len(requests))))
+        return completions
 
     def _sample(self, request: GenerationRequest, params: SamplingParams, seed: int) -> Completion:
         limit = min(params.max_new_tokens, request.max_new_tokens or params.max_new_tokens)

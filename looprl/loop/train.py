@@ -29,7 +29,7 @@ from looprl.algo import episode_advantages
 from looprl.config import Config, to_yaml
 from looprl.engine import SamplingParams
 from looprl.envs import make_env
-from looprl.errors import ConfigError, LoopRLError
+from looprl.errors import ConfigError, EngineError, LoopRLError
 from looprl.loop import checkpoint as checkpoints
 from looprl.loop import dist as ranks
 from looprl.loop import log
@@ -170,10 +170,19 @@ def train(
             # this rank plays its share of whole groups; every rank then sees all episodes
             group = cfg.rollout.group_size
             mine = dist.share(range(len(tasks)))
-            episodes = dist.gather(
-                play([tasks[i] for i in mine for _ in range(group)], params=params,
-                     first_index=mine[0] * group)
-            )  # fmt: skip
+            try:
+                episodes = dist.gather(
+                    play([tasks[i] for i in mine for _ in range(group)], params=params,
+                         first_index=mine[0] * group)
+                )  # fmt: skip
+            except EngineError as err:  # e.g. the vLLM server died: keep what was learned
+                checkpoint(step - 1)
+                logger.close()
+                raise EngineError(
+                    f"{err}\nthe run stopped at step {step}; the state after step {step - 1} "
+                    f"is checkpointed. Once the engine is back, continue with\n"
+                    f"  looprl run --out {run_dir} --resume"
+                ) from None
             rollout_s = time.time() - t0
 
             # feedback: environment bugs are counted against the budget, never trained on
@@ -281,6 +290,8 @@ def train(
         report = run_dir / "report.md"
         phase.done(f"{report.name}, {report.with_suffix('.html').name}, plots/")
     logger.close(report_dir=run_dir)
+    if hasattr(policy.engine, "close"):  # a vLLM server looprl started stops here
+        policy.engine.close()
     return {
         "baseline": baseline,
         "after_sft": after_sft,
