@@ -197,8 +197,8 @@ def run_args(model_dir: Path, server, out: Path, steps: int) -> list[str | Path]
         "run", "--out", out,
         "--set", f"model.name={model_dir}", "--set", "rollout.engine=vllm",
         "--set", f"rollout.vllm_url={server.url}",
-        "--set", "rollout.tasks_per_step=2", "--set", "rollout.group_size=4",
-        "--set", "rollout.max_new_tokens=48", "--set", "eval.tasks=4",
+        "--set", "rollout.tasks_per_step=2", "--set", "rollout.group_size=2",
+        "--set", "rollout.max_new_tokens=48", "--set", "eval.tasks=2",
         "--set", "train.checkpoint_every=1", "--set", f"train.steps={steps}",
         "--set", "algo.tis_cap=2.0",
     ]  # fmt: skip
@@ -222,7 +222,7 @@ def test_a_dead_server_stops_the_run_with_a_checkpoint_and_resume(model_dir, ser
     whole step checkpointed and the resume command; `--resume` continues (here on the
     hf engine, as the server is gone)."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "looprl.cli", *map(str, run_args(model_dir, server, out, 4))]
+    cmd = [sys.executable, "-m", "looprl.cli", *map(str, run_args(model_dir, server, out, 3))]
     run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 300
@@ -239,8 +239,8 @@ def test_a_dead_server_stops_the_run_with_a_checkpoint_and_resume(model_dir, ser
     assert (out / "checkpoints" / f"step_{steps[-1]:06d}").is_dir()
     res = looprl(
         "run", "--out", out, "--resume", "--set", "rollout.engine=hf",
-        "--set", f"model.name={model_dir}", "--set", "train.steps=4",
+        "--set", f"model.name={model_dir}",
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
-    assert rows == [1, 2, 3, 4]
+    assert rows == [1, 2, 3]
