@@ -10,8 +10,12 @@ dev-mode routes (`VLLM_SERVER_DEV_MODE`, `VLLM_ALLOW_RUNTIME_LORA_UPDATING`).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import ctypes
 import json
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -104,9 +108,11 @@ class VLLMServer:
         log = workdir / "vllm-server.log"
         with open(log, "wb") as sink:
             process = subprocess.Popen(
-                args, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
+                args, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                preexec_fn=_stop_with_parent,
+            )  # fmt: skip
         server = cls(f"http://127.0.0.1:{port}", process, log)
+        atexit.register(server.close)  # a server looprl started never outlives it
         server.wait_ready(spec.timeout_s)
         return server
 
@@ -179,6 +185,13 @@ class VLLMServer:
                 self.process.kill()
                 self.process.wait()
         self.process = None if self.process is None else self.process
+
+
+def _stop_with_parent() -> None:
+    """In the server's process before it starts (Linux): SIGTERM it when looprl dies,
+    even by SIGKILL, so that no orphaned server keeps its memory."""
+    with contextlib.suppress(OSError):  # not Linux: no such call
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _lora_rank_option(rank: int) -> int:
