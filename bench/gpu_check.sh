@@ -82,3 +82,23 @@ PY
 # (the 5x target of bench/rollout.py, measured where the CPU's matrix products are not
 # the limit)
 .venv/bin/python bench/rollout.py --device cuda --batches 32 --repeats 2
+# the vllm engine on CUDA (make setup-vllm installs the CUDA `vllm` where nvidia-smi is
+# found): 3 steps with LoRA and 3 with full fine-tuning, each pushing its weights to the
+# server after every update; bf16 on both sides, so the gap is bf16's, not zero. Then
+# its column in the rollout benchmark.
+make setup-vllm >/dev/null
+for mode in lora full; do
+  lora=true; [ "$mode" = full ] && lora=false
+  .venv/bin/looprl run --set model.device=cuda --set rollout.engine=vllm \
+    --set rollout.vllm_kv_cache_gb=8 --set model.lora.enabled=$lora --set train.steps=3 \
+    --set eval.tasks=16 --set algo.tis_cap=2.0 --out "$out/vllm-$mode" --force
+done
+.venv/bin/python - "$out" <<'PY'
+import json, sys
+for name in ("vllm-lora", "vllm-full"):
+    rows = [json.loads(l) for l in open(f"{sys.argv[1]}/{name}/metrics.jsonl")]
+    gap = max(r["rollout/logprob_gap"] for r in rows)
+    print(f"RESULT run={name} logprob_gap_max={gap:.2e}")
+    assert gap < 5e-2, "vLLM's and the trainer's logprobs disagree: did the weights reach it?"
+PY
+.venv/bin/python bench/rollout.py --device cuda --batches 32 --repeats 2 --vllm on

@@ -1,7 +1,7 @@
 """Rollout throughput: looprl's hf engine vs transformers `generate`, side by side.
 
     .venv/bin/python bench/rollout.py [--model smollm2-135m] [--batches 8,32,64] [--repeats 3]
-                                      [--device cpu|cuda]
+                                      [--device cpu|cuda] [--vllm auto|on|off]
 
 Same model (float32), same tic-tac-toe prompts (distinct boards: no two requests share
 a whole prompt, but all share the system prompt and tool schema), 64 new tokens,
@@ -15,6 +15,11 @@ counted up to and including EOS. Prints generated tokens/s (median of the repeat
 engines interleaved in each repeat) and ends with a `RESULT` line: `rollout_speedup_bN`
 (float32 engine / generate), `rollout_speedup_bf16_bN` (bf16 sampler / generate) and
 `weight_first_speedup_bN` (float32 engine / the same with F.linear).
+
+With vLLM installed (`make setup-vllm`; `--vllm auto` uses it when `.venv-vllm` exists)
+a `vllm` column times the `vllm` engine on the same model (float32, a server it starts in
+eager mode; start-up not counted): `vllm_tokens_per_s_bN` and `looprl_vs_vllm_bN`
+(float32 engine / vllm) in the `RESULT` line.
 
 It also prints a floor for the exact engine at each batch size: the model's matrix
 products alone (every linear layer and the output projection, with the model's own
@@ -154,6 +159,7 @@ def main() -> None:
     parser.add_argument("--batches", default="8,32,64")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--vllm", choices=["auto", "on", "off"], default="auto")
     args = parser.parse_args()
     device = torch.device(args.device)
     tokenizer = load_tokenizer(args.model)
@@ -165,7 +171,8 @@ def main() -> None:
     bf16 = HFEngine(model, tokenizer, renderer.eos_ids, batch_size=256, sampler_dtype="bfloat16")
     sizes = [int(b) for b in args.batches.split(",")]
     pool = prompts(renderer, max(sizes))
-    for engine in (exact, bf16):  # warm-up
+    vllm = start_vllm(args.vllm, model, tokenizer, renderer, max(len(p) for p in pool))
+    for engine in (exact, bf16, *([vllm] if vllm else [])):  # warm-up
         run_looprl(engine, pool[:2], 0)
     run_generate(reference, tokenizer, pool[:2], 0)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
@@ -175,12 +182,12 @@ def main() -> None:
         f" bf16 sampler {weight_first.enabled(bf16.model)}"
     )
     header = f"{'batch':>5} {'looprl':>8} {'F.linear':>9} {'bf16 sampler':>13} {'generate':>9}"
-    print(header + f" {'ratio':>6} {'ratio bf16':>11} {'bf16 |gap|':>11}")
+    print(header + f" {'ratio':>6} {'ratio bf16':>11} {'bf16 |gap|':>11} {'vllm':>7}")
     result = {}
     floors = []
     for size in sizes:
         batch = pool[:size]
-        ours, linear, fast, theirs, gaps, produced = [], [], [], [], [], []
+        ours, linear, fast, theirs, gaps, produced, served = [], [], [], [], [], [], []
         for r in range(args.repeats):
             n, s = run_looprl(exact, batch, r)
             ours.append(n / s)
@@ -195,12 +202,20 @@ def main() -> None:
             gaps.append(logprob_gap(reference, batch, outs))
             n, s = run_generate(reference, tokenizer, batch, r)
             theirs.append(n / s)
+            if vllm is not None:
+                n, s = run_looprl(vllm, batch, r)
+                served.append(n / s)
         a, f, b = statistics.median(ours), statistics.median(fast), statistics.median(theirs)
         plain = f"{statistics.median(linear):>9.1f}" if linear else f"{'-':>9}"
         print(
             f"{size:>5} {a:>8.1f} {plain} {f:>13.1f} {b:>9.1f} {a / b:>6.2f} {f / b:>11.2f}"
             f" {statistics.mean(gaps):>11.4f}"
+            + (f" {statistics.median(served):>7.1f}" if served else f" {'-':>7}")
         )
+        if served:
+            v = statistics.median(served)
+            result[f"vllm_tokens_per_s_b{size}"] = f"{v:.1f}"
+            result[f"looprl_vs_vllm_b{size}"] = f"{a / v:.2f}"
         if linear:
             result[f"weight_first_speedup_b{size}"] = f"{a / statistics.median(linear):.2f}"
         floors.append((size, a, b, statistics.median(produced), exact, batch))
@@ -237,6 +252,22 @@ def main() -> None:
         result[f"step_budget_5x_ms_b{size}"] = f"{budget * 1e3:.1f}"
         result[f"looprl_step_ms_b{size}"] = f"{took * 1e3:.1f}"
     print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()))
+    if vllm is not None:
+        vllm.close()
+
+
+def start_vllm(mode: str, model, tokenizer, renderer: ChatRenderer, longest: int):
+    """The vllm engine on this model (float32, eager), or None when off or not installed."""
+    from pathlib import Path
+
+    python = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+    if mode == "off" or (mode == "auto" and not python.is_file()):
+        return None
+    from looprl.engine.vllm import VLLMEngine
+    from looprl.engine.vllm_server import LaunchSpec
+
+    spec = LaunchSpec(str(python), Path(), "float32", longest + NEW_TOKENS + 8, kv_cache_gb=2.0)
+    return VLLMEngine.launch(model, tokenizer, renderer.eos_ids, spec)
 
 
 if __name__ == "__main__":

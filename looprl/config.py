@@ -111,7 +111,10 @@ class EnvConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: Literal["hf"] = Field("hf", description="Rollout engine.")
+    engine: Literal["hf", "vllm"] = Field(
+        "hf",
+        description="Rollout engine: hf (in-process) or vllm (a vLLM server; docs/engines.md).",
+    )
     tasks_per_step: int = Field(8, ge=1, description="Distinct tasks sampled per training step.")
     group_size: int = Field(8, ge=1, description="Episodes per task (the advantage group).")
     temperature: float = Field(1.0, ge=0, le=5, description="Sampling temperature; 0 = greedy.")
@@ -149,6 +152,26 @@ class RolloutConfig(Section):
             )
         return self
 
+    vllm_url: str | None = Field(
+        None, description="engine=vllm: use the looprl vLLM server at this URL; unset = start one."
+    )
+    vllm_python: str = Field(
+        ".venv-vllm/bin/python",
+        description="engine=vllm: Python of the vLLM environment (`make setup-vllm`).",
+    )
+    vllm_eager: bool = Field(
+        True, description="engine=vllm: no graph capture (starts in seconds, not minutes)."
+    )
+    vllm_kv_cache_gb: float | None = Field(
+        2.0, gt=0, description="engine=vllm: KV cache size; unset = vLLM's default share of memory."
+    )
+    vllm_args: list[str] = Field(
+        default_factory=list, description="engine=vllm: extra `vllm serve` arguments."
+    )
+    vllm_start_timeout_s: float = Field(
+        900.0, gt=0, description="engine=vllm: seconds the server may take to start."
+    )
+
 
 class AlgoConfig(Section):
     name: Literal["gspo", "gspo_token", "gspo_turn", "grpo", "dr_grpo"] = Field(
@@ -179,6 +202,12 @@ class AlgoConfig(Section):
         "to refill the dropped groups; 1 = drop only.",
     )
     kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the initial policy; 0 = off.")
+    tis_cap: float | None = Field(
+        None,
+        gt=0,
+        description="Truncated importance sampling: weight each token's loss by "
+        "min(exp(trainer old logp - engine logp), cap); unset = off.",
+    )
 
     @model_validator(mode="after")
     def _fill_defaults(self) -> AlgoConfig:

@@ -28,3 +28,7 @@ class RequestError(LoopRLError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class EngineError(LoopRLError):
+    """A rollout engine that cannot serve: not installed, not starting, or gone."""

@@ -23,7 +23,9 @@ from looprl.algo import (
     masked_sum,
     scoring_temperature,
     tempered_log_softmax,
+    tis_weights,
     token_logprobs,
+    weight_gradient,
 )
 
 ALL_LOSSES = sorted(LOSSES)
@@ -405,3 +407,39 @@ def test_masked_mean_and_sum():
     assert masked_sum(x, m).item() == 3.0
     torch.testing.assert_close(masked_mean(x, m, dim=-1), torch.tensor([1.5, 0.0]))
     assert masked_mean(x, m).item() == 1.5
+
+
+def test_tis_weights_hand_computed():
+    # w = min(exp(old - engine), cap): exp(0.5) = 1.6487 under the cap 2; exp(1.0) = 2.718
+    # is truncated to 2; exp(-0.5) = 0.6065 stays; masked-off positions weigh 1
+    old_BT = torch.tensor([[-1.0, -1.0, -2.0], [-0.5, 0.0, 0.0]])
+    engine_BT = torch.tensor([[-1.5, -2.0, -1.5], [-0.5, 0.0, 0.0]])
+    mask_BT = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    w_BT = tis_weights(old_BT, engine_BT, mask_BT, cap=2.0)
+    want = torch.tensor([[1.6487213, 2.0, 0.6065307], [1.0, 1.0, 1.0]])
+    assert torch.allclose(w_BT, want, atol=1e-6)
+
+
+def test_weight_gradient_keeps_values_and_scales_each_token_gradient():
+    logp_BT = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
+    w_BT = torch.tensor([[0.5, 2.0, 1.0]])
+    out_BT = weight_gradient(logp_BT, w_BT)
+    assert torch.equal(out_BT.detach(), logp_BT.detach())
+    (out_BT * torch.tensor([[1.0, 10.0, 100.0]])).sum().backward()
+    assert torch.allclose(logp_BT.grad, torch.tensor([[0.5, 20.0, 100.0]]))
+
+
+def test_tis_weighted_grpo_gradient_equals_weighted_token_terms():
+    # GRPO at ratio 1 (logp = old, unclipped): dL/dlogp_t = -A m_t / N_tok; with TIS
+    # each token's gradient is that times w_t
+    torch.manual_seed(0)
+    old_BT = torch.randn(2, 4)
+    engine_BT = old_BT + 0.3 * torch.randn(2, 4)
+    mask_BT = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    adv_B = torch.tensor([1.0, -0.5])
+    logp_BT = old_BT.clone().requires_grad_(True)
+    w_BT = tis_weights(old_BT, engine_BT, mask_BT, cap=1.5)
+    loss, _ = grpo_loss(weight_gradient(logp_BT, w_BT), old_BT, adv_B, mask_BT)
+    loss.backward()
+    want_BT = -adv_B[:, None] * mask_BT * w_BT / mask_BT.sum()
+    assert torch.allclose(logp_BT.grad, want_BT, atol=1e-6)

@@ -31,6 +31,7 @@ from looprl.algo.selection import (
     refill_count,
     task_weights,
 )
+from looprl.algo.tis import tis_weights, weight_gradient
 from looprl.algo.turns import gspo_turn_loss, turn_ids
 
 # every policy loss by its `algo.name`; all take the same arguments (losses.py)
@@ -44,6 +45,8 @@ LOSSES: dict[str, LossFn] = {
 
 __all__ = [
     "LOSSES",
+    "tis_weights",
+    "weight_gradient",
     "Normalizer",
     "batch_advantages",
     "choose_tasks",

@@ -21,7 +21,7 @@ from looprl.loop import dist as ranks
 from looprl.loop import log
 from looprl.loop.checkpoint import load_weights
 from looprl.loop.dist import main_only
-from looprl.loop.policy import Policy, load_policy
+from looprl.loop.policy import Policy, attach_rollout_engine, check_rollout_engine, load_policy
 from looprl.loop.progress import DONE, Progress
 from looprl.loop.rollout import run_episodes
 from looprl.report.stats import reward_with_ci
@@ -213,8 +213,10 @@ def run_eval(
 
 def load_model(cfg: Config, progress: Progress) -> Policy:
     """`load_policy` as a phase of its own: the first minute of a run on a slow disk."""
+    check_rollout_engine(cfg)
     with progress.phase("load model") as phase:
         policy = load_policy(cfg)
+        attach_rollout_engine(cfg, policy)
         params = list(policy.model.parameters())
         trained = sum(p.numel() for p in params if p.requires_grad)
         phase.done(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from looprl.chat import ChatRenderer
 from looprl.config import Config
 from looprl.config import LoraConfig as LoraSettings
 from looprl.engine.hf import HFEngine
-from looprl.errors import ConfigError
+from looprl.errors import ConfigError, EngineError
 from looprl.forward import cascade
 from looprl.forward.kv import bufferable
 from looprl.forward.prefix import prefix_kwargs, shared_prefill
@@ -29,7 +30,7 @@ class Policy:
     model: Any
     tokenizer: Any
     renderer: ChatRenderer
-    engine: HFEngine
+    engine: Any  # HFEngine, or a VLLMEngine once `attach_rollout_engine` has run
     device: torch.device
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
@@ -104,6 +105,48 @@ def add_lora(model: Any, lora: LoraSettings) -> Any:
     with warnings.catch_warnings():  # PEFT's note on its own patterns for expert weights
         warnings.filterwarnings("ignore", message=".*_pattern keys did not match")
         return get_peft_model(model, config)
+
+
+def check_rollout_engine(cfg: Config) -> None:
+    """rollout.engine=vllm: its environment is installed (or a URL is given); checked
+    before anything is loaded or written."""
+    if cfg.rollout.engine == "vllm" and cfg.rollout.vllm_url is None:
+        from looprl.engine.vllm_server import check_installed
+
+        try:
+            check_installed(cfg.rollout.vllm_python)
+        except EngineError as err:
+            raise ConfigError(str(err)) from None
+
+
+def attach_rollout_engine(cfg: Config, policy: Policy) -> None:
+    """rollout.engine=vllm: start (or attach to) the vLLM server that samples rollouts
+    from now on; the `hf` engine stays in place otherwise."""
+    if cfg.rollout.engine != "vllm":
+        return
+    import atexit
+
+    from looprl.engine.vllm import VLLMEngine
+    from looprl.engine.vllm_server import LaunchSpec
+
+    rollout = cfg.rollout
+    limit = getattr(base_model(policy.model).config, "max_position_embeddings", None) or 2**31
+    spec = LaunchSpec(
+        python=rollout.vllm_python,
+        model_dir=Path(),  # filled in by the engine: the saved base model
+        dtype=str(next(policy.model.parameters()).dtype).removeprefix("torch."),
+        max_model_len=min(limit, rollout.max_episode_tokens + rollout.max_new_tokens),
+        lora_rank=cfg.model.lora.rank if cfg.model.lora.enabled else None,
+        eager=rollout.vllm_eager,
+        kv_cache_gb=rollout.vllm_kv_cache_gb,
+        extra_args=list(rollout.vllm_args),
+        timeout_s=rollout.vllm_start_timeout_s,
+    )
+    engine = VLLMEngine.launch(
+        policy.model, policy.tokenizer, policy.renderer.eos_ids, spec, rollout.vllm_url
+    )
+    atexit.register(engine.close)
+    policy.engine = engine
 
 
 def prompt_length(mask: list[int]) -> int:

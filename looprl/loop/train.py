@@ -32,7 +32,7 @@ import torch
 
 from looprl.config import Config, to_yaml
 from looprl.envs import make_env
-from looprl.errors import ConfigError, LoopRLError
+from looprl.errors import ConfigError, EngineError, LoopRLError
 from looprl.loop import checkpoint as checkpoints
 from looprl.loop import dist as ranks
 from looprl.loop import log
@@ -171,7 +171,16 @@ def train(
         for step in range(start + 1, cfg.train.steps + 1):
             t0 = time.time()
             # play the step's groups (refilled and picked by the levers of loop/groups.py)
-            played, loop.curriculum = play_step(cfg, probe, play, dist, step, loop.curriculum)
+            try:
+                played, loop.curriculum = play_step(cfg, probe, play, dist, step, loop.curriculum)
+            except EngineError as err:  # e.g. the vLLM server died: keep what was learned
+                checkpoint(step - 1)
+                logger.close()
+                raise EngineError(
+                    f"{err}\nthe run stopped at step {step}; the state after step {step - 1} "
+                    f"is checkpointed. Once the engine is back, continue with\n"
+                    f"  looprl run --out {run_dir} --resume"
+                ) from None
             episodes, advantages = played.episodes, played.advantages
             rollout_s = time.time() - t0
 
@@ -286,6 +295,8 @@ def train(
         report = run_dir / "report.md"
         phase.done(f"{report.name}, {report.with_suffix('.html').name}, plots/")
     logger.close(report_dir=run_dir)
+    if hasattr(policy.engine, "close"):  # a vLLM server looprl started stops here
+        policy.engine.close()
     return {
         "baseline": baseline,
         "after_sft": after_sft,

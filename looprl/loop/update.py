@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from looprl.algo import LOSSES, Normalizer, scoring_temperature
+from looprl.algo import LOSSES, Normalizer, scoring_temperature, tis_weights, weight_gradient
 from looprl.config import AlgoConfig, TrainConfig
 from looprl.errors import LoopRLError
 from looprl.forward.routing import RouterLoad, router_metrics
@@ -67,6 +67,11 @@ def retry_on_oom(fn: Callable[[int], T], state: UpdateState, optimizer: torch.op
             log.warning("out of memory: micro-batch budget %d -> %d tokens", half * 2, half)
             state.micro_batch_tokens = half
             state.oom_retries += 1
+
+
+def _sampled(episode: Episode) -> torch.Tensor:
+    """The engine's logprobs of the episode's generated tokens, in order."""
+    return torch.tensor([lp for lp, m in zip(episode.logprobs, episode.loss_mask) if m])
 
 
 def update_policy(
@@ -133,11 +138,7 @@ def update_policy(
         with model.disable_adapter():
             ref = retry_on_oom(lambda budget: masked_values(episodes, budget), state, optimizer)
     model.train()
-    gaps = [
-        (old[id(e)] - torch.tensor([lp for lp, m in zip(e.logprobs, e.loss_mask) if m]))
-        .abs().mean().item()
-        for e in episodes
-    ]  # fmt: skip
+    gaps = [(old[id(e)] - _sampled(e)).abs().mean().item() for e in episodes]
     gap_sum, gap_count = dist.all_reduce([float(np.sum(gaps)), len(gaps)])
     out["logprob_gap"] = gap_sum / gap_count if gap_count else float("nan")
 
@@ -157,6 +158,11 @@ def update_policy(
             logp_BK, mask_BK = logprobs(chunk)
             old_BK = torch.zeros_like(logp_BK)
             old_BK[mask_BK] = torch.cat([old[id(e)] for e in chunk]).to(old_BK)
+            if algo.tis_cap is not None:  # off-policy correction (algo/tis.py)
+                engine_BK = torch.zeros_like(logp_BK)
+                engine_BK[mask_BK] = torch.cat([_sampled(e) for e in chunk]).to(engine_BK)
+                w_BK = tis_weights(old_BK, engine_BK, mask_BK, algo.tis_cap)
+                logp_BK = weight_gradient(logp_BK, w_BK)
             ref_BK = None
             if ref:
                 ref_BK = torch.zeros_like(logp_BK)

@@ -1,0 +1,246 @@
+"""The `vllm` engine against a real vLLM server (its own environment, `make setup-vllm`):
+the engine contract beside the `hf` engine's, weight pushes (LoRA and full), a whole
+run, and a run whose server dies. One server serves the whole module (eager mode)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from looprl.chat import ChatRenderer
+from looprl.engine import GenerationRequest, SamplingParams, ToolConstraint
+from looprl.engine.hf import HFEngine
+from looprl.types import Message
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = Path(os.environ.get("LOOPRL_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+needs_vllm = pytest.mark.skipif(
+    not VLLM_PYTHON.is_file(), reason=f"no vLLM environment at {VLLM_PYTHON} (make setup-vllm)"
+)
+MOVE = {
+    "type": "function",
+    "function": {
+        "name": "move",
+        "parameters": {
+            "type": "object",
+            "properties": {"square": {"type": "integer", "minimum": 0, "maximum": 8}},
+            "required": ["square"],
+        },
+    },
+}
+
+
+def looprl(*args: str | Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "looprl.cli", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_vllm_engine_without_its_environment_is_a_config_error(tmp_path):
+    out = tmp_path / "run"
+    res = looprl(
+        "run", "--set", "model.name=tiny-random", "--set", "rollout.engine=vllm",
+        "--set", f"rollout.vllm_python={tmp_path / 'missing' / 'python'}", "--out", out,
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "make setup-vllm" in res.stderr
+    assert not out.exists()  # nothing written
+
+
+# ---------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer) -> Path:
+    """The tiny random model with 32-wide heads (vLLM's CPU attention has no 16), saved
+    with its tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from looprl.model.load import TINY_CONFIG
+
+    folder = tmp_path_factory.mktemp("vllm-model") / "tiny32"
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        **{**TINY_CONFIG, "num_attention_heads": 2, "num_key_value_heads": 1},
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    from looprl.engine.vllm_server import LaunchSpec, VLLMServer
+
+    spec = LaunchSpec(
+        python=str(VLLM_PYTHON), model_dir=model_dir, dtype="float32", max_model_len=2048,
+        lora_rank=16, eager=True, kv_cache_gb=1.0,
+    )  # fmt: skip
+    server = VLLMServer.start(spec, tmp_path_factory.mktemp("vllm-server"))
+    yield server
+    server.close()
+
+
+def fresh_model(model_dir: Path, lora: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    return model.eval()
+
+
+def make_engine(kind: str, model, tokenizer, renderer, server, tmp_path):
+    if kind == "hf":
+        return HFEngine(model, tokenizer, renderer.eos_ids)
+    from looprl.engine.vllm import VLLMEngine
+
+    engine = VLLMEngine(model, tokenizer, renderer.eos_ids, server, tmp_path)
+    engine.load_weights()
+    return engine
+
+
+def trainer_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0].float()
+    logp = torch.log_softmax(logits, -1)
+    return torch.tensor([logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(completion)])
+
+
+def prompt_ids(renderer: ChatRenderer, text: str) -> list[int]:
+    return renderer.prompt_ids([Message(role="user", content=text)], [MOVE])
+
+
+# ---------------------------------------------------------------------------- contract
+
+
+@needs_vllm
+@pytest.mark.parametrize("kind", ["hf", "vllm"])
+def test_engine_contract(kind, model_dir, tokenizer, renderer, server, tmp_path):
+    """Seeded runs repeat; forced calls are valid calls of the tool; every logprob is
+    the trainer's unconstrained one (fp32: within 1e-4)."""
+    model = fresh_model(model_dir)
+    engine = make_engine(kind, model, tokenizer, renderer, server, tmp_path)
+    prompts = [prompt_ids(renderer, f"play square {i}") for i in range(3)]
+    forced = ToolConstraint([MOVE], "required", renderer.format)
+    requests = [GenerationRequest(p) for p in prompts]
+    requests += [GenerationRequest(p, constraint=forced) for p in prompts]
+    params = SamplingParams(max_new_tokens=80, seed=11)
+    first = engine.generate(requests, params)
+    again = engine.generate(requests, params)
+    assert [c.ids for c in first] == [c.ids for c in again]
+    other = engine.generate(requests, SamplingParams(max_new_tokens=80, seed=12))
+    assert [c.ids for c in other] != [c.ids for c in first]
+    for request, completion in zip(requests, first):
+        assert len(completion.logprobs) == len(completion.ids) > 0
+        want = trainer_logprobs(model, request.prompt_ids, completion.ids)
+        torch.testing.assert_close(torch.tensor(completion.logprobs), want, rtol=0, atol=1e-4)
+        if request.constraint is not None:
+            text = renderer.decode(completion.ids)
+            message = renderer.assistant_message(text, [MOVE], require_call=True)
+            assert [call.name for call in message.tool_calls] == ["move"], text
+            assert 0 <= message.tool_calls[0].arguments["square"] <= 8, text
+            assert completion.finish_reason == "stop"
+
+
+@needs_vllm
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_next_rollout_samples_from_the_updated_weights(
+    lora, model_dir, tokenizer, renderer, server, tmp_path
+):
+    """An optimizer-like in-place change of the trainable weights reaches the server
+    before the next `generate`: its logprobs are the new policy's."""
+    model = fresh_model(model_dir, lora=lora)
+    engine = make_engine("vllm", model, tokenizer, renderer, server, tmp_path)
+    trainable = [p for n, p in model.named_parameters() if p.requires_grad]
+    saved = [p.detach().clone() for p in trainable]
+    request = GenerationRequest(prompt_ids(renderer, "a move please"))
+    params = SamplingParams(max_new_tokens=24, seed=3)
+    before = engine.generate([request], params)[0]
+    pushes = engine.pushes
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1)
+            for p in trainable:
+                p.add_(torch.randn_like(p) * (0.3 if lora else 0.05))
+        after = engine.generate([request], params)[0]
+        assert engine.pushes == pushes + 1
+        new = trainer_logprobs(model, request.prompt_ids, after.ids)
+        torch.testing.assert_close(torch.tensor(after.logprobs), new, rtol=0, atol=1e-4)
+        old = trainer_logprobs(fresh_model(model_dir), request.prompt_ids, after.ids)
+        assert (new - old).abs().max() > 1e-2  # the update did move these logprobs
+        assert after.ids != before.ids or after.logprobs != before.logprobs
+    finally:
+        with torch.no_grad():
+            for p, value in zip(trainable, saved):
+                p.copy_(value)
+        engine.load_weights()  # the shared server goes back to the original weights
+
+
+# ---------------------------------------------------------------------------- runs
+
+
+def run_args(model_dir: Path, server, out: Path, steps: int) -> list[str | Path]:
+    return [
+        "run", "--out", out,
+        "--set", f"model.name={model_dir}", "--set", "rollout.engine=vllm",
+        "--set", f"rollout.vllm_url={server.url}",
+        "--set", "rollout.tasks_per_step=2", "--set", "rollout.group_size=2",
+        "--set", "rollout.max_new_tokens=48", "--set", "eval.tasks=2",
+        "--set", "train.checkpoint_every=1", "--set", f"train.steps={steps}",
+        "--set", "algo.tis_cap=2.0",
+    ]  # fmt: skip
+
+
+@needs_vllm
+def test_run_with_the_vllm_engine(model_dir, server, tmp_path):
+    out = tmp_path / "run"
+    res = looprl(*run_args(model_dir, server, out, steps=2))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    # fp32 on both sides: the engine's logprobs are the trainer's, step 2's after a push
+    assert all(0 <= r["rollout/logprob_gap"] < 1e-3 for r in rows), rows
+    assert (out / "report.md").is_file()
+
+
+@needs_vllm
+def test_a_dead_server_stops_the_run_with_a_checkpoint_and_resume(model_dir, server, tmp_path):
+    """Runs last: it kills the module's server. The run stops with the state of its last
+    whole step checkpointed and the resume command; `--resume` continues (here on the
+    hf engine, as the server is gone)."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "looprl.cli", *map(str, run_args(model_dir, server, out, 3))]
+    run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and run.poll() is None:
+        if metrics.is_file() and metrics.read_text().strip():
+            break
+        time.sleep(0.5)
+    assert run.poll() is None, run.communicate()[1][-3000:]
+    os.killpg(server.process.pid, signal.SIGKILL)
+    _, stderr = run.communicate(timeout=300)
+    assert run.returncode == 2, stderr[-3000:]
+    assert "vLLM server" in stderr and f"looprl run --out {out} --resume" in stderr
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert (out / "checkpoints" / f"step_{steps[-1]:06d}").is_dir()
+    res = looprl(
+        "run", "--out", out, "--resume", "--set", "rollout.engine=hf",
+        "--set", f"model.name={model_dir}",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert rows == [1, 2, 3]
