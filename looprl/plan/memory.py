@@ -210,8 +210,9 @@ def heap_retention(saved: float, temporaries: float) -> float:
     tensor bytes peak at 1.32 GB, what `update_phase` counts without this term; the
     resident set over what stays after the update peaks at 1.60 GB after one micro-batch
     (1.41 GB with glibc's mmap threshold fixed at 128 KiB) and 2.01 GB after seven
-    forward passes, under this bound's 1.32 + 1.10 GB. A GPU's caching allocator is
-    another matter, not modelled."""
+    forward passes, under this bound's 1.32 + 1.10 GB (a trim before every forward pass
+    left that excess as it was: part of it arises within one pass). A GPU's caching
+    allocator is another matter, not modelled."""
     return saved + temporaries
 
 
