@@ -34,6 +34,10 @@ SHORT = ["train.steps=1", "train.checkpoint_every=0", "logging.tensorboard=false
          "eval.tasks=8"]  # fmt: skip
 ROWS = {
     "tiny-lora-forced": ["model.name=tiny-random", "rollout.max_new_tokens=32"],
+    "tiny-lora-long-prompts": [
+        "model.name=tiny-random", "env.name=extraction", "rollout.max_new_tokens=96",
+        "train.micro_batch_tokens=4096",
+    ],
     "tiny-full-long-prompts": [
         "model.name=tiny-random", "model.lora.enabled=false", "env.name=extraction",
         "rollout.max_new_tokens=96", "train.micro_batch_tokens=4096",

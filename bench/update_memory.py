@@ -1,0 +1,152 @@
+"""The update phase's memory alone: live tensors against the resident set.
+
+    .venv/bin/python bench/update_memory.py [--profile] [--trim] [--response N] [KEY=VALUE ...]
+
+Loads the policy of the config (`KEY=VALUE` overrides, as `--set`), builds one step's
+episodes of the workload's shape without sampling (each task's real prompt and N random
+generated tokens, advantages ±1 so every episode learns), and runs `update_policy` on
+them: the old-logprob pass, then `algo.num_minibatches` optimizer steps over
+micro-batches of `train.micro_batch_tokens`. A thread reads /proc/self/statm every 2 ms
+and keeps the peak resident set of the forward passes, the backward passes and the
+whole update. With `--profile` the update runs under torch's profiler with
+`profile_memory`, and the peak of the live tensor bytes it reports ("Total Allocated")
+is printed beside the resident peak: the difference is memory the allocator holds that
+no tensor uses. `--trim` returns freed heap pages (`malloc_trim`) before every forward
+pass, to see how much of that difference the freed blocks of earlier micro-batches are.
+Setting glibc's `MALLOC_MMAP_THRESHOLD_` or `MALLOC_ARENA_MAX` in the environment shows
+the share of its dynamic mmap threshold and of its per-thread arenas. Ends with
+
+    RESULT update_rss_gb=X update_live_gb=Y after_gb=Z
+
+(`update_live_gb` only with `--profile`; GB of 10^9 bytes; `after_gb` is the resident
+set after the update and its trim: what every phase holds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import looprl.loop.update as update
+from looprl.config import load_config
+from looprl.envs import make_env
+from looprl.loop.optim import make_optimizer
+from looprl.loop.policy import load_policy
+from looprl.model.memory import release_free_memory
+from looprl.types import Episode
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+state: dict[str, Any] = {"phase": "load", "peak": {}}
+
+
+def rss_gb() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * PAGE / 1e9
+
+
+def sample() -> None:
+    while True:
+        rss, phase = rss_gb(), state["phase"]
+        state["peak"][phase] = max(rss, state["peak"].get(phase, 0.0))
+        time.sleep(0.002)
+
+
+def labelled(fn: Callable, phase: str, trim: bool = False) -> Callable:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        previous = state["phase"]
+        state["phase"] = phase
+        if trim:
+            release_free_memory()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            state["phase"] = previous
+
+    return run
+
+
+def episodes(cfg: Any, policy: Any, response: int) -> list[tuple[Episode, float]]:
+    env = make_env(cfg.env.name, cfg.env.args)
+    rng = random.Random(0)
+    batch = []
+    for task in env.tasks("train", n=cfg.rollout.tasks_per_step, seed=0):
+        obs = env.reset(task)
+        ids = policy.renderer.prompt_ids(obs.messages, obs.tools)
+        for g in range(cfg.rollout.group_size):
+            generated = [rng.randrange(100, len(policy.tokenizer) - 1) for _ in range(response)]
+            episode = Episode(task=task, messages=[], token_ids=ids + generated,
+                              loss_mask=[0] * len(ids) + [1] * response,
+                              logprobs=[0.0] * len(ids) + [-1.0] * response)  # fmt: skip
+            batch.append((episode, 1.0 if g % 2 else -1.0))
+    return batch
+
+
+def live_peak_gb(trace: Path) -> float:
+    events = json.loads(trace.read_text())["traceEvents"]
+    return (
+        max(e["args"].get("Total Allocated", 0) for e in events if e.get("name") == "[memory]")
+        / 1e9
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("overrides", nargs="*", help="config KEY=VALUE, as --set")
+    parser.add_argument("--profile", action="store_true", help="live tensor bytes too")
+    parser.add_argument("--trim", action="store_true", help="malloc_trim before each forward")
+    parser.add_argument("--response", type=int, default=32, help="generated tokens per episode")
+    args = parser.parse_args()
+    cfg = load_config(None, args.overrides)
+    threading.Thread(target=sample, daemon=True).start()
+    policy = load_policy(cfg)
+    batch = episodes(cfg, policy, args.response)
+    optimizer = make_optimizer(policy.trainable_parameters(), cfg.train.optimizer, 1e-6, 0.0)
+    update.sequence_logprobs = labelled(update.sequence_logprobs, "forward", args.trim)
+    torch.Tensor.backward = labelled(torch.Tensor.backward, "backward")
+    release_free_memory()
+    before = rss_gb()
+
+    def run() -> None:
+        update.update_policy(
+            policy, optimizer, batch, cfg.algo, cfg.train, group_size=cfg.rollout.group_size,
+            max_tokens=args.response, seed=0,
+            state=update.UpdateState(cfg.train.micro_batch_tokens),
+        )  # fmt: skip
+
+    state["phase"] = "update"
+    live = None
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        trace = Path(tempfile.mkdtemp(prefix="update-memory-")) / "trace.json"
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            run()
+        prof.export_chrome_trace(str(trace))
+        live = live_peak_gb(trace)
+    else:
+        run()
+    state["phase"] = "after"
+    time.sleep(0.05)
+    after = rss_gb()
+    peaks = state["peak"]
+    top = max(peaks.get(k, 0.0) for k in ("update", "forward", "backward"))
+    print(f"{len(batch)} episodes; resident before the update {before:.3f} GB, after {after:.3f}")
+    print(
+        "peak resident set by phase (GB): " + json.dumps({k: round(v, 3) for k, v in peaks.items()})
+    )
+    extra = f" update_live_gb={live:.3f}" if live is not None else ""
+    print(f"RESULT update_rss_gb={top:.3f}{extra} after_gb={after:.3f}")
+
+
+if __name__ == "__main__":
+    main()
