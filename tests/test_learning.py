@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+import looprl.loop.groups as groups
 import looprl.loop.train as train
 from looprl.config import config_from_dict
 
@@ -38,13 +39,13 @@ def test_reward_rises(tmp_path):
 
 
 def test_flipped_advantage_lowers_reward(tmp_path, monkeypatch):
-    real = train.episode_advantages
+    real = groups.episode_advantages
 
     def flipped(*args, **kwargs):
         advantages, zero_std_groups = real(*args, **kwargs)
         return [None if a is None else -a for a in advantages], zero_std_groups
 
-    monkeypatch.setattr(train, "episode_advantages", flipped)
+    monkeypatch.setattr(groups, "episode_advantages", flipped)
     cfg = _config()
     result = train.run_training(config_from_dict(cfg), tmp_path / "run")
     early, late = _hit_rate(tmp_path / "run", 4, 4)
