@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-SHORT = ["train.steps=1", "train.checkpoint_every=0", "logging.tensorboard=false",
+SHORT = ["train.steps=1", "train.checkpoint_every=0", "logging.trackers=[]",
          "eval.tasks=8"]  # fmt: skip
 ROWS = {
     "tiny-lora-forced": ["model.name=tiny-random", "rollout.max_new_tokens=32"],

@@ -142,6 +142,23 @@ def test_meta_counts_match_the_real_tiny_model():
     assert shape.cascade
 
 
+@pytest.mark.parametrize("router", [False, True], ids=["router-frozen", "router-trained"])
+def test_moe_lora_count_is_the_runs(tmp_path, router):
+    """On an MoE model the plan counts the adapters the run trains: attention and the
+    fused expert weights, the router only with model.lora.train_router."""
+    from looprl.loop.policy import add_lora
+    from looprl.model.tiny import save_tiny
+
+    folder = save_tiny("qwen3_moe", tmp_path / "moe")
+    cfg = config_from_dict({"model": {"name": str(folder), "lora": {"train_router": router}}})
+    shape = model_shape(cfg)
+    real = add_lora(load_causal_lm(str(folder), torch.float32), cfg.model.lora)
+    trained = {n: p.numel() for n, p in real.named_parameters() if p.requires_grad}
+    assert any("experts" in n for n in trained)
+    assert any("gate" in n and "proj" not in n for n in trained) == router
+    assert shape.lora_params == sum(trained.values())
+
+
 def test_ling_class_config_counts_7_9b_total_and_1_3b_active():
     cfg = config_from_dict({"model": {"name": str(LING)}})
     shape = model_shape(cfg)

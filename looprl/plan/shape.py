@@ -18,7 +18,7 @@ import torch
 from looprl.config import Config
 from looprl.errors import ModelError
 from looprl.forward import cascade
-from looprl.loop.optim import EIGHT_BIT_MIN_SIZE, quiet_bitsandbytes
+from looprl.loop.optim import EIGHT_BIT_MIN_SIZE
 from looprl.model.load import load_model_config
 
 
@@ -79,18 +79,12 @@ def _small(params: Any) -> int:
 
 def lora_count(model: Any, cfg: Config) -> tuple[int, int, int]:
     """(trainable parameters, those in small tensors, adapted linear layers) PEFT adds with
-    `model.lora`,
-    counted by wrapping the meta model exactly as `load_policy` does."""
-    quiet_bitsandbytes()
-    from peft import LoraConfig, get_peft_model
+    `model.lora`, counted by wrapping the meta model with the run's own `add_lora` (for
+    MoE models: the fused expert weights too, the routers only if trained)."""
+    from looprl.loop.policy import add_lora
 
-    lora = cfg.model.lora
     with torch.device("meta"), contextlib.redirect_stderr(io.StringIO()):
-        wrapped = get_peft_model(
-            model,
-            LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=lora.target_modules,
-                       task_type="CAUSAL_LM"),
-        )  # fmt: skip
+        wrapped = add_lora(model, cfg.model.lora)
     trainable = [p for p in wrapped.parameters() if p.requires_grad]
     adapted = sum(1 for name, _ in wrapped.named_modules() if name.endswith(".lora_A"))
     return sum(p.numel() for p in trainable), _small(trainable), adapted
