@@ -168,6 +168,11 @@ class RolloutConfig(Section):
     vllm_args: list[str] = Field(
         default_factory=list, description="engine=vllm: extra `vllm serve` arguments."
     )
+    vllm_rescore: Literal["policy", "server"] = Field(
+        "policy",
+        description="engine=vllm, forced calls: who scores their unconstrained logprobs: "
+        "policy (looprl's module, one batched pass) or server (a vLLM prefill each).",
+    )
     vllm_start_timeout_s: float = Field(
         900.0, gt=0, description="engine=vllm: seconds the server may take to start."
     )

@@ -105,17 +105,26 @@ def fresh_model(model_dir: Path, lora: bool = False):
 def make_engine(kind: str, model, tokenizer, renderer, server, tmp_path):
     if kind == "hf":
         return HFEngine(model, tokenizer, renderer.eos_ids)
-    from looprl.engine.vllm import VLLMEngine
+    from types import SimpleNamespace
 
-    engine = VLLMEngine(model, tokenizer, renderer.eos_ids, server, tmp_path)
+    from looprl.engine.vllm import VLLMEngine
+    from looprl.loop.policy import policy_rescorer
+
+    rescore = None
+    if kind == "vllm-policy":  # forced calls scored by the policy module, not the server
+        policy = SimpleNamespace(model=model, tokenizer=tokenizer, device=torch.device("cpu"))
+        rescore = policy_rescorer(policy, budget=256)  # several passes for six requests
+    engine = VLLMEngine(model, tokenizer, renderer.eos_ids, server, tmp_path, rescore)
     engine.load_weights()
     return engine
 
 
-def trainer_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+def trainer_logprobs(
+    model, prompt: list[int], completion: list[int], temperature: float = 1.0
+) -> torch.Tensor:
     with torch.no_grad():
         logits = model(torch.tensor([prompt + completion])).logits[0].float()
-    logp = torch.log_softmax(logits, -1)
+    logp = torch.log_softmax(logits / temperature, -1)
     return torch.tensor([logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(completion)])
 
 
@@ -127,10 +136,11 @@ def prompt_ids(renderer: ChatRenderer, text: str) -> list[int]:
 
 
 @needs_vllm
-@pytest.mark.parametrize("kind", ["hf", "vllm"])
+@pytest.mark.parametrize("kind", ["hf", "vllm", "vllm-policy"])
 def test_engine_contract(kind, model_dir, tokenizer, renderer, server, tmp_path):
     """Seeded runs repeat; forced calls are valid calls of the tool; every logprob is
-    the trainer's unconstrained one (fp32: within 1e-4)."""
+    the trainer's unconstrained one (fp32: within 1e-4), whether the server or the
+    policy module (`vllm-policy`) scores the forced calls."""
     model = fresh_model(model_dir)
     engine = make_engine(kind, model, tokenizer, renderer, server, tmp_path)
     prompts = [prompt_ids(renderer, f"play square {i}") for i in range(3)]
@@ -153,6 +163,29 @@ def test_engine_contract(kind, model_dir, tokenizer, renderer, server, tmp_path)
             assert [call.name for call in message.tool_calls] == ["move"], text
             assert 0 <= message.tool_calls[0].arguments["square"] <= 8, text
             assert completion.finish_reason == "stop"
+
+
+@needs_vllm
+def test_forced_calls_at_any_temperature_with_policy_rescoring(
+    model_dir, tokenizer, renderer, server, tmp_path
+):
+    """The server scores prompt logprobs at T = 1 only, so a forced call sampled at
+    T = 0.7 needs the policy's scorer: its logprobs are those at T = 0.7."""
+    from looprl.errors import EngineError
+
+    model = fresh_model(model_dir)
+    prompt = prompt_ids(renderer, "your move")
+    request = GenerationRequest(
+        prompt, constraint=ToolConstraint([MOVE], "required", renderer.format)
+    )
+    params = SamplingParams(max_new_tokens=80, seed=5, temperature=0.7)
+    engine = make_engine("vllm-policy", model, tokenizer, renderer, server, tmp_path)
+    completion = engine.generate([request], params)[0]
+    want = trainer_logprobs(model, prompt, completion.ids, temperature=0.7)
+    torch.testing.assert_close(torch.tensor(completion.logprobs), want, rtol=0, atol=1e-4)
+    engine = make_engine("vllm", model, tokenizer, renderer, server, tmp_path)
+    with pytest.raises(EngineError, match="vllm_rescore=policy"):
+        engine.generate([request], params)
 
 
 @needs_vllm

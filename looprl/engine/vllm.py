@@ -15,10 +15,15 @@ xgrammar (engine/grammar.py), sent as EBNF text to vLLM's xgrammar backend. vLLM
 the logits before its sampler, so the logprobs it reports for a constrained request are
 those of the masked distribution; the contract wants the unconstrained ones, so each
 constrained completion is rescored: one more call with the completion appended to the
-prompt and `prompt_logprobs` (a prefill, no decoding). Those are at temperature 1, the
-temperature greedy and T = 1 sampling are scored at; at other temperatures a forced call
-is an error. Unconstrained logprobs come from the sampler after temperature (the
-server's `processed_logprobs` mode); with top_k/top_p they are those of the truncated
+prompt and `prompt_logprobs` (a prefill, no decoding), at temperature 1 (what greedy and
+T = 1 sampling are scored at; at other temperatures a forced call is an error). Or, with
+a `rescore` function (`rollout.vllm_rescore=policy`, the default in a run), the policy
+module in looprl's process scores all of a batch's constrained completions in one
+batched pass at the sampling temperature: the trainer's own logprobs, so those tokens
+show no engine/trainer gap, and on a CPU far cheaper than vLLM's prompt logprobs, which
+compute the whole vocabulary at every prompt position, one request at a time.
+Unconstrained logprobs come from the sampler after temperature (the server's
+`processed_logprobs` mode); with top_k/top_p they are those of the truncated
 distribution, where the `hf` engine reports the untruncated one.
 
 Weights: before each `generate`, the engine looks whether the policy's trainable
@@ -35,6 +40,7 @@ import json
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -45,6 +51,8 @@ from looprl.engine.vllm_server import SERVED_NAME, LaunchSpec, VLLMServer
 from looprl.errors import EngineError, ModelError
 from looprl.model.load import base_model
 
+# (prompts, completions, temperature) -> each completion's logprobs, by the policy module
+Rescorer = Callable[[list[list[int]], list[list[int]], float], list[list[float]]]
 ADAPTER_NAME = "looprl-lora"
 MAX_THREADS = 256  # requests in flight at once; the server queues the rest itself
 
@@ -52,9 +60,10 @@ MAX_THREADS = 256  # requests in flight at once; the server queues the rest itse
 class VLLMEngine:
     def __init__(
         self, model: Any, tokenizer: Any, stop_token_ids: list[int], server: VLLMServer,
-        workdir: Path,
+        workdir: Path, rescore: Rescorer | None = None,
     ) -> None:  # fmt: skip
         self.policy_model = model
+        self.rescore = rescore
         self.tokenizer = tokenizer
         self.stop_token_ids = list(stop_token_ids)
         self.server = server
@@ -70,7 +79,7 @@ class VLLMEngine:
     @classmethod
     def launch(
         cls, model: Any, tokenizer: Any, stop_token_ids: list[int], spec: LaunchSpec | None,
-        url: str | None = None,
+        url: str | None = None, rescore: Rescorer | None = None,
     ) -> VLLMEngine:  # fmt: skip
         """Save the policy's base model to a temporary folder and start a server on it
         (or attach to `url`), then check that it serves one token."""
@@ -84,7 +93,7 @@ class VLLMEngine:
                 spec.model_dir = workdir / "model"
                 save_base_model(model, tokenizer, spec.model_dir)
                 server = VLLMServer.start(spec, workdir)
-            engine = cls(model, tokenizer, stop_token_ids, server, workdir)
+            engine = cls(model, tokenizer, stop_token_ids, server, workdir, rescore)
             engine.check_serves()
         except BaseException:
             if "server" in locals():
@@ -160,11 +169,17 @@ class VLLMEngine:
         base_seed = (
             params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
         )
-        constrained = any(r.constraint is not None for r in requests)
-        if constrained and scoring_temperature(params.temperature) != 1.0:
+        temperature = scoring_temperature(params.temperature)
+        local = [
+            i for i, r in enumerate(requests)
+            if r.constraint is not None and self.rescore is not None and not r.top_logprobs
+        ]  # fmt: skip
+        remote = [i for i, r in enumerate(requests) if r.constraint is not None and i not in local]
+        if remote and temperature != 1.0:
             raise EngineError(
                 f"the vllm engine scores forced calls at temperature 1, not "
-                f"{params.temperature}; use temperature 0 or 1, or rollout.engine=hf"
+                f"{params.temperature}; use temperature 0 or 1, rollout.vllm_rescore=policy, "
+                "or rollout.engine=hf"
             )
 
         def sample(index: int) -> Completion:
@@ -175,11 +190,19 @@ class VLLMEngine:
 
         with ThreadPoolExecutor(max_workers=min(len(requests), MAX_THREADS)) as pool:
             completions = list(pool.map(sample, range(len(requests))))
-        # Rescoring runs after all sampling and one request at a time: a batch that mixes
-        # prompt logprobs with other requests breaks vLLM's LoRA logits path (0.32, CPU).
+        if local:
+            scored = self.rescore(
+                [list(requests[i].prompt_ids) for i in local],
+                [completions[i].ids for i in local], temperature,
+            )  # fmt: skip
+            for i, logprobs in zip(local, scored):
+                completions[i].logprobs = list(logprobs)
+        # Server rescoring runs after all sampling and one request at a time: a batch that
+        # mixes prompt logprobs with other requests breaks vLLM's LoRA logits path (0.32,
+        # CPU).
+        for i in remote:
+            self._rescore(requests[i], completions[i])
         for request, completion in zip(requests, completions):
-            if request.constraint is not None:
-                self._rescore(request, completion)
             if request.on_token is not None:  # not streamed: told once the reply is back
                 tops = completion.top_logprobs or [None] * len(completion.ids)
                 for token, logp, top in zip(completion.ids, completion.logprobs, tops):

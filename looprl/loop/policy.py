@@ -142,11 +142,51 @@ def attach_rollout_engine(cfg: Config, policy: Policy) -> None:
         extra_args=list(rollout.vllm_args),
         timeout_s=rollout.vllm_start_timeout_s,
     )
+    rescore = policy_rescorer(policy, cfg.train.micro_batch_tokens)
     engine = VLLMEngine.launch(
-        policy.model, policy.tokenizer, policy.renderer.eos_ids, spec, rollout.vllm_url
-    )
+        policy.model, policy.tokenizer, policy.renderer.eos_ids, spec, rollout.vllm_url,
+        rescore if rollout.vllm_rescore == "policy" else None,
+    )  # fmt: skip
     atexit.register(engine.close)
     policy.engine = engine
+
+
+def policy_rescorer(policy: Policy, budget: int):
+    """The vLLM engine's scorer of constrained completions (`rollout.vllm_rescore=policy`):
+    each completion's logprobs under the policy module, unconstrained, at the sampling
+    temperature, in passes of about `budget` tokens (prompts shared as in the update)."""
+    model, pad = policy.model, policy.tokenizer.pad_token_id or 0
+
+    def score(
+        prompts: list[list[int]], completions: list[list[int]], temperature: float
+    ) -> list[list[float]]:
+        out: list[list[float]] = [[] for _ in prompts]
+        todo = [i for i, c in enumerate(completions) if c]
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                while todo:
+                    chunk, tokens = [], 0
+                    while todo and (
+                        not chunk
+                        or tokens + len(prompts[todo[0]]) + len(completions[todo[0]]) <= budget
+                    ):
+                        i = todo.pop(0)
+                        chunk.append(i)
+                        tokens += len(prompts[i]) + len(completions[i])
+                    logp_BS, mask_BS = sequence_logprobs(
+                        model, [prompts[i] + completions[i] for i in chunk],
+                        [[0] * len(prompts[i]) + [1] * len(completions[i]) for i in chunk],
+                        pad, policy.device, temperature,
+                    )  # fmt: skip
+                    for row, i in enumerate(chunk):
+                        out[i] = logp_BS[row][mask_BS[row]].float().tolist()
+        finally:
+            model.train(was_training)
+        return out
+
+    return score
 
 
 def prompt_length(mask: list[int]) -> int:
