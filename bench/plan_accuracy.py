@@ -3,12 +3,15 @@
     .venv/bin/python bench/plan_accuracy.py [--only NAME ...] [--saved runs/plan-accuracy.json]
     .venv/bin/python bench/plan_accuracy.py --baseline
 
-Each row is a short run (1 training step, a small eval) of a different size or shape:
+Each row is a short run (2 training steps, a small eval) of a different size or shape:
 tiny-random and SmolLM2-135M, LoRA and full fine-tuning, short and long prompts, short
 and long generations. The run goes in a child process, `looprl run`, whose peak resident
 set the kernel reports when it ends (`wait4`: the whole run, load and report included);
-the prediction is `looprl plan`'s peak for the same config on a CPU device. Measurements
-are saved as they come (`--saved`), so `--predict-only` compares a changed planner with
+the prediction is `looprl plan`'s peak for the same config on a CPU device. Two steps,
+because AdamW allocates its state at the first optimizer step, after the first update's
+activations are freed (full fine-tuning: the state then fills their freed blocks); only
+from the second update on does a peak hold both, as every later step of a real run does.
+Measurements are saved as they come (`--saved`), so `--predict-only` compares a changed planner with
 them without running anything again. Prints predicted / measured / error per row and ends
 with
 
@@ -30,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-SHORT = ["train.steps=1", "train.checkpoint_every=0", "logging.trackers=[]",
+SHORT = ["train.steps=2", "train.checkpoint_every=0", "logging.trackers=[]",
          "eval.tasks=8"]  # fmt: skip
 ROWS = {
     "tiny-lora-forced": ["model.name=tiny-random", "rollout.max_new_tokens=32"],

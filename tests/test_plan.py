@@ -101,7 +101,8 @@ def test_8bit_adamw_and_full_fine_tuning_arithmetic():
 
 def test_cpu_update_holds_one_earlier_micro_batch_of_freed_blocks():
     """On a CPU the update's peak adds the blocks glibc keeps from an earlier micro-batch
-    (its saved activations and backward temporaries); a GPU's allocator is not glibc."""
+    (its saved activations and backward temporaries), less what the gradients and the
+    optimizer state refill; a GPU's allocator is not glibc."""
     cfg = config_from_dict({
         "rollout": {"tasks_per_step": 4, "group_size": 2}, "algo": {"num_minibatches": 2},
         "train": {"micro_batch_tokens": 100}, "model": {"lora": {"rank": 8}},
@@ -112,13 +113,17 @@ def test_cpu_update_holds_one_earlier_micro_batch_of_freed_blocks():
     activations = 70 * 2 * (6 * 100 + 200 + 4 * 300 + 7 * 8) * 4
     temporaries = 2 * 70 * (100 + 300) * 4
     assert cpu.components["activations"] == activations
-    assert cpu.components["freed blocks kept"] == activations + temporaries
+    refill = 10_000 * 4 + 2 * 10_000 * 4  # LoRA gradients + AdamW's two float32 states
+    assert cpu.components["freed blocks kept"] == activations + temporaries - refill
     assert "freed blocks kept" not in gpu.components
+    full = config_from_dict({**cfg.model_dump(), "model": {"lora": {"enabled": False}}})
+    full_cpu = plan_memory(full, hand_shape(), hand_work(), device("cpu-24g")).phases[2]
+    assert full_cpu.components["freed blocks kept"] == 0.0  # the 1M parameters' state refills
     # float32 on both (dtype auto is bfloat16 on a GPU): compare at equal dtype
     gpu32 = plan_memory(config_from_dict({**cfg.model_dump(), "model": {
         **cfg.model.model_dump(), "dtype": "float32"}}), hand_shape(), hand_work(),
         device("cuda-24g")).phases[2]  # fmt: skip
-    assert cpu.total - gpu32.total == activations + temporaries
+    assert cpu.total - gpu32.total == activations + temporaries - refill
 
 
 def test_largest_finds_the_boundary():
