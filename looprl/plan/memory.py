@@ -224,8 +224,8 @@ def heap_retention(saved: float, temporaries: float, refill: float) -> float:
     then all refilled. This is the model `bench/plan_accuracy.py` checks against the
     peak resident set of two-step runs (SmolLM2-135M LoRA: 0.74 GB of excess measured,
     1.04 GB counted; full fine-tuning with AdamW: 0.17 GB measured, none counted; with
-    8-bit AdamW, whose state is a quarter of AdamW's: 0.56 GB measured, 0.40 GB counted). A GPU's caching
-    allocator is another matter, not modelled."""
+    8-bit AdamW, whose state is a quarter of AdamW's: 0.56 GB measured, 0.40 GB
+    counted). A GPU's caching allocator is another matter, not modelled."""
     return max(0.0, saved + temporaries - refill)
 
 
