@@ -225,6 +225,32 @@ def test_thinking_grammar_shape(grammars, tokenizer, fmt):
     assert not accepts(grammars, tokenizer, plain, f"a {opening} b\n" + call)
 
 
+def test_a_generation_prompt_that_opens_thinking_gets_no_second_opening(
+    grammars, tokenizer, renderer
+):
+    """Templates that end their generation prompt with `<think>` (DeepSeek-R1 distills,
+    Qwen3 thinking models): the renderer sees it, and the tagged grammar then starts
+    inside the block instead of forcing a second `<think>`."""
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = tok.chat_template.replace(
+        "<|im_start|>assistant\n", "<|im_start|>assistant\n<think>\n"
+    )
+    opening = ChatRenderer(tok, model_name="r1-like")
+    assert opening.render_text([Message(role="user", content="x")], None).endswith("<think>\n")
+    assert opening.opens_thinking and not renderer.opens_thinking
+    call = format_tool_call(ToolCall("choose_square", {"square": 5}), "hermes")
+    inside = ToolConstraint(
+        [CHOOSE_SQUARE_TOOL], "required", "hermes", Thinking("tagged", 50, True)
+    )
+    assert accepts(grammars, tokenizer, inside, "the centre.</think>\n" + call)
+    outside = ToolConstraint([CHOOSE_SQUARE_TOOL], "required", "hermes", Thinking("tagged", 50))
+    assert not accepts(grammars, tokenizer, outside, "the centre.</think>\n" + call)
+    text = "the centre.</think>\n" + call  # the parser sets the reasoning aside all the same
+    message, reasoning = opening.assistant_reply(text, [CHOOSE_SQUARE_TOOL], require_call=True)
+    assert [c.name for c in message.tool_calls] == ["choose_square"]
+    assert reasoning == "the centre." and not message.content
+
+
 def _tokens_to_close(tokenizer, ids: list[int], mode: str, fmt: str) -> int:
     """The number of the token that starts the closing: tagged thinking cannot hold
     `</`, nor plain thinking the first character of the call's opening."""

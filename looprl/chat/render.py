@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from functools import cached_property
 from typing import Any
 
 from looprl.chat.formats import detect_format, format_tool_call, format_tool_calls
@@ -99,6 +100,14 @@ class ChatRenderer:
             )
         except Exception as err:  # templates raise jinja errors of many kinds
             raise ChatError(f"the chat template failed to render the conversation: {err}") from err
+
+    @cached_property
+    def opens_thinking(self) -> bool:
+        """Whether the generation prompt itself opens a `<think>` block (as the templates
+        of DeepSeek-R1 distills and Qwen3 thinking models do): a reply then starts inside
+        it."""
+        text = self.render_text([Message(role="user", content="hi")], None)
+        return text.rstrip().endswith("<think>")
 
     def prompt_ids(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> list[int]:
         """Token ids of the first prompt, ending with the generation prompt."""

@@ -25,10 +25,13 @@ class SamplingParams:
 class Thinking:
     """Free text allowed before a forced call: `mode` "off" (none, the call alone),
     "tagged" (`<think>TEXT</think>` then the call) or "plain" (TEXT then the call), of
-    at most `max_tokens` tokens; the engine closes the text when the limit is reached."""
+    at most `max_tokens` tokens; the engine closes the text when the limit is reached.
+    `opened`: the prompt itself ends with `<think>` (Qwen3-style templates open the block
+    in their generation prompt), so a tagged reply starts inside it, with no opening."""
 
     mode: str = "off"
     max_tokens: int = 0
+    opened: bool = False
 
 
 @dataclass

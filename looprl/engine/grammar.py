@@ -74,7 +74,8 @@ def build_grammar(constraint: Constraint) -> Any:
 
 
 def thinking_grammar(thinking: Thinking, fmt: str) -> Any:
-    """The free text before the call, with its closing. Tagged: `<think>`, then text in
+    """The free text before the call, with its closing. Tagged: `<think>` (unless the
+    prompt opened it: `thinking.opened`), then text in
     which `<` is never followed by `/` or `<` (so `</think>` can only be the closing; a
     single `<` may end it), then `</think>\n`. Plain: text without the first character
     of the call's opening, then a newline."""
@@ -82,7 +83,8 @@ def thinking_grammar(thinking: Thinking, fmt: str) -> Any:
 
     if thinking.mode == "tagged":
         body = '([^<] | "<" [^/<])* "<"?'
-        ebnf = f"root ::= {json.dumps(THINK_OPEN)} {body} {json.dumps(THINK_CLOSE + chr(10))}"
+        opening = "" if thinking.opened else json.dumps(THINK_OPEN)
+        ebnf = f"root ::= {opening} {body} {json.dumps(THINK_CLOSE + chr(10))}"
     elif thinking.mode == "plain":
         first = CALL_OPENINGS[fmt][0]
         ebnf = f'root ::= [^{_char_class(first)}]* "\\n"'
@@ -184,7 +186,8 @@ class GrammarCache:
         if "schema" in data:
             constraint = JsonConstraint(data["schema"], data["tools"], data["fmt"])
         else:
-            thinking = Thinking(data["thinking"])  # the limit is the engine's, not the grammar's
+            # the limit is the engine's, not the grammar's
+            thinking = Thinking(data["thinking"], opened=data.get("opened", False))
             constraint = ToolConstraint(data["tools"], data["choice"], data["fmt"], thinking)
         return self.compiler.compile_grammar(build_grammar(constraint))
 
@@ -200,6 +203,7 @@ class GrammarCache:
                 "tools": constraint.tools,
                 "choice": constraint.tool_choice,
                 "thinking": constraint.thinking.mode,
+                "opened": constraint.thinking.opened,
             }
         key = json.dumps({**data, "fmt": constraint.fmt})
         return xgr.GrammarMatcher(self._compile(key))

@@ -183,7 +183,8 @@ def player(cfg: Config, policy: Policy, probe: Any) -> Any:
     }
     if is_agent_env(probe):
         return partial(run_agents, **common)
-    thinking = Thinking(cfg.rollout.think, cfg.rollout.think_max_tokens)
+    opened = cfg.rollout.think == "tagged" and policy.renderer.opens_thinking
+    thinking = Thinking(cfg.rollout.think, cfg.rollout.think_max_tokens, opened)
     return partial(run_episodes, **common, thinking=thinking)
 
 
