@@ -339,3 +339,15 @@ def test_assistant_message_without_required_call(renderer):
 def test_decode_skips_special_tokens(renderer, tokenizer):
     ids = tokenizer.encode("hello", add_special_tokens=False) + [tokenizer.eos_token_id]
     assert renderer.decode(ids) == "hello"
+
+
+def test_gemma_style_turn_ends_both_stop(tokenizer):
+    """A tokenizer whose eos is `<end_of_turn>` (as looprl sets Gemma's) still stops on
+    `<eos>`, which Gemma's base model may write to end the text; and the other way round."""
+    tok = copy.deepcopy(tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<end_of_turn>", "<eos>"]})
+    turn, eos = tok.convert_tokens_to_ids(["<end_of_turn>", "<eos>"])
+    tok.eos_token = "<end_of_turn>"
+    assert {turn, eos} <= set(ChatRenderer(tok, model_name="gemma-like").eos_ids)
+    tok.eos_token = "<eos>"
+    assert {turn, eos} <= set(ChatRenderer(tok, model_name="gemma-like").eos_ids)

@@ -241,7 +241,10 @@ class ChatRenderer:
 
     def _eos_ids(self) -> list[int]:
         ids = []
-        for token in (self.tokenizer.eos_token, "<|im_end|>", "<|eot_id|>", "<|end|>"):
+        # the tokenizer's own, then the turn ends of known templates; Gemma's turn ends with
+        # <end_of_turn>, and its base model may also end the text with <eos>
+        ends = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<eos>")
+        for token in (self.tokenizer.eos_token, *ends):
             if token is None:
                 continue
             tid = self.tokenizer.convert_tokens_to_ids(token)
