@@ -1,12 +1,14 @@
-"""A one-turn environment for the multi-process tests: the reward is the length of the
-reply modulo 3, so even a randomly initialised model gets rewards that differ within a
-group and every step trains. With LOOPRL_TEST_FAIL_RANK set, that rank's train tasks
+"""A one-turn environment for the multi-process tests: the reward is a checksum of the
+reply scaled into [0, 1), so two different replies of a group get different rewards
+(a reward of a few values, such as the length modulo 3, ties a whole group now and then
+and that step does not train) and every step trains. With LOOPRL_TEST_FAIL_RANK set, that rank's train tasks
 raise (a rank that fails mid-run)."""
 
 from __future__ import annotations
 
 import os
 import time
+import zlib
 from typing import ClassVar
 
 from looprl.types import Message, Observation, StepResult, Task
@@ -14,9 +16,9 @@ from looprl.types import Message, Observation, StepResult, Task
 
 class LengthEnv:
     name: ClassVar[str] = "length"
-    description: ClassVar[str] = "reward = reply length mod 3"
+    description: ClassVar[str] = "reward = checksum of the reply, in [0, 1)"
     outcomes: ClassVar[tuple[str, ...]] = ("done",)
-    reward_range: ClassVar[tuple[float, float]] = (0.0, 2.0)
+    reward_range: ClassVar[tuple[float, float]] = (0.0, 1.0)
     max_turns = 1
 
     def tasks(self, split: str, n: int | None = None, seed: int = 0) -> list[Task]:
@@ -30,6 +32,5 @@ class LengthEnv:
         return Observation(messages=[Message(role="user", content=text)], tools=[])
 
     def step(self, message: Message) -> StepResult:
-        return StepResult(
-            messages=[], done=True, reward=float(len(message.content or "") % 3), outcome="done"
-        )
+        reward = zlib.crc32((message.content or "").encode()) % 1000 / 1000
+        return StepResult(messages=[], done=True, reward=reward, outcome="done")

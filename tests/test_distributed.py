@@ -39,7 +39,7 @@ SMALL = [
     "eval.samples_per_task=1",
     "train.steps=2",
     "train.checkpoint_every=1",
-    "logging.tensorboard=false",
+    "logging.trackers=[]",
 ]
 COMPARED = [
     "rollout/rewards_mean",
@@ -116,29 +116,42 @@ def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(str(run / "checkpoints" / f"step_{step:06d}" / "trainable.safetensors"))
 
 
-def assert_same_run(a: Path, b: Path) -> None:
-    ma, mb = metrics(a), metrics(b)
-    assert [m["step"] for m in ma] == [m["step"] for m in mb]
-    for x, y in zip(ma, mb):
-        for key in COMPARED:
-            assert x[key] == pytest.approx(y[key], rel=1e-3, abs=1e-5), (key, x["step"])
-    for name in ("baseline", "final"):
-        ea = json.loads((a / "eval" / f"{name}.json").read_text())
-        eb = json.loads((b / "eval" / f"{name}.json").read_text())
-        assert (ea["n"], ea["reward_mean"]) == (eb["n"], eb["reward_mean"])
-    # the weights agree to within a small part of what one optimizer step moves them
-    last = ma[-1]["step"]
-    wa, wb, before = weights(a, last), weights(b, last), weights(a, last - 1)
+def assert_same_step(a: Path, b: Path, step: int) -> None:
+    """Step `step` of runs a and b, sampled from equal weights: equal metrics, and weights
+    that agree to within a small part of what one optimizer step moves them."""
+    xa = {m["step"]: m for m in metrics(a)}[step]
+    xb = {m["step"]: m for m in metrics(b)}[step]
+    for key in COMPARED:
+        assert xa[key] == pytest.approx(xb[key], rel=1e-3, abs=1e-5), (key, step)
+    wa, wb = weights(a, step), weights(b, step)
+    # one step's movement in run a: into this step, or for the first out of it
+    before, after = (weights(a, step - 1), wa) if step > 1 else (wa, weights(a, step + 1))
     for name in wa:
-        moved = (wa[name] - before[name]).norm()
+        moved = (after[name] - before[name]).norm()
         assert (wa[name] - wb[name]).norm() <= 0.05 * moved, name
-    assert sum((wa[n] - before[n]).norm() for n in wa) > 0  # the step did train
+    assert sum((after[n] - before[n]).norm() for n in wa) > 0  # the step did train
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    """Two runs of the same config on other world sizes. The first step and the baseline
+    eval are compared exactly; after the first update the weights differ by rounding
+    (the gradients are summed in another order, and Adam turns a gradient at rounding
+    level into a step of up to lr), and a tiny random model's near-uniform next-token
+    distribution turns that into other samples, so later steps are compared where they
+    start from equal weights (test_checkpoints_resume_at_another_world_size)."""
+    assert [m["step"] for m in metrics(a)] == [m["step"] for m in metrics(b)]
+    assert_same_step(a, b, 1)
+    for m in metrics(a)[1:] + metrics(b)[1:]:
+        assert m["train/loss"] is not None  # every step trained (see dist_env)
+    ea, eb = (json.loads((run / "eval" / "baseline.json").read_text()) for run in (a, b))
+    assert (ea["n"], ea["reward_mean"]) == (eb["n"], eb["reward_mean"])
+    fa, fb = (json.loads((run / "eval" / "final.json").read_text()) for run in (a, b))
+    assert fa["n"] == fb["n"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """The same run on 1 process, on 2 processes of one node, and on 2 nodes; the first
-    two resumed for one more step at the other world size."""
+    """The same run on 1 process, on 2 processes of one node, and on 2 nodes."""
     root = tmp_path_factory.mktemp("dist")
     out = {name: root / name for name in ("one", "two", "nodes")}
     one_process(out["one"])
@@ -162,16 +175,18 @@ def test_two_nodes_train_like_one(runs):
 
 
 def test_checkpoints_resume_at_another_world_size(runs, tmp_path):
-    """2 → 1 and 1 → 2 processes: one more step from equal checkpoints gives equal steps."""
+    """A 2-process checkpoint resumed for one more step on 1 process and on 2 processes:
+    the same step from the same weights."""
     import shutil
 
-    from_two, from_one = tmp_path / "from_two", tmp_path / "from_one"
-    shutil.copytree(runs["two"], from_two)
-    shutil.copytree(runs["one"], from_one)
-    one_process(from_two, "train.steps=3", resume=True)
-    one_node(from_one, "train.steps=3", resume=True)
-    assert [m["step"] for m in metrics(from_two)] == [1, 2, 3]
-    assert_same_run(from_two, from_one)
+    on_one, on_two = tmp_path / "on_one", tmp_path / "on_two"
+    shutil.copytree(runs["two"], on_one)
+    shutil.copytree(runs["two"], on_two)
+    one_process(on_one, "train.steps=3", resume=True)
+    one_node(on_two, "train.steps=3", resume=True)
+    assert [m["step"] for m in metrics(on_one)] == [1, 2, 3]
+    assert [m["step"] for m in metrics(on_two)] == [1, 2, 3]
+    assert_same_step(on_one, on_two, 3)
 
 
 def test_a_failing_rank_stops_the_job(tmp_path):
