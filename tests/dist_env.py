@@ -1,8 +1,8 @@
 """A one-turn environment for the multi-process tests: the reward is a checksum of the
 reply scaled into [0, 1), so two different replies of a group get different rewards
-(a reward of a few values, such as the length modulo 3, ties a whole group now and then
-and that step does not train) and every step trains. With LOOPRL_TEST_FAIL_RANK set, that rank's train tasks
-raise (a rank that fails mid-run)."""
+and every step trains (a reward of a few values, such as the length modulo 3, ties a
+whole group now and then, and that step does not train). With LOOPRL_TEST_FAIL_RANK
+set, that rank's train tasks raise (a rank that fails mid-run)."""
 
 from __future__ import annotations
 
