@@ -290,3 +290,14 @@ def test_exponent_floats_parse_as_numbers():
 
     cfg = load_config(None, ["train.lr=5e-4", "algo.eps_high=1E-3"])
     assert cfg.train.lr == 5e-4 and cfg.algo.eps_high == 1e-3
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    sorted((Path(__file__).resolve().parent.parent / "bench" / "learning").glob("*.yaml")),
+    ids=lambda p: p.stem,
+)
+def test_learning_recipes_are_valid_configs(recipe):
+    """Every bench/learning recipe loads (a typo in one would surface an hour into a run)."""
+    cfg = load_config(recipe, [])
+    assert cfg.train.steps >= 1
