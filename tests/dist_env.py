@@ -14,8 +14,8 @@ from typing import ClassVar
 from looprl.types import Message, Observation, StepResult, Task
 
 
-class LengthEnv:
-    name: ClassVar[str] = "length"
+class ChecksumEnv:
+    name: ClassVar[str] = "checksum"
     description: ClassVar[str] = "reward = checksum of the reply, in [0, 1)"
     outcomes: ClassVar[tuple[str, ...]] = ("done",)
     reward_range: ClassVar[tuple[float, float]] = (0.0, 1.0)

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 SMALL = [
     "model.name=tiny-random",
-    "env.name=dist_env:LengthEnv",  # rewards differ within a group: every step trains
+    "env.name=dist_env:ChecksumEnv",  # rewards differ within a group: every step trains
     "rollout.tasks_per_step=2",
     "rollout.group_size=2",
     "rollout.max_new_tokens=8",
@@ -139,9 +139,10 @@ def assert_same_run(a: Path, b: Path) -> None:
     level into a step of up to lr), and a tiny random model's near-uniform next-token
     distribution turns that into other samples, so later steps are compared where they
     start from equal weights (test_checkpoints_resume_at_another_world_size)."""
-    assert [m["step"] for m in metrics(a)] == [m["step"] for m in metrics(b)]
+    ma, mb = metrics(a), metrics(b)
+    assert [m["step"] for m in ma] == [m["step"] for m in mb]
     assert_same_step(a, b, 1)
-    for m in metrics(a)[1:] + metrics(b)[1:]:
+    for m in ma[1:] + mb[1:]:
         assert m["train/loss"] is not None  # every step trained (see dist_env)
     ea, eb = (json.loads((run / "eval" / "baseline.json").read_text()) for run in (a, b))
     assert (ea["n"], ea["reward_mean"]) == (eb["n"], eb["reward_mean"])
