@@ -391,3 +391,26 @@ def test_game_demonstrations_never_lose_and_draw_perfect_play(opponent):
     assert outcomes <= {"win", "draw"}
     if opponent == "minimax":
         assert outcomes == {"draw"}
+
+
+def test_minimax_opponent_is_not_memorisable() -> None:
+    """The minimax opponent breaks its ties at random, seeded per episode: one fixed agent
+    (the expert) meets many different games on the 64 held-out tasks, where a
+    deterministic opponent would give exactly two (one per side the agent plays)."""
+    env = TicTacToeGame(opponent="minimax")
+    games = set()
+    for task in env.tasks("eval"):
+        env.reset(task)
+        for message in env.demonstrations(task):
+            result = env.step(message)
+        games.add(tuple(result.info["moves"]))
+    assert len(games) >= 20  # 27 of 64 with the built-in seeds
+    # the same task replays the same game: the variety comes from the seeds, not chance
+    task = env.tasks("eval")[3]
+    replays = set()
+    for _ in range(2):
+        env.reset(task)
+        for message in env.demonstrations(task):
+            result = env.step(message)
+        replays.add(tuple(result.info["moves"]))
+    assert len(replays) == 1

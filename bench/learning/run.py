@@ -4,13 +4,18 @@
                                                            # gemma_move_sft (make setup-gemma)
     .venv/bin/python bench/learning/run.py move_forced --set train.steps=10
     .venv/bin/python bench/learning/run.py --extra-only move_forced   # re-tests only
+    .venv/bin/python bench/learning/run.py --result-only move_greedy [RUN_DIR]  # RESULT again
 
 Writes runs/bench-NAME/ (the usual run folder, report included) and ends with
 `RESULT name=... before=... after=... ...` (rewards on the same held-out episodes).
 The run's own greedy evals (eval.greedy) add `greedy_before`/`greedy_after` and their
-outcome shares to that line. Then it re-evaluates the base model and the final
-checkpoint under the extra settings listed in EXTRA_EVALS (e.g. another opponent), writing
-runs/bench-NAME/eval/extra-*.json, and prints one `EXTRA ...` line per setting.
+outcome shares to that line, `expert` (the env's demonstrations played on the same
+held-out tasks: what imitation alone could reach) and, for multi-turn envs,
+`distinct_before`/`distinct_after` (how many different transcripts the greedy held-out
+episodes contain: the games a seeded opponent makes the policy play). Then it
+re-evaluates the base model and the final checkpoint under the extra settings listed in
+EXTRA_EVALS (e.g. another opponent), writing runs/bench-NAME/eval/extra-*.json, and
+prints one `EXTRA ...` line per setting.
 """
 
 from __future__ import annotations
@@ -33,6 +38,39 @@ EXTRA_EVALS: dict[str, dict[str, list[str]]] = {
         "vs_minimax_sampled": ["env.args.opponent=minimax"],
     },
 }
+
+
+def distinct_transcripts(samples: Path) -> int:
+    """How many different conversations (system prompt aside) an eval's samples hold."""
+    rows = [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]
+    return len({json.dumps(r["messages"][1:], sort_keys=True) for r in rows})
+
+
+def expert_reference(out: Path) -> dict:
+    """The env's demonstrations played on the run's held-out tasks: mean reward and the
+    outcome shares (None when the env has no demonstrations)."""
+    from looprl.config import load_config
+    from looprl.envs import demonstrations, make_env
+
+    cfg = load_config(out / "config.yaml")
+    env = make_env(cfg.env.name, cfg.env.args)
+    if not callable(getattr(env, "demonstrations", None)):
+        return {"multi_turn": env.max_turns > 1}
+    rewards, outcomes = [], {}
+    for task in env.tasks("eval", n=cfg.eval.tasks, seed=cfg.eval.seed):
+        env.reset(task)
+        for message in demonstrations(env, task):
+            result = env.step(message)
+            if result.done:
+                break
+        rewards.append(result.reward)
+        outcomes[result.outcome] = outcomes.get(result.outcome, 0) + 1
+    shares = {k: v / len(rewards) for k, v in sorted(outcomes.items())}
+    return {
+        "mean": sum(rewards) / len(rewards),
+        "outcomes": shares,
+        "multi_turn": env.max_turns > 1,
+    }
 
 
 def extra_evals(name: str, out: Path) -> None:
@@ -59,13 +97,23 @@ def main() -> None:
     if sys.argv[1] == "--extra-only":  # re-test a finished benchmark run
         extra_evals(sys.argv[2], Path("runs") / f"bench-{sys.argv[2]}")
         return
+    if sys.argv[1] == "--result-only":  # the RESULT line of a finished run folder, again
+        print_result(
+            sys.argv[2], Path(sys.argv[3] if len(sys.argv) > 3 else f"runs/bench-{sys.argv[2]}")
+        )
+        return
     name, extra = sys.argv[1], sys.argv[2:]
     config = HERE / f"{name}.yaml"
     out = Path("runs") / f"bench-{name}"
     started = time.time()
     cmd = [sys.executable, "-m", "looprl.cli", "run", str(config), "--out", str(out), "--force"]
     subprocess.run([*cmd, *extra], check=True)
-    minutes = (time.time() - started) / 60
+    print_result(name, out, (time.time() - started) / 60)
+    extra_evals(name, out)
+
+
+def print_result(name: str, out: Path, minutes: float | None = None) -> None:
+    """The stage table and the RESULT line of run folder `out`."""
     evals = {p.stem: json.loads(p.read_text()) for p in (out / "eval").glob("*.json")}
     print(f"\n{'stage':<10} {'reward [95% CI]':<28} {'valid calls':>11}  outcomes")
     for stage in ("baseline", "after_sft", "final", "baseline_greedy", "final_greedy"):
@@ -77,7 +125,7 @@ def main() -> None:
     before, after = evals["baseline"], evals["final"]
     fields = {
         "name": name,
-        "minutes": f"{minutes:.1f}",
+        "minutes": "?" if minutes is None else f"{minutes:.1f}",
         "before": f"{before['reward_mean']:.3f}",
         "after": f"{after['reward_mean']:.3f}",
         "after_lo": f"{after['reward_ci95'][0]:.3f}",
@@ -94,8 +142,15 @@ def main() -> None:
             for label in ("win", "draw", "illegal", "optimal", "success"):
                 if label in r["outcomes"]:
                     fields[f"greedy_{side}_{label}"] = f"{r['outcomes'][label]:.3f}"
+    expert = expert_reference(out)
+    if "mean" in expert:
+        fields["expert"] = f"{expert['mean']:.3f}"
+        fields["expert_outcomes"] = ",".join(f"{k}:{v:.2f}" for k, v in expert["outcomes"].items())
+    for stage, side in (("baseline_greedy", "before"), ("final_greedy", "after")):
+        samples = out / "samples" / f"{stage}.jsonl"
+        if samples.exists() and expert.get("multi_turn"):
+            fields[f"distinct_{side}"] = str(distinct_transcripts(samples))
     print("RESULT " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
-    extra_evals(name, out)
 
 
 if __name__ == "__main__":
