@@ -21,6 +21,7 @@ from looprl.envs.tictactoe import (
     play,
     positions,
     render_board,
+    render_lines,
     score_move,
     to_move,
     winner,
@@ -165,6 +166,35 @@ def test_expert_move_prefers_immediate_win() -> None:
 def test_render_board() -> None:
     expected = " X | 2 | O\n---+---+---\n 4 | X | 6\n---+---+---\n O | 8 | 9"
     assert render_board("X.O.X.O..") == expected
+
+
+def test_render_lines() -> None:
+    text = render_lines("X.O.X.O..")
+    assert text.splitlines() == [
+        "row 1: X 2 O",
+        "row 2: 4 X 6",
+        "row 3: O 8 9",
+        "column 1: X 4 O",
+        "column 2: 2 X 8",
+        "column 3: O 6 9",
+        "diagonal 1-5-9: X X 9",  # X wins on 9: two marks and a number on one line
+        "diagonal 3-5-7: O X O",
+    ]
+
+
+@pytest.mark.parametrize("cls", [TicTacToeMove, TicTacToeGame])
+def test_board_view_lines(cls: type) -> None:
+    plain, lined = cls(), cls(board_view="grid+lines")
+    task = plain.tasks("eval", n=1)[0]
+    a, b = plain.reset(task).messages[1].content, lined.reset(task).messages[1].content
+    assert "Lines:" not in a and "row 1:" not in a
+    grid = a.split("\n\n")[1] if cls is TicTacToeGame else a.split("\n\n")[0]
+    assert grid in b and "\nLines:\nrow 1: " in b and "diagonal 3-5-7: " in b
+    if cls is TicTacToeGame:  # every tool result shows the lines too; demos still replay
+        for message in lined.demonstrations(task):
+            result = lined.step(message)
+            assert "diagonal 1-5-9: " in result.messages[0].content
+        assert result.done and result.outcome in ("win", "draw")
 
 
 def test_positions() -> None:
@@ -365,6 +395,8 @@ def test_game_replays_are_identical() -> None:
         (TicTacToeMove, {"pool_size": 5000}, "pool_size=5000.*2423"),
         (TicTacToeMove, {"eval_size": 2048}, "eval_size=2048"),
         (TicTacToeMove, {"pool_seed": "x"}, "pool_seed='x'"),
+        (TicTacToeMove, {"board_view": "lines"}, "board_view='lines'.*grid, grid\\+lines"),
+        (TicTacToeGame, {"board_view": 3}, "board_view=3"),
     ],
 )
 def test_constructor_validation(cls: type, kwargs: dict, needle: str) -> None:

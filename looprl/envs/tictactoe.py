@@ -29,6 +29,7 @@ from looprl.envs.tictactoe_board import (  # noqa: F401  (the public helpers liv
     play,
     positions,
     render_board,
+    render_lines,
     score_move,
     to_move,
     unfinished_x_to_move,
@@ -59,6 +60,7 @@ CHOOSE_SQUARE_TOOL: dict[str, Any] = {
     },
 }
 _TOOL_NAME = "choose_square"
+BOARD_VIEWS = ("grid", "grid+lines")
 
 _MOVE_OUTCOMES = {
     WIN_REWARD: "win",
@@ -76,8 +78,9 @@ class _TicTacToeEnv:
     reward_range: ClassVar[tuple[float, float]] = (-1.0, 1.0)
     _state: Any
 
-    def __init__(self, tool_choice: str, system_prompt: str | None) -> None:
+    def __init__(self, tool_choice: str, system_prompt: str | None, board_view: str) -> None:
         self.tool_choice = check_choice("tool_choice", tool_choice, ("auto", "required"))
+        self.board_view = check_choice("board_view", board_view, BOARD_VIEWS)
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise EnvError(f"system_prompt={system_prompt!r} is invalid: expected a string")
         self.system_prompt = system_prompt or self.default_prompt
@@ -85,6 +88,14 @@ class _TicTacToeEnv:
 
     def _check_split(self, split: str) -> None:
         check_choice(f"{self.name}: split", split, ("train", "eval"))
+
+    def _board(self, board: str) -> str:
+        """The board as the model reads it: the grid, and with `board_view: grid+lines`
+        its eight lines below it."""
+        grid = render_board(board)
+        if self.board_view == "grid":
+            return grid
+        return f"{grid}\n\nLines:\n{render_lines(board)}"
 
     def _observation(self, user_text: str) -> Observation:
         messages = [Message("system", self.system_prompt), Message("user", user_text)]
@@ -126,8 +137,9 @@ class TicTacToeMove(_TicTacToeEnv):
         pool_size: int = 2048,
         pool_seed: int = 2026,
         system_prompt: str | None = None,
+        board_view: str = "grid",
     ) -> None:
-        super().__init__(tool_choice, system_prompt)
+        super().__init__(tool_choice, system_prompt, board_view)
         self.pool_size = check_int("pool_size", pool_size, 2, len(unfinished_x_to_move()))
         # Both splits must be non-empty.
         self.eval_size = check_int("eval_size", eval_size, 1, pool_size - 1)
@@ -149,7 +161,7 @@ class TicTacToeMove(_TicTacToeEnv):
         if board not in unfinished_x_to_move():
             raise EnvError(f"task {task.id!r}: {board!r} is not a reachable X-to-move position")
         self._state = _MoveState(board)
-        return self._observation(f"Current board:\n{render_board(board)}\n\nYou are X. Your move?")
+        return self._observation(f"Current board:\n{self._board(board)}\n\nYou are X. Your move?")
 
     def step(self, message: Message) -> StepResult:
         state: _MoveState = self._live_state()
@@ -221,8 +233,9 @@ class TicTacToeGame(_TicTacToeEnv):
         eval_size: int = 64,
         max_turns: int = 5,
         system_prompt: str | None = None,
+        board_view: str = "grid",
     ) -> None:
-        super().__init__(tool_choice, system_prompt)
+        super().__init__(tool_choice, system_prompt, board_view)
         parse_opponent(opponent)
         self.opponent = opponent
         # against perfect play a draw is the best there is; otherwise only a win
@@ -253,7 +266,7 @@ class TicTacToeGame(_TicTacToeEnv):
             intro = f"You play O. The opponent (X) opened on {self._opponent_move(state)}."
         else:
             intro = "You play X and move first."
-        return self._observation(f"{intro}\n\n{render_board(state.board)}\n\nYour move?")
+        return self._observation(f"{intro}\n\n{self._board(state.board)}\n\nYour move?")
 
     def _opponent_move(self, state: _GameState) -> int:
         # The coin is tossed even when p is 0 or 1 so that every opponent draws the same
@@ -277,7 +290,7 @@ class TicTacToeGame(_TicTacToeEnv):
             failure = "occupied"
         if failure is not None:
             text = (
-                f"Illegal move ({failure}).\n\n{render_board(state.board)}\n\nGame over: you lose."
+                f"Illegal move ({failure}).\n\n{self._board(state.board)}\n\nGame over: you lose."
             )
             return self._reply(state, call, text, "illegal", failure=failure)
 
@@ -287,7 +300,7 @@ class TicTacToeGame(_TicTacToeEnv):
         text = f"You played {square}."
         if winner(state.board) is None and "." in state.board:
             text += f" The opponent ({other(state.agent)}) played {self._opponent_move(state)}."
-        text += f"\n\n{render_board(state.board)}"
+        text += f"\n\n{self._board(state.board)}"
         won = winner(state.board)
         if won is None and "." in state.board:
             return self._reply(state, call, text + "\n\nYour move?", None)
@@ -297,7 +310,9 @@ class TicTacToeGame(_TicTacToeEnv):
     def demonstrations(self, task: Task) -> list[Message]:
         """Expert calls for the whole game. The opponent is seeded by the task, so playing
         the game once in a scratch env gives the exact replies the real episode will get."""
-        scratch = TicTacToeGame(self.opponent, self.agent_plays, max_turns=self.max_turns)
+        scratch = TicTacToeGame(
+            self.opponent, self.agent_plays, max_turns=self.max_turns, board_view=self.board_view
+        )
         scratch.reset(task)
         calls: list[Message] = []
         while not scratch._state.done:

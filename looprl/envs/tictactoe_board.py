@@ -147,8 +147,26 @@ def positions(n: int = 2048, seed: int = 2026) -> list[str]:
     return pool[:n]
 
 
+def _cells(board: str) -> list[str]:
+    return [mark if mark != "." else str(i + 1) for i, mark in enumerate(board)]
+
+
 def render_board(board: str) -> str:
     """Three rows with marks shown and empty squares shown by their number."""
-    cells = [mark if mark != "." else str(i + 1) for i, mark in enumerate(board)]
+    cells = _cells(board)
     rows = [" " + " | ".join(cells[r : r + 3]) for r in (0, 3, 6)]
     return "\n---+---+---\n".join(rows)
+
+
+_LINE_NAMES = ("row 1", "row 2", "row 3", "column 1", "column 2", "column 3")
+_LINE_NAMES += ("diagonal 1-5-9", "diagonal 3-5-7")
+
+
+def render_lines(board: str) -> str:
+    """The eight lines of three, one per row of text, marks shown and empty squares by
+    their number. A win or a block becomes local: two equal marks and a number on one
+    row of text (`row 2: X X 6`), instead of three squares spread over a drawn grid."""
+    cells = _cells(board)
+    return "\n".join(
+        f"{name}: {' '.join(cells[i] for i in line)}" for name, line in zip(_LINE_NAMES, _LINES)
+    )
