@@ -9,8 +9,9 @@
 Writes runs/bench-NAME/ (the usual run folder, report included) and ends with
 `RESULT name=... before=... after=... ...` (rewards on the same held-out episodes).
 The run's own greedy evals (eval.greedy) add `greedy_before`/`greedy_after` and their
-outcome shares to that line, `expert` (the env's demonstrations played on the same
-held-out tasks: what imitation alone could reach) and, for multi-turn envs,
+outcome shares (with `_ci`: a 95% Wilson interval) to that line, `expert` (the env's
+demonstrations played on the same held-out tasks: what imitation alone could reach)
+and, for multi-turn envs,
 `distinct_before`/`distinct_after` (how many different transcripts the greedy held-out
 episodes contain: the games a seeded opponent makes the policy play). Then it
 re-evaluates the base model and the final checkpoint under the extra settings listed in
@@ -21,6 +22,7 @@ prints one `EXTRA ...` line per setting.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -38,6 +40,13 @@ EXTRA_EVALS: dict[str, dict[str, list[str]]] = {
         "vs_minimax_sampled": ["env.args.opponent=minimax"],
     },
 }
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a share k/n (sound at 0% and 100%, unlike p ± 2 SE)."""
+    p, d = k / n, 1 + z * z / n
+    mid, half = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return max(0.0, mid - half), min(1.0, mid + half)
 
 
 def distinct_transcripts(samples: Path) -> int:
@@ -135,13 +144,17 @@ def print_result(name: str, out: Path, minutes: float | None = None) -> None:
     if "after_sft" in evals:
         fields["after_sft"] = f"{evals['after_sft']['reward_mean']:.3f}"
     for stage in ("baseline_greedy", "final_greedy"):  # eval.greedy: T = 0 on the same tasks
-        if stage in evals:
+        if "baseline_greedy" in evals and "final_greedy" in evals:
             r = evals[stage]
             side = stage.split("_")[0].replace("baseline", "before").replace("final", "after")
             fields[f"greedy_{side}"] = f"{r['reward_mean']:.3f}"
+            seen = {k for st in ("baseline_greedy", "final_greedy") for k in evals[st]["outcomes"]}
             for label in ("win", "draw", "illegal", "optimal", "success"):
-                if label in r["outcomes"]:
-                    fields[f"greedy_{side}_{label}"] = f"{r['outcomes'][label]:.3f}"
+                if label in seen:  # 0% after is a figure too, when it was there before
+                    share = r["outcomes"].get(label, 0.0)
+                    lo, hi = wilson(round(share * r["n"]), r["n"])
+                    fields[f"greedy_{side}_{label}"] = f"{share:.3f}"
+                    fields[f"greedy_{side}_{label}_ci"] = f"{lo:.3f}..{hi:.3f}"
     expert = expert_reference(out)
     if "mean" in expert:
         fields["expert"] = f"{expert['mean']:.3f}"
