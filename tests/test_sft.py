@@ -93,3 +93,30 @@ def test_free_tokens_of_a_forced_call_are_the_decision(renderer, tokenizer):
         demo_episode(env, task, renderer, grammars).loss_mask
         == demo_episode(env, task, renderer).loss_mask
     )
+
+
+def test_greedy_eval_after_sft(tmp_path):
+    """With eval.greedy, the SFT weights are evaluated greedily too: the report's greedy
+    table gets an "after SFT" column. With no RL step after it, the final greedy eval is
+    of the same weights and must match it episode for episode."""
+    cfg = {
+        "model": {"name": "tiny-random", "lora": {"enabled": False}},
+        "env": {"name": "tictactoe-move"},
+        "sft": {"enabled": True, "steps": 2, "batch_size": 2, "lr": 1e-3, "loss_on": "free"},
+        "rollout": {"tasks_per_step": 2, "group_size": 2, "max_new_tokens": 40},
+        "train": {"steps": 0, "checkpoint_every": 0},
+        "eval": {"tasks": 3, "samples_per_task": 2, "temperature": 1.0, "greedy": True},
+        "logging": {"trackers": []},
+    }
+    run = tmp_path / "run"
+    shown = io.StringIO()
+    run_training(config_from_dict(cfg), run, progress=Progress(console=Console(file=shown)))
+    mid = json.loads((run / "eval" / "after_sft_greedy.json").read_text())
+    final = json.loads((run / "eval" / "final_greedy.json").read_text())
+    base = json.loads((run / "eval" / "baseline_greedy.json").read_text())
+    assert mid["temperature"] == 0.0 and mid["n"] == 3
+    assert mid["task_ids"] == base["task_ids"] == final["task_ids"]
+    assert mid["rewards"] == final["rewards"]
+    assert "▶ greedy eval after SFT (3 episodes)" in shown.getvalue()
+    greedy = (run / "report.md").read_text().split("## Greedy policy (T = 0)")[1]
+    assert "| metric | before | after SFT | after |" in greedy.split("##")[0]

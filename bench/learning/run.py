@@ -125,7 +125,8 @@ def print_result(name: str, out: Path, minutes: float | None = None) -> None:
     """The stage table and the RESULT line of run folder `out`."""
     evals = {p.stem: json.loads(p.read_text()) for p in (out / "eval").glob("*.json")}
     print(f"\n{'stage':<10} {'reward [95% CI]':<28} {'valid calls':>11}  outcomes")
-    for stage in ("baseline", "after_sft", "final", "baseline_greedy", "final_greedy"):
+    stages = ("baseline", "after_sft", "final", "baseline_greedy", "after_sft_greedy")
+    for stage in (*stages, "final_greedy"):
         if stage in evals:
             r = evals[stage]
             ci = f"{r['reward_mean']:+.3f} [{r['reward_ci95'][0]:+.3f}, {r['reward_ci95'][1]:+.3f}]"
@@ -143,6 +144,8 @@ def print_result(name: str, out: Path, minutes: float | None = None) -> None:
     }
     if "after_sft" in evals:
         fields["after_sft"] = f"{evals['after_sft']['reward_mean']:.3f}"
+    if "after_sft_greedy" in evals:
+        fields["greedy_after_sft"] = f"{evals['after_sft_greedy']['reward_mean']:.3f}"
     for stage in ("baseline_greedy", "final_greedy"):  # eval.greedy: T = 0 on the same tasks
         if "baseline_greedy" in evals and "final_greedy" in evals:
             r = evals[stage]

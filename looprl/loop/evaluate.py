@@ -115,6 +115,7 @@ EVAL_TITLES = {
     "final": "final eval",
     "baseline_greedy": "greedy baseline eval",
     "final_greedy": "greedy final eval",
+    "after_sft_greedy": "greedy eval after SFT",
 }
 GREEDY_SUFFIX = "_greedy"  # eval/NAME_greedy.json: the same tasks at T = 0, one episode each
 

@@ -142,6 +142,9 @@ def train(
     if cfg.sft.enabled and after_sft is None:
         warm_start(policy, probe, cfg, run_dir, progress)
         dist.broadcast_parameters(policy.trainable_parameters())
+        if greedy:  # first: a resume redoes the SFT until after_sft.json exists
+            evaluate(policy, play, eval_tasks, cfg, run_dir, "after_sft_greedy", progress,
+                     greedy=True)  # fmt: skip
         after_sft = evaluate(policy, play, eval_tasks, cfg, run_dir, "after_sft", progress)
 
     # ---- optimizer, schedule, resume

@@ -167,7 +167,7 @@ def write_report(
             ("table", headers, _summary_rows(columns)),
             ("p", _paired_text(paired)),
             *[("p", text) for text in [solved_text(baseline, final)] if text],
-            *_greedy_blocks(*greedy),
+            *_greedy_blocks(*greedy, _load_eval(run_dir / "eval" / "after_sft_greedy.json")),
         ]
         png = plot_before_after(
             before,
@@ -218,10 +218,14 @@ def _flags(baseline: dict, final: dict, greedy: list[dict | None]) -> list[tuple
     return [("warn", flag) for flag in flags if flag]
 
 
-def _greedy_blocks(before: dict | None, after: dict | None) -> list[tuple]:
-    """The greedy policy (T = 0, one episode per task) before and after, if evaluated."""
+def _greedy_blocks(before: dict | None, after: dict | None, mid: dict | None = None) -> list[tuple]:
+    """The greedy policy (T = 0, one episode per task) before and after, if evaluated;
+    `mid`, after an SFT warm start, as a column between them."""
     if before is None or after is None:
         return []
+    headers, sides = ["metric", "before", "after"], [before, after]
+    if mid is not None:
+        headers, sides = ["metric", "before", "after SFT", "after"], [before, mid, after]
     blocks = [
         ("h2", "Greedy policy (T = 0)"),
         (
@@ -229,7 +233,7 @@ def _greedy_blocks(before: dict | None, after: dict | None) -> list[tuple]:
             f"The same {after.get('n', '?')} tasks, one greedy episode each: what the policy "
             "does when it takes its most likely token every time.",
         ),
-        ("table", ["metric", "before", "after"], _summary_rows([before, after])),
+        ("table", headers, _summary_rows(sides)),
         ("p", _paired_text(paired_stats(before, after))),
     ]
     text = solved_text(before, after)
