@@ -10,23 +10,27 @@ Writes runs/bench-NAME/ (the usual run folder, report included) and ends with
 `RESULT name=... before=... after=... ...` (rewards on the same held-out episodes).
 The run's own greedy evals (eval.greedy) add `greedy_before`/`greedy_after` and their
 outcome shares (with `_ci`: a 95% Wilson interval) to that line, `expert` (the env's
-demonstrations played on the same held-out tasks: what imitation alone could reach)
-and, for multi-turn envs,
-`distinct_before`/`distinct_after` (how many different transcripts the greedy held-out
-episodes contain: the games a seeded opponent makes the policy play). Then it
-re-evaluates the base model and the final checkpoint under the extra settings listed in
-EXTRA_EVALS (e.g. another opponent), writing runs/bench-NAME/eval/extra-*.json, and
-prints one `EXTRA ...` line per setting.
+demonstrations played on the same held-out tasks: what imitation alone could reach) and,
+for multi-turn envs, `distinct_before`/`distinct_after` (how many different transcripts
+the greedy held-out episodes contain: the games a seeded opponent makes the policy
+play). Then it re-evaluates the base model and the final checkpoint under the extra
+settings listed in EXTRA_EVALS (e.g. another opponent), writing
+runs/bench-NAME/eval/extra-*.json, and prints one `EXTRA ...` line per setting.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import random
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+from looprl.config import load_config
+from looprl.envs import make_env
 
 HERE = Path(__file__).parent
 GREEDY = ["eval.temperature=0", "eval.samples_per_task=1"]
@@ -55,31 +59,17 @@ def distinct_transcripts(samples: Path) -> int:
     return len({json.dumps(r["messages"][1:], sort_keys=True) for r in rows})
 
 
-def expert_reference(out: Path) -> dict:
-    """The env's demonstrations played on the run's held-out tasks: mean reward and the
-    outcome shares (None when the env has no demonstrations)."""
-    from looprl.config import load_config
-    from looprl.envs import demonstrations, make_env
+def expert_reference(env: Any, tasks: list) -> dict | None:
+    """The env's demonstrations played on `tasks` (`looprl envs check`'s expert agent):
+    mean reward and outcome shares; None when the env has no demonstrations."""
+    from looprl.envs.check import AgentStats, play
 
-    cfg = load_config(out / "config.yaml")
-    env = make_env(cfg.env.name, cfg.env.args)
-    if not callable(getattr(env, "demonstrations", None)):
-        return {"multi_turn": env.max_turns > 1}
-    rewards, outcomes = [], {}
-    for task in env.tasks("eval", n=cfg.eval.tasks, seed=cfg.eval.seed):
-        env.reset(task)
-        for message in demonstrations(env, task):
-            result = env.step(message)
-            if result.done:
-                break
-        rewards.append(result.reward)
-        outcomes[result.outcome] = outcomes.get(result.outcome, 0) + 1
-    shares = {k: v / len(rewards) for k, v in sorted(outcomes.items())}
-    return {
-        "mean": sum(rewards) / len(rewards),
-        "outcomes": shares,
-        "multi_turn": env.max_turns > 1,
-    }
+    stats = AgentStats()
+    for task in tasks:
+        if play(env, task, "expert", random.Random(0), stats) is None:
+            return None
+    shares = {k: v / stats.episodes for k, v in sorted(stats.outcomes.items())}
+    return {"mean": sum(stats.rewards) / stats.episodes, "outcomes": shares}
 
 
 def extra_evals(name: str, out: Path) -> None:
@@ -146,26 +136,28 @@ def print_result(name: str, out: Path, minutes: float | None = None) -> None:
         fields["after_sft"] = f"{evals['after_sft']['reward_mean']:.3f}"
     if "after_sft_greedy" in evals:
         fields["greedy_after_sft"] = f"{evals['after_sft_greedy']['reward_mean']:.3f}"
-    for stage in ("baseline_greedy", "final_greedy"):  # eval.greedy: T = 0 on the same tasks
-        if "baseline_greedy" in evals and "final_greedy" in evals:
-            r = evals[stage]
-            side = stage.split("_")[0].replace("baseline", "before").replace("final", "after")
+    greedy = {"before": evals.get("baseline_greedy"), "after": evals.get("final_greedy")}
+    if None not in greedy.values():  # eval.greedy: T = 0 on the same tasks
+        seen = {k for r in greedy.values() for k in r["outcomes"]}
+        for side, r in greedy.items():
             fields[f"greedy_{side}"] = f"{r['reward_mean']:.3f}"
-            seen = {k for st in ("baseline_greedy", "final_greedy") for k in evals[st]["outcomes"]}
             for label in ("win", "draw", "illegal", "optimal", "success"):
                 if label in seen:  # 0% after is a figure too, when it was there before
-                    share = r["outcomes"].get(label, 0.0)
-                    lo, hi = wilson(round(share * r["n"]), r["n"])
-                    fields[f"greedy_{side}_{label}"] = f"{share:.3f}"
+                    k = r["episode_outcomes"].count(label)
+                    lo, hi = wilson(k, r["n"])
+                    fields[f"greedy_{side}_{label}"] = f"{k / r['n']:.3f}"
                     fields[f"greedy_{side}_{label}_ci"] = f"{lo:.3f}..{hi:.3f}"
-    expert = expert_reference(out)
-    if "mean" in expert:
+    cfg = load_config(out / "config.yaml")
+    env = make_env(cfg.env.name, cfg.env.args)
+    expert = expert_reference(env, env.tasks("eval", n=cfg.eval.tasks, seed=cfg.eval.seed))
+    if expert is not None:
         fields["expert"] = f"{expert['mean']:.3f}"
         fields["expert_outcomes"] = ",".join(f"{k}:{v:.2f}" for k, v in expert["outcomes"].items())
-    for stage, side in (("baseline_greedy", "before"), ("final_greedy", "after")):
-        samples = out / "samples" / f"{stage}.jsonl"
-        if samples.exists() and expert.get("multi_turn"):
-            fields[f"distinct_{side}"] = str(distinct_transcripts(samples))
+    if env.max_turns > 1:  # multi-turn: how many different games the greedy episodes are
+        for stage, side in (("baseline_greedy", "before"), ("final_greedy", "after")):
+            samples = out / "samples" / f"{stage}.jsonl"
+            if samples.exists():
+                fields[f"distinct_{side}"] = str(distinct_transcripts(samples))
     print("RESULT " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
 
 
