@@ -91,6 +91,9 @@ class StepResult:
     reward: float = 0.0  # episode reward so far (the final one counts when done)
     outcome: str | None = None  # label when done: e.g. win/draw/loss/illegal/no_tool_call
     info: dict[str, Any] = field(default_factory=dict)
+    # this one assistant turn's own reward, where the environment grades turns (e.g.
+    # tictactoe-game's `move_rewards`); None: it does not. `reward` stays the episode's.
+    turn_reward: float | None = None
 
 
 @dataclass
@@ -130,6 +133,9 @@ class Episode:
     info: dict[str, Any] = field(default_factory=dict)
     error: str | None = None  # traceback text when outcome == env_error
     temperature: float = 1.0  # sampling temperature of the completions
+    # the environment's reward for each assistant turn, in order, where it grades turns
+    # (StepResult.turn_reward); empty where it does not
+    turn_rewards: list[float] = field(default_factory=list)
 
     @property
     def response_len(self) -> int:

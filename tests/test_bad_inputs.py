@@ -34,6 +34,15 @@ BAD_RUNS = [
     (["--set", "train.lr=fast"], ["train.lr = 'fast'"]),
     (["--set", "algo.kl_coef=0.1", "--set", "model.lora.enabled=false"], ["kl_coef"]),
     (["--set", "eval.tasks=0"], ["eval.tasks = 0"]),
+    (["--set", "algo.turn_reward_weight=0.5"], ["turn_reward_weight", "gspo_turn"]),
+    (
+        ["--set", "algo.name=gspo_turn", "--set", "algo.turn_reward_weight=0.5"],
+        ["turn_reward_weight", "move_rewards=true"],
+    ),
+    (
+        ["--set", "env.name=tictactoe-game", "--set", "env.args={move_rewards: maybe}"],
+        ["move_rewards='maybe'"],
+    ),
     (["--set", "model.device=cuda"], ["no CUDA device"]),
     (["no-such-config.yaml"], ["config file not found"]),
 ]

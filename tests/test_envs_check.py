@@ -33,12 +33,20 @@ def test_broken_env_fails_each_check():
     report = check_env(BROKEN, n=16)
     status = {c.name: c for c in report.checks}
     for name in ("deterministic tasks", "train/eval disjoint", "no exceptions",
-                 "rewards in range", "outcomes declared", "outcomes reachable"):  # fmt: skip
+                 "rewards in range", "outcomes declared", "outcomes reachable",
+                 "turn rewards"):  # fmt: skip
         assert not status[name].ok, name
     assert "never" in status["outcomes reachable"].detail
     assert "jackpot" in status["outcomes declared"].detail
     assert "simulated environment bug" in status["no exceptions"].detail
     assert status["step time"].ok and status["task data is JSON"].ok
+
+
+def test_graded_game_passes_the_turn_reward_check():
+    report = check_env("tictactoe-game", {"move_rewards": True}, n=8)
+    status = {c.name: c for c in report.checks}
+    assert report.ok, [(c.name, c.detail) for c in report.checks if not c.ok]
+    assert "steps graded with a finite number" in status["turn rewards"].detail
 
 
 def test_slow_steps_fail_the_time_check():

@@ -10,6 +10,8 @@ import torch
 
 from looprl.algo import (
     choose_tasks,
+    episode_advantages,
+    group_turn_advantages,
     gspo_loss,
     gspo_turn_loss,
     is_mastered,
@@ -17,6 +19,7 @@ from looprl.algo import (
     refill_count,
     task_weights,
     turn_ids,
+    turn_returns,
 )
 
 # ------------------------------------------------------------------ turn-level GSPO
@@ -96,6 +99,110 @@ def test_gspo_turn_differs_from_gspo_when_turns_differ():
     assert seq["ratio_max"] == pytest.approx(1.0)
     assert turn["ratio_max"] == pytest.approx(math.exp(0.5))
     assert turn["ratio_min"] == pytest.approx(math.exp(-0.5))
+
+
+# ------------------------------------------------------------------ per-turn advantages
+
+
+def test_turn_returns_by_hand():
+    # G_2 = -1; G_1 = 0 + 0.5 * -1 = -0.5; G_0 = 1 + 0.5 * -0.5 = 0.75
+    assert turn_returns([1.0, 0.0, -1.0], 0.5) == [0.75, -0.5, -1.0]
+    assert turn_returns([1.0, 0.0, -1.0], 0.0) == [1.0, 0.0, -1.0]  # each turn its own
+    assert turn_returns([1.0, 0.0, -1.0], 1.0) == [0.0, -1.0, -1.0]  # the plain sum
+    assert turn_returns([], 0.9) == []
+
+
+def test_group_turn_advantages_by_hand():
+    # gamma 0: returns [1, 1], [1, -1]; mean 0.5, population std sqrt(3)/2
+    std = math.sqrt(3) / 2
+    got = group_turn_advantages([[1.0, 1.0], [1.0, -1.0]], gamma=0.0)
+    want = [[0.5 / std, 0.5 / std], [0.5 / std, -1.5 / std]]
+    assert got == [pytest.approx(w, rel=1e-5) for w in want]
+    # unscaled: only centred
+    assert group_turn_advantages([[1.0, 1.0], [1.0, -1.0]], 0.0, scale=False) == [
+        [0.5, 0.5], [0.5, -1.5],
+    ]  # fmt: skip
+    # all returns equal, or an episode with no turn: zeros of the right shapes
+    assert group_turn_advantages([[1.0], [1.0, 1.0], []], gamma=0.0) == [[0.0], [0.0, 0.0], []]
+
+
+def test_episode_advantages_with_turn_rewards():
+    # group 0: both episodes draw (reward 0, no spread) but episode 1 blundered and
+    # recovered (grades 1, 0, 1): dropped on rewards alone, kept on its turns
+    # group 1: a win and a loss, every move graded 1 except the loser's last
+    rewards = [0.0, 0.0, 1.0, -1.0]
+    turns = [[1.0, 1.0, 1.0], [1.0, 0.0, 1.0], [1.0, 1.0], [1.0, 1.0, 0.0]]
+    plain, zero = episode_advantages(rewards, [True] * 4, 2, dynamic_sampling=True)
+    assert plain[:2] == [None, None] and zero == 1
+    adv, zero = episode_advantages(
+        rewards, [True] * 4, 2, dynamic_sampling=True,
+        turn_rewards=turns, turn_weight=0.5, turn_gamma=0.0,
+    )  # fmt: skip
+    assert zero == 1  # still counted on the rewards
+    t0 = group_turn_advantages(turns[:2], 0.0)
+    t1 = group_turn_advantages(turns[2:], 0.0)
+    a_win, a_loss = plain[2], plain[3]
+    assert adv[0] == pytest.approx(tuple(0.0 + 0.5 * t for t in t0[0]))
+    assert adv[1] == pytest.approx(tuple(0.5 * t for t in t0[1]))
+    assert adv[1][1] < 0 < adv[1][0]  # the blunder, and only it, is pushed down
+    assert adv[2] == pytest.approx(tuple(a_win + 0.5 * t for t in t1[0]))
+    assert adv[3] == pytest.approx(tuple(a_loss + 0.5 * t for t in t1[1]))
+    assert adv[3][2] < adv[3][0] < 0  # the losing move carries the most blame
+    # weight 0: exactly the episode advantages, as floats
+    same, _ = episode_advantages(rewards, [True] * 4, 2, turn_rewards=turns, turn_weight=0.0)
+    assert same == episode_advantages(rewards, [True] * 4, 2)[0]
+    with pytest.raises(ValueError, match="turn reward lists"):
+        episode_advantages(rewards, [True] * 4, 2, turn_rewards=turns[:3], turn_weight=1.0)
+
+
+def test_gspo_turn_takes_one_advantage_per_turn():
+    g = torch.Generator().manual_seed(5)
+    old = -torch.rand(3, 8, generator=g, dtype=torch.float64)
+    logp = (old + 0.2 * torch.randn(3, 8, generator=g, dtype=torch.float64)).requires_grad_(True)
+    # row 0: three turns; row 1: two; row 2: one
+    mask = torch.tensor(
+        [[1, 1, 0, 1, 0, 1, 1, 0], [0, 1, 1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0, 0, 0]],
+        dtype=torch.float64,
+    )
+    kw = {"eps_low": 0.1, "eps_high": 0.1}
+    adv_B = torch.tensor([0.7, -1.2, 0.3], dtype=torch.float64)
+    # equal columns: the same loss and gradient as one advantage per episode
+    l_b, _ = gspo_turn_loss(logp, old, adv_B, mask, **kw)
+    (g_b,) = torch.autograd.grad(l_b, logp)
+    l_bk, _ = gspo_turn_loss(logp, old, adv_B[:, None].expand(3, 3).clone(), mask, **kw)
+    (g_bk,) = torch.autograd.grad(l_bk, logp)
+    torch.testing.assert_close(l_bk, l_b, rtol=0, atol=1e-12)
+    torch.testing.assert_close(g_bk, g_b, rtol=0, atol=1e-12)
+    # distinct columns, by hand: L = -sum_i (1/K_i) sum_k min(s A, clip(s) A) / 3
+    adv_BK = torch.tensor([[1.0, -1.0, 2.0], [0.5, -0.5, 9.0], [-1.0, 9.0, 9.0]],
+                          dtype=torch.float64)  # fmt: skip
+    diff = (logp - old).detach()
+    turns = [[[0, 1], [3], [5, 6]], [[1, 2, 3], [6]], [[0, 1, 2]]]
+    want = 0.0
+    for i, row in enumerate(turns):
+        objs = []
+        for k, idx in enumerate(row):
+            s_ik = math.exp(float(diff[i, idx].mean()))
+            a = float(adv_BK[i, k])
+            objs.append(min(s_ik * a, min(max(s_ik, 0.9), 1.1) * a))
+        want += sum(objs) / len(objs)
+    loss, stats = gspo_turn_loss(logp, old, adv_BK, mask, **kw)
+    assert loss.item() == pytest.approx(-want / 3, rel=1e-12)
+    assert stats["count"] == 6.0
+    # fewer columns than turns: the missing turns take 0; more: ignored
+    short, _ = gspo_turn_loss(logp, old, adv_BK[:, :2], mask, **kw)
+    padded = torch.cat([adv_BK[:, :2], torch.zeros(3, 1, dtype=torch.float64)], dim=1)
+    assert short.item() == pytest.approx(gspo_turn_loss(logp, old, padded, mask, **kw)[0].item())
+    wide = torch.cat([adv_BK, torch.full((3, 2), 5.0, dtype=torch.float64)], dim=1)
+    assert gspo_turn_loss(logp, old, wide, mask, **kw)[0].item() == pytest.approx(loss.item())
+
+
+def test_advantage_tensor_pads_per_turn_rows():
+    from looprl.loop.update import advantage_tensor
+
+    assert advantage_tensor([0.5, -1.0]).tolist() == [0.5, -1.0]
+    got = advantage_tensor([(1.0, 2.0, 3.0), (4.0,), 0.5])
+    assert got.tolist() == [[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [0.5, 0.0, 0.0]]
 
 
 # ------------------------------------------------------------- refilling dynamic sampling
@@ -224,3 +331,42 @@ def test_curriculum_history_survives_a_checkpoint(tmp_path):
     restored = LoopState(update=UpdateState(micro_batch_tokens=2048))
     restored.load_meta(meta)
     assert restored.curriculum == state.curriculum and restored.update.micro_batch_tokens == 512
+
+
+def test_play_step_gives_per_turn_advantages_on_a_graded_game():
+    """tictactoe-game with move_rewards on the tiny model: every kept episode gets one
+    advantage per turn, built from its own grades, and an update learns from them."""
+    from looprl.config import config_from_dict
+    from looprl.envs import make_env
+    from looprl.loop.dist import Dist
+    from looprl.loop.evaluate import player
+    from looprl.loop.groups import play_step
+    from looprl.loop.optim import make_optimizer
+    from looprl.loop.policy import load_policy
+    from looprl.loop.update import UpdateState, update_policy
+
+    cfg = config_from_dict(
+        {
+            "model": {"name": "tiny-random"},
+            "env": {"name": "tictactoe-game", "args": {"opponent": "random", "move_rewards": True}},
+            "rollout": {"tasks_per_step": 2, "group_size": 4, "max_new_tokens": 32},
+            "algo": {"name": "gspo_turn", "turn_reward_weight": 1.0, "turn_gamma": 0.0},
+        }
+    )
+    policy = load_policy(cfg)
+    probe = make_env(cfg.env.name, cfg.env.args)
+    played, _ = play_step(cfg, probe, player(cfg, policy, probe), Dist(), step=1, history={})
+    graded = [e for e in played.episodes if e.trainable]
+    assert graded and all(len(e.turn_rewards) == len(e.turns) for e in graded)
+    for e, a in zip(played.episodes, played.advantages, strict=True):
+        if a is not None:
+            assert isinstance(a, tuple) and len(a) == len(e.turns)
+    pairs = zip(played.episodes, played.advantages, strict=True)
+    batch = [(e, a) for e, a in pairs if a is not None]
+    assert batch
+    optimizer = make_optimizer(policy.trainable_parameters(), "adamw", 1e-3, 0.0)
+    stats = update_policy(
+        policy, optimizer, batch, cfg.algo, cfg.train, group_size=4, max_tokens=32 * 5,
+        seed=0, state=UpdateState(micro_batch_tokens=cfg.train.micro_batch_tokens),
+    )  # fmt: skip
+    assert stats["updated"] >= 1 and math.isfinite(stats["loss"])

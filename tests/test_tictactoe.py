@@ -352,6 +352,53 @@ def test_game_illegal_moves() -> None:
         assert (res.outcome, res.info["failure"], res.messages) == ("illegal", failure, [])
 
 
+def test_game_move_rewards_grade_every_move_by_minimax() -> None:
+    env = TicTacToeGame(opponent="minimax", agent_plays="X", move_rewards=True)
+    assert env.gives_turn_rewards and not TicTacToeGame().gives_turn_rewards
+    task = env.tasks("eval")[0]
+    # the expert keeps the draw with every move: each graded best, the game a draw
+    env.reset(task)
+    grades = []
+    while True:
+        state = env._state
+        res = env.step(_call(expert_move(state.board, state.agent)))
+        grades.append((res.turn_reward, res.info["move_grade"]))
+        if res.done:
+            break
+    assert grades == [(1.0, "best")] * len(grades) and res.outcome == "draw"
+    assert res.reward == 0.0  # the episode's reward is still the game's result
+    # an illegal move and a parse failure: -1, and the game is over
+    env.reset(task)
+    res = env.step(_call(10))
+    assert (res.turn_reward, res.info["move_grade"], res.outcome) == (-1.0, "illegal", "illegal")
+    env.reset(task)
+    res = env.step(Message("assistant", parse_failure="bad_json"))
+    assert res.turn_reward == -1.0 and res.reward == -1.0
+    # without move_rewards nothing is graded
+    plain = TicTacToeGame(opponent="minimax", agent_plays="X")
+    plain.reset(task)
+    res = plain.step(_call(5))
+    assert res.turn_reward is None and "move_grade" not in res.info
+
+
+def test_game_move_rewards_match_best_moves_and_find_blunders() -> None:
+    # the highest free square on every move, as X and as O: a move is graded 1 iff it
+    # keeps the mover's game value, else 0; some of these moves give the draw away
+    env = TicTacToeGame(opponent="minimax", move_rewards=True)
+    grades = Counter()
+    for task in env.tasks("eval")[:8]:
+        env.reset(task)
+        while True:
+            board, agent = env._state.board, env._state.agent
+            square = legal_moves(board)[-1]
+            res = env.step(_call(square))
+            assert res.turn_reward == (1.0 if square in best_moves(board, agent) else 0.0)
+            grades[res.turn_reward] += 1
+            if res.done:
+                break
+    assert grades[1.0] > 0 and grades[0.0] > 0
+
+
 def test_game_tasks_and_agent_marks() -> None:
     env = TicTacToeGame()
     ev = env.tasks("eval")
@@ -397,6 +444,7 @@ def test_game_replays_are_identical() -> None:
         (TicTacToeMove, {"pool_seed": "x"}, "pool_seed='x'"),
         (TicTacToeMove, {"board_view": "lines"}, "board_view='lines'.*grid, grid\\+lines"),
         (TicTacToeGame, {"board_view": 3}, "board_view=3"),
+        (TicTacToeGame, {"move_rewards": "yes"}, "move_rewards='yes'"),
     ],
 )
 def test_constructor_validation(cls: type, kwargs: dict, needle: str) -> None:

@@ -77,7 +77,8 @@ class FlakyPickSeven(PickSeven):
 class BrokenPickSeven(PickSeven):
     """Breaks every promise `looprl envs check` checks: tasks change between calls, the
     splits overlap, a reward leaves its range, an outcome is undeclared, one declared
-    outcome is unreachable, and one task makes `step` raise."""
+    outcome is unreachable, one task makes `step` raise, and a miss comes with a turn
+    reward the env never declared."""
 
     outcomes = ("hit", "miss", "never", *PARSE_FAILURES)
     _calls = 0
@@ -97,6 +98,8 @@ class BrokenPickSeven(PickSeven):
         result = super().step(message)
         if result.outcome == "hit":
             return StepResult([], done=True, reward=2.0, outcome="jackpot")
+        if result.outcome == "miss":
+            result.turn_reward = -1.0
         return result
 
 

@@ -1,10 +1,14 @@
 """Pure RL algorithm functions: advantages, per-token log-probs, policy-gradient losses."""
 
 from looprl.algo.advantages import (
+    Advantage,
     batch_advantages,
     dynamic_sampling_keep,
     episode_advantages,
     group_advantages,
+    group_turn_advantages,
+    moves,
+    turn_returns,
 )
 from looprl.algo.kl import k3_kl
 from looprl.algo.logprobs import (
@@ -54,6 +58,10 @@ __all__ = [
     "dynamic_sampling_keep",
     "episode_advantages",
     "group_advantages",
+    "group_turn_advantages",
+    "moves",
+    "turn_returns",
+    "Advantage",
     "head_logprobs",
     "is_mastered",
     "grpo_loss",

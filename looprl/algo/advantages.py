@@ -16,6 +16,19 @@ A group whose rewards are all equal carries no learning signal: every advantage 
 set explicitly rather than computed, because `r - mean(r)` of equal floats can be a
 rounding residue (~1e-9) that the division by a std of the same size would blow up.
 DAPO's dynamic sampling (arXiv 2503.14476) drops such groups before the update.
+
+Per-turn advantages (turn-level GSPO, algo/turns.py): where the environment also grades
+each assistant turn (r_ik, turn k of episode i), turn k takes
+
+    A_ik = A_i + w * (G_ik - mean(G)) / (std(G) + eps),   G_ik = sum_{j>=k} gamma^(j-k) r_ij
+
+with A_i the episode advantage above, w = algo.turn_reward_weight and mean/std over every
+turn of every episode of the group (DeepSeekMath's process supervision, arXiv 2402.03300,
+sec. 4.1.3, with a discount). The episode reward still decides who won; the turn term
+says which move did it. gamma = 0 credits a turn with its own grade only, the right choice
+when a grade already looks ahead (tic-tac-toe's exact minimax). A group whose returns are
+all equal gets no turn term, and one whose rewards and returns are all equal is still
+dropped by dynamic sampling.
 """
 
 from __future__ import annotations
@@ -73,6 +86,44 @@ def dynamic_sampling_keep(rewards: list[list[float]]) -> list[bool]:
     return [len(set(group)) > 1 for group in rewards]
 
 
+def turn_returns(rewards_K: list[float], gamma: float) -> list[float]:
+    """G_k = sum_{j>=k} gamma^(j-k) r_j for each turn k of one episode."""
+    returns: list[float] = []
+    running = 0.0
+    for r in reversed(rewards_K):
+        running = r + gamma * running
+        returns.append(running)
+    return returns[::-1]
+
+
+def group_turn_advantages(
+    turn_rewards: list[list[float]], gamma: float, scale: bool = True, eps: float = 1e-6
+) -> list[list[float]]:
+    """The turn term of one group: each episode's returns G_ik, normalised over all the
+    group's turns, (G - mean) / (std + eps) (population std; no division with scale=False).
+    All returns equal (or no turn at all): zeros."""
+    returns = [turn_returns(rewards_K, gamma) for rewards_K in turn_rewards]
+    flat = [g for returns_K in returns for g in returns_K]
+    if not flat or len(set(flat)) == 1:
+        return [[0.0] * len(returns_K) for returns_K in returns]
+    flat_U = torch.tensor(flat, dtype=torch.float64)
+    mean, std = float(flat_U.mean()), float(flat_U.std(unbiased=False))
+    div = std + eps if scale else 1.0
+    return [[(g - mean) / div for g in returns_K] for returns_K in returns]
+
+
+Advantage = float | tuple[float, ...]  # one per episode, or one per turn (per-turn rewards)
+
+
+def moves(advantage: Advantage | None) -> bool:
+    """Whether an episode with this advantage can move the policy-gradient loss."""
+    if advantage is None:
+        return False
+    if isinstance(advantage, tuple):
+        return any(a != 0.0 for a in advantage)
+    return advantage != 0.0
+
+
 def episode_advantages(
     rewards: list[float],
     trainable: list[bool],
@@ -80,16 +131,26 @@ def episode_advantages(
     *,
     scale: bool = True,
     dynamic_sampling: bool = False,
-) -> tuple[list[float | None], int]:
+    turn_rewards: list[list[float]] | None = None,
+    turn_weight: float = 0.0,
+    turn_gamma: float = 1.0,
+) -> tuple[list[Advantage | None], int]:
     """The advantage of every episode of a rollout batch, None for one that takes no part.
 
     Consecutive runs of `group_size` episodes are one task's group. Within a group only the
     entries flagged trainable count: their rewards form the group of `batch_advantages`
     (normalised among themselves), the others get None. With `dynamic_sampling` a group
     whose rewards are all equal gets None throughout.
+    With `turn_rewards` (each episode's per-turn rewards) and `turn_weight` > 0, each
+    advantage is a tuple, one per graded turn: A_i + w * the group's normalised return of
+    that turn (module doc); dynamic sampling then drops a group only when its rewards and
+    its returns are all equal.
     Returns (advantages, zero_std_groups): one entry per episode, in order, and the number
     of groups (with a trainable entry) whose rewards are all equal, dropped or not.
     """
+    per_turn = turn_rewards is not None and turn_weight > 0
+    if per_turn and len(turn_rewards) != len(rewards):  # type: ignore[arg-type]
+        raise ValueError(f"{len(rewards)} rewards but {len(turn_rewards)} turn reward lists")  # type: ignore[arg-type]
     n = len(rewards)
     if len(trainable) != n or group_size < 1:
         raise ValueError(f"{n} rewards, {len(trainable)} trainable flags, group_size {group_size}")
@@ -102,10 +163,18 @@ def episode_advantages(
     group_rewards = [[rewards[k] for k in group] for group in groups]
     adv_B, zero_std_G = batch_advantages(group_rewards, scale=scale)
     keep_G = dynamic_sampling_keep(group_rewards) if dynamic_sampling else [True] * len(groups)
-    advantages: list[float | None] = [None] * n
+    turn_adv: dict[int, list[float]] = {}
+    if per_turn:
+        assert turn_rewards is not None
+        for g, group in enumerate(groups):
+            terms = group_turn_advantages([turn_rewards[k] for k in group], turn_gamma, scale)
+            turn_adv.update(zip(group, terms, strict=True))
+            if dynamic_sampling and any(t != 0.0 for term in terms for t in term):
+                keep_G[g] = True  # the returns differ: the turns still have something to learn
+    advantages: list[Advantage | None] = [None] * n
     index_B = [k for group in groups for k in group]
     keep_B = [keep for group, keep in zip(groups, keep_G, strict=True) for _ in group]
     for k, keep, adv in zip(index_B, keep_B, adv_B.tolist(), strict=True):
         if keep:
-            advantages[k] = adv
+            advantages[k] = tuple(adv + turn_weight * t for t in turn_adv[k]) if per_turn else adv
     return advantages, int(zero_std_G.sum())

@@ -13,8 +13,9 @@ each turn as its own sample instead:
     obj_i = (1/K_i) sum_k min(s_ik A_ik, clip(s_ik, 1-eps_low, 1+eps_high) A_ik)
     L     = - sum_i obj_i / N_seq
 
-with K_i the number of turns of episode i. Every turn takes the episode's advantage
-(A_ik = A_i): the built-in multi-turn environments reward only the episode's end. Averaging
+with K_i the number of turns of episode i. By default every turn takes the episode's
+advantage (A_ik = A_i); where the environment grades each turn and algo.turn_reward_weight
+> 0, A_ik differs per turn (algo/advantages.py) and arrives as a [B, K] tensor. Averaging
 over the turns keeps an episode's weight in the batch independent of its length, as GSPO's
 per-sequence mean does; with one turn per episode this IS sequence-level GSPO, in value and
 in gradient. clip_frac and the ratio stats count turns.
@@ -78,18 +79,25 @@ def gspo_turn_loss(
     normalizer: Normalizer | None = None,
     loss_scale: float = 1.0,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Turn-level GSPO (module doc): L = - sum_i (1/K_i) sum_k min(s_ik A_i, clip(s_ik) A_i) / N.
+    """Turn-level GSPO (module doc): L = - sum_i (1/K_i) sum_k min(s_ik A_ik, clip(s_ik) A_ik) / N.
 
-    Default eps as sequence-level GSPO (a turn ratio is a mean over its tokens too).
-    A row with an all-zero mask has no turn and contributes 0."""
-    _check_shapes(logp_BT, old_logp_BT, adv_B, mask_BT)
+    `adv_B` is one advantage per episode, [B] (A_ik = A_i), or one per turn, [B, K'] (turn
+    k of row i takes column k; turns past K' take 0). Default eps as sequence-level GSPO
+    (a turn ratio is a mean over its tokens too). A row with an all-zero mask has no turn
+    and contributes 0."""
+    per_turn = adv_B.dim() == 2
+    _check_shapes(logp_BT, old_logp_BT, adv_B.sum(dim=1) if per_turn else adv_B, mask_BT)
     m_BT = mask_BT.bool()
     n = (normalizer or Normalizer.of(mask_BT)).sequences  # N_seq
     adv_B = adv_B.detach().to(logp_BT.dtype)
 
     log_s_BK, valid_BK = turn_log_ratios(logp_BT, old_logp_BT, m_BT)
     s_BK = torch.exp(log_s_BK)
-    adv_BK = adv_B[:, None].expand_as(s_BK)  # A_ik = A_i
+    if per_turn:  # A_ik from the turn's column, 0 past the given ones
+        k, given = s_BK.shape[1], adv_B.shape[1]
+        adv_BK = adv_B[:, :k] if given >= k else torch.nn.functional.pad(adv_B, (0, k - given))
+    else:
+        adv_BK = adv_B[:, None].expand_as(s_BK)  # A_ik = A_i
     obj_BK, clip_active_BK = _clipped_objective(s_BK, adv_BK, eps_low, eps_high)
     obj_BK = torch.where(valid_BK, obj_BK, torch.zeros_like(obj_BK))
     turns_B = valid_BK.sum(dim=-1).clamp(min=1).to(obj_BK.dtype)  # K_i

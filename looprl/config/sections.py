@@ -198,6 +198,20 @@ class AlgoConfig(Section):
         description="With dynamic_sampling: play up to this many times tasks_per_step tasks "
         "to refill the dropped groups; 1 = drop only.",
     )
+    turn_reward_weight: float = Field(
+        0.0,
+        ge=0,
+        description="gspo_turn, where the env grades each turn (tictactoe-game move_rewards): "
+        "weight of the per-turn term in A_ik = A_i + w * normalised turn return; 0 = every "
+        "turn takes the episode's advantage.",
+    )
+    turn_gamma: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="Discount of the per-turn returns G_k = sum_j gamma^(j-k) r_j; 0 = each "
+        "turn's own grade (right when the grade already looks ahead, as minimax does).",
+    )
     kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the initial policy; 0 = off.")
     tis_cap: float | None = Field(
         None,
@@ -208,6 +222,11 @@ class AlgoConfig(Section):
 
     @model_validator(mode="after")
     def _fill_defaults(self) -> AlgoConfig:
+        if self.turn_reward_weight > 0 and self.name != "gspo_turn":
+            raise ValueError(
+                f"algo.turn_reward_weight > 0 gives each turn its own advantage, which only "
+                f"algo.name=gspo_turn takes (one ratio per turn); got algo.name={self.name}"
+            )
         low, high = DEFAULT_CLIP[self.name]
         if self.eps_low is None:
             object.__setattr__(self, "eps_low", low)

@@ -10,12 +10,13 @@ import sys
 from importlib.metadata import entry_points
 from typing import Any
 
-from looprl.envs.base import Environment, demonstrations, solved_outcomes
+from looprl.envs.base import Environment, demonstrations, gives_turn_rewards, solved_outcomes
 from looprl.errors import EnvError
 
 __all__ = [
     "Environment",
     "demonstrations",
+    "gives_turn_rewards",
     "env_class",
     "list_envs",
     "make_env",

@@ -49,6 +49,12 @@ def solved_outcomes(env: Any) -> tuple[str, ...]:
     return tuple(getattr(env, "solved_outcomes", ()) or ())
 
 
+def gives_turn_rewards(env: Any) -> bool:
+    """Whether the environment grades each assistant turn (`StepResult.turn_reward`), as it
+    declares with an optional `gives_turn_rewards` attribute."""
+    return bool(getattr(env, "gives_turn_rewards", False))
+
+
 def demonstrations(env: Any, task: Task) -> list[Message] | None:
     """Expert assistant messages for `task`, if the environment provides them (for SFT)."""
     fn = getattr(env, "demonstrations", None)

@@ -18,6 +18,7 @@ are declared, every declared outcome is reachable, nothing raises, and a step is
 from __future__ import annotations
 
 import json
+import math
 import random
 import string
 import time
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from looprl.chat.parsers import parse_tool_calls, validate_arguments
-from looprl.envs import demonstrations, make_env
+from looprl.envs import demonstrations, gives_turn_rewards, make_env
 from looprl.types import Message, Task, ToolCall
 
 AGENTS = ("random", "expert", "perturbed")
@@ -47,6 +48,7 @@ class AgentStats:
     outcomes: dict[str, int] = field(default_factory=dict)
     step_seconds: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    turn_rewards: list[Any] = field(default_factory=list)  # StepResult.turn_reward, each step
 
 
 @dataclass
@@ -195,6 +197,7 @@ def play(
         started = time.perf_counter()
         result = env.step(message)
         stats.step_seconds.append(time.perf_counter() - started)
+        stats.turn_rewards.append(result.turn_reward)
         reward, outcome = float(result.reward), result.outcome or ""
         if result.done:
             break
@@ -204,6 +207,21 @@ def play(
     stats.rewards.append(reward)
     stats.outcomes[outcome] = stats.outcomes.get(outcome, 0) + 1
     return reward, outcome
+
+
+def _turn_reward_check(env: Any, given: list[Any]) -> Check:
+    """An env that declares `gives_turn_rewards` grades every step with a finite number;
+    one that does not never grades (training would silently ignore it)."""
+    if not gives_turn_rewards(env):
+        graded = sum(t is not None for t in given)
+        detail = (
+            f"{graded} of {len(given)} steps set turn_reward, but the env does not declare "
+            "gives_turn_rewards = True" if graded else "none given, none declared"
+        )
+        return Check("turn rewards", not graded, detail)
+    bad = [t for t in given if not isinstance(t, int | float) or not math.isfinite(t)]
+    detail = f"{len(given) - len(bad)} of {len(given)} steps graded with a finite number"
+    return Check("turn rewards", not bad, detail + (f"; e.g. {bad[0]!r}" if bad else ""))
 
 
 def _next_message(
@@ -325,6 +343,7 @@ def check_env(
             + (f", e.g. {outside[0]}" if outside else ""),
         )
     )
+    checks.append(_turn_reward_check(env, [t for s in agents.values() for t in s.turn_rewards]))
     seen = {o for s in agents.values() for o in s.outcomes}
     undeclared = sorted(seen - declared)
     checks.append(

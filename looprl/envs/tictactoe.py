@@ -201,6 +201,9 @@ def parse_opponent(spec: Any) -> float:
 
 
 _GAME_OVER = {"win": "you win.", "draw": "it is a draw.", "loss": "you lose."}
+# move_rewards: a move that keeps the best game value for the mover (win > draw > loss, as
+# `best_moves`), a legal one that gives value away, an illegal or unparsable one
+MOVE_GRADES = {"best": 1.0, "legal": 0.0, "illegal": -1.0}
 
 
 @dataclass
@@ -211,6 +214,7 @@ class _GameState:
     rng: random.Random
     moves: list[tuple[Player, int]] = field(default_factory=list)
     done: bool = False
+    grade: str = "illegal"  # the last agent move's, MOVE_GRADES
 
 
 class TicTacToeGame(_TicTacToeEnv):
@@ -234,9 +238,16 @@ class TicTacToeGame(_TicTacToeEnv):
         max_turns: int = 5,
         system_prompt: str | None = None,
         board_view: str = "grid",
+        move_rewards: bool = False,
     ) -> None:
         super().__init__(tool_choice, system_prompt, board_view)
         parse_opponent(opponent)
+        if not isinstance(move_rewards, bool):
+            raise EnvError(f"move_rewards={move_rewards!r} is invalid: expected true or false")
+        # Each agent move graded by exact minimax (`StepResult.turn_reward`): MOVE_GRADES.
+        # The episode's reward is the game's result either way; algo.turn_reward_weight
+        # decides whether training uses the grades.
+        self.move_rewards = self.gives_turn_rewards = move_rewards
         self.opponent = opponent
         # against perfect play a draw is the best there is; otherwise only a win
         self.solved_outcomes = ("win", "draw") if opponent == "minimax" else ("win",)
@@ -289,12 +300,15 @@ class TicTacToeGame(_TicTacToeEnv):
         elif square is not None and state.board[square - 1] != ".":
             failure = "occupied"
         if failure is not None:
+            state.grade = "illegal"
             text = (
                 f"Illegal move ({failure}).\n\n{self._board(state.board)}\n\nGame over: you lose."
             )
             return self._reply(state, call, text, "illegal", failure=failure)
 
         assert square is not None and call is not None
+        grade = "best" if square in best_moves(state.board, state.agent) else "legal"
+        state.grade = grade
         state.board = play(state.board, square, state.agent)
         state.moves.append((state.agent, square))
         text = f"You played {square}."
@@ -334,7 +348,13 @@ class TicTacToeGame(_TicTacToeEnv):
         reward = {"win": 1.0, "draw": 0.0, None: 0.0}.get(outcome, -1.0)  # loss, illegal: -1
         messages = [Message("tool", text, tool_call_id=call.id, name=_TOOL_NAME)] if call else []
         info.update(board=state.board, agent=state.agent, moves=list(state.moves))
-        return StepResult(messages, state.done, reward=reward, outcome=outcome, info=info)
+        if not self.move_rewards:
+            return StepResult(messages, state.done, reward=reward, outcome=outcome, info=info)
+        info["move_grade"] = state.grade
+        return StepResult(
+            messages, state.done, reward=reward, outcome=outcome, info=info,
+            turn_reward=MOVE_GRADES[state.grade],
+        )  # fmt: skip
 
 
 ENVIRONMENTS: dict[str, type] = {"tictactoe-move": TicTacToeMove, "tictactoe-game": TicTacToeGame}

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from looprl.algo import (
+    Advantage,
     choose_tasks,
     episode_advantages,
     is_mastered,
@@ -44,7 +45,7 @@ class StepGroups:
     step's metrics about its groups."""
 
     episodes: list[Episode] = field(default_factory=list)
-    advantages: list[float | None] = field(default_factory=list)
+    advantages: list[Advantage | None] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -87,6 +88,8 @@ def play_step(
         advantages, zero_std = episode_advantages(
             [e.reward for e in episodes], [e.trainable for e in episodes], group,
             scale=cfg.algo.scale_advantages, dynamic_sampling=cfg.algo.dynamic_sampling,
+            turn_rewards=[graded_turns(e) for e in episodes],
+            turn_weight=cfg.algo.turn_reward_weight, turn_gamma=cfg.algo.turn_gamma,
         )  # fmt: skip
         kept = _keep_at_most(advantages, group, wanted, kept)
         if round_ == 0:
@@ -102,6 +105,13 @@ def play_step(
     if cfg.curriculum.enabled:
         out.metrics.update(curriculum_metrics(cfg, history, weights))
     return out, history
+
+
+def graded_turns(episode: Episode) -> list[float]:
+    """The episode's per-turn rewards, one for each of its turns: a turn the environment
+    did not grade (none does in the built-in envs once the episode is trainable) counts 0."""
+    rewards = episode.turn_rewards[: len(episode.turns)]
+    return rewards + [0.0] * (len(episode.turns) - len(rewards))
 
 
 def step_tasks(
@@ -124,7 +134,7 @@ def step_tasks(
     return [candidates[i] for i in chosen], [weights[i] for i in chosen]
 
 
-def _keep_at_most(advantages: list[float | None], group: int, wanted: int, kept: int) -> int:
+def _keep_at_most(advantages: list[Advantage | None], group: int, wanted: int, kept: int) -> int:
     """Drop (set to None) the groups past the `wanted`-th kept one; the new kept count."""
     for start in range(0, len(advantages), group):
         if all(a is None for a in advantages[start : start + group]):

@@ -96,6 +96,7 @@ def episode_record(episode: Episode, step: int | None = None) -> dict[str, Any]:
             for m in episode.messages
         ],
         "completions": [t.text for t in episode.turns],
+        **({"turn_rewards": episode.turn_rewards} if episode.turn_rewards else {}),
         **({"error": episode.error} if episode.error else {}),
     }
 

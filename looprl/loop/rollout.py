@@ -207,6 +207,8 @@ def _advance(live: _Live, completion: Any, renderer: ChatRenderer, last_turn: bo
         return False
     ep.reward = float(result.reward)
     ep.info = dict(result.info)
+    if result.turn_reward is not None:
+        ep.turn_rewards.append(float(result.turn_reward))
     if result.done or last_turn:
         live.history.extend(result.messages)
         ep.outcome = (result.outcome or "done") if result.done else TRUNCATED

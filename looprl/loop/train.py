@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from looprl.config import Config, to_yaml
-from looprl.envs import make_env
+from looprl.envs import gives_turn_rewards, make_env
 from looprl.errors import ConfigError, EngineError, LoopRLError
 from looprl.loop import checkpoint as checkpoints
 from looprl.loop import dist as ranks
@@ -105,6 +105,12 @@ def train(
         raise ConfigError(
             f"sft.enabled needs demonstrations, and environment {cfg.env.name!r} has no "
             "demonstrations(task) method (agent environments never do); set sft.enabled=false"
+        )
+    if cfg.algo.turn_reward_weight > 0 and not gives_turn_rewards(probe):
+        raise ConfigError(
+            f"algo.turn_reward_weight > 0 needs per-turn rewards, and environment "
+            f"{cfg.env.name!r} with these env.args grades only whole episodes (tictactoe-game "
+            "does with env.args.move_rewards=true); set algo.turn_reward_weight=0"
         )
     seed_everything(cfg.seed)
     started = time.time()
@@ -251,6 +257,9 @@ def train(
                 "perf/train_tokens_per_s": stats["tokens"] / max(train_s, 1e-9),
                 "perf/peak_rss_gb": peak_rss_gb(),
             }
+            graded = [r for e in episodes if e.trainable for r in e.turn_rewards]
+            if graded:  # environments that grade each turn (StepResult.turn_reward)
+                metrics["rollout/turn_rewards_mean"] = float(np.mean(graded))
             metrics.update(stats.get("router", {}))  # MoE models only
             for outcome, frac in summary["outcomes"].items():
                 metrics[f"outcomes/{outcome}"] = frac

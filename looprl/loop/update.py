@@ -16,7 +16,15 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from looprl.algo import LOSSES, Normalizer, scoring_temperature, tis_weights, weight_gradient
+from looprl.algo import (
+    LOSSES,
+    Advantage,
+    Normalizer,
+    moves,
+    scoring_temperature,
+    tis_weights,
+    weight_gradient,
+)
 from looprl.config import AlgoConfig, TrainConfig
 from looprl.errors import LoopRLError
 from looprl.forward.routing import RouterLoad, router_metrics
@@ -77,7 +85,7 @@ def _sampled(episode: Episode) -> torch.Tensor:
 def update_policy(
     policy: Policy,
     optimizer: torch.optim.Optimizer,
-    batch: list[tuple[Episode, float]],
+    batch: list[tuple[Episode, Advantage]],
     algo: AlgoConfig,
     train: TrainConfig,
     *,
@@ -125,7 +133,7 @@ def update_policy(
     # the engine's sampling logprobs is the token-parity check. Only the episodes that
     # can move the loss need them: A = 0 episodes are skipped below (unless the KL term
     # needs them); with none left on any rank, one group per rank still measures the gap.
-    learning = [e for e, a in batch if a != 0.0 or algo.kl_coef > 0]
+    learning = [e for e, a in batch if moves(a) or algo.kl_coef > 0]
     anyone_learning = dist.all_reduce([len(learning)])[0] > 0
     episodes = learning if anyone_learning else [e for e, _ in batch][:group_size]
     model.eval()
@@ -145,12 +153,12 @@ def update_policy(
     loss_fn = LOSSES[algo.name]
 
     def backward(
-        minibatch: list[tuple[Episode, float]], normalizer: Normalizer, budget: int
+        minibatch: list[tuple[Episode, Advantage]], normalizer: Normalizer, budget: int
     ) -> dict[str, float]:
         """Accumulate the gradient of this rank's part of one minibatch's loss."""
         # A = 0 sequences add nothing to the policy-gradient loss: skip their forward
         # pass (unless the KL term needs them); they still count in the normaliser.
-        active = [(e, a) for e, a in minibatch if a != 0.0 or algo.kl_coef > 0]
+        active = [(e, a) for e, a in minibatch if moves(a) or algo.kl_coef > 0]
         adv = {id(e): a for e, a in active}
         optimizer.zero_grad(set_to_none=True)
         acc = {"loss": 0.0, "units": 0.0, "clipped": 0.0, "ratio_max": 1.0, "tokens": 0}
@@ -167,7 +175,7 @@ def update_policy(
             if ref:
                 ref_BK = torch.zeros_like(logp_BK)
                 ref_BK[mask_BK] = torch.cat([ref[id(e)] for e in chunk]).to(ref_BK)
-            adv_B = torch.tensor([adv[id(e)] for e in chunk], device=logp_BK.device)
+            adv_B = advantage_tensor([adv[id(e)] for e in chunk]).to(logp_BK.device)
             loss, st = loss_fn(
                 logp_BK, old_BK, adv_B, mask_BK.float(),
                 eps_low=algo.eps_low, eps_high=algo.eps_high,
@@ -220,6 +228,16 @@ def update_policy(
     return out
 
 
+def advantage_tensor(advantages: list[Advantage]) -> torch.Tensor:
+    """[B] float32 for one advantage per episode; [B, K] for per-turn ones (K = the most
+    turns, shorter rows padded with 0: a turn past the graded ones moves nothing)."""
+    if not any(isinstance(a, tuple) for a in advantages):
+        return torch.tensor(advantages, dtype=torch.float32)
+    rows = [a if isinstance(a, tuple) else (a,) for a in advantages]
+    k = max(len(row) for row in rows)
+    return torch.tensor([list(row) + [0.0] * (k - len(row)) for row in rows], dtype=torch.float32)
+
+
 def _gathered_router_metrics(load: RouterLoad, dist: Dist) -> dict[str, float]:
     """`routing.router_metrics` of the expert counts summed over all ranks."""
     counts_LE = load.counts_LE
@@ -231,8 +249,8 @@ def _gathered_router_metrics(load: RouterLoad, dist: Dist) -> dict[str, float]:
 
 
 def minibatches(
-    batch: list[tuple[Episode, float]], count: int, seed: int, dist: Dist | None = None
-) -> list[list[tuple[Episode, float]]]:
+    batch: list[tuple[Episode, Advantage]], count: int, seed: int, dist: Dist | None = None
+) -> list[list[tuple[Episode, Advantage]]]:
     """Shuffle whole groups (episodes of one task) into `count` minibatches, so that a
     group's episodes share one prompt pass (see sequence_logprobs).
 
@@ -240,7 +258,7 @@ def minibatches(
     of one process's batch), and each rank keeps its own groups of every minibatch: every
     rank returns the same number of minibatches, some possibly empty on some ranks."""
     dist = dist or Dist()
-    by_task: dict[str, list[tuple[Episode, float]]] = {}
+    by_task: dict[str, list[tuple[Episode, Advantage]]] = {}
     for item in batch:
         by_task.setdefault(item[0].task.id, []).append(item)
     groups = list(by_task.values())
