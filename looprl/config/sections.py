@@ -201,16 +201,15 @@ class AlgoConfig(Section):
     turn_reward_weight: float = Field(
         0.0,
         ge=0,
-        description="gspo_turn, where the env grades each turn (tictactoe-game move_rewards): "
-        "weight of the per-turn term in A_ik = A_i + w * normalised turn return; 0 = every "
-        "turn takes the episode's advantage.",
+        description="gspo_turn with an env that grades turns: weight w of A_ik = A_i + w * "
+        "normalised turn return; 0 = off.",
     )
     turn_gamma: float = Field(
         1.0,
         ge=0,
         le=1,
-        description="Discount of the per-turn returns G_k = sum_j gamma^(j-k) r_j; 0 = each "
-        "turn's own grade (right when the grade already looks ahead, as minimax does).",
+        description="Discount of the turn returns G_k = sum_j gamma^(j-k) r_j; 0 = each "
+        "turn's own grade.",
     )
     kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the initial policy; 0 = off.")
     tis_cap: float | None = Field(
