@@ -216,7 +216,9 @@ def _turn_reward_check(env: Any, given: list[Any]) -> Check:
         graded = sum(t is not None for t in given)
         detail = (
             f"{graded} of {len(given)} steps set turn_reward, but the env does not declare "
-            "gives_turn_rewards = True" if graded else "none given, none declared"
+            "gives_turn_rewards = True"
+            if graded
+            else "none given, none declared"
         )
         return Check("turn rewards", not graded, detail)
     bad = [t for t in given if not isinstance(t, int | float) or not math.isfinite(t)]
