@@ -148,9 +148,10 @@ def episode_advantages(
     Returns (advantages, zero_std_groups): one entry per episode, in order, and the number
     of groups (with a trainable entry) whose rewards are all equal, dropped or not.
     """
-    per_turn = turn_rewards is not None and turn_weight > 0
-    if per_turn and len(turn_rewards) != len(rewards):  # type: ignore[arg-type]
-        raise ValueError(f"{len(rewards)} rewards but {len(turn_rewards)} turn reward lists")  # type: ignore[arg-type]
+    graded = turn_rewards if turn_rewards is not None and turn_weight > 0 else None
+    per_turn = graded is not None
+    if graded is not None and len(graded) != len(rewards):
+        raise ValueError(f"{len(rewards)} rewards but {len(graded)} turn reward lists")
     n = len(rewards)
     if len(trainable) != n or group_size < 1:
         raise ValueError(f"{n} rewards, {len(trainable)} trainable flags, group_size {group_size}")
@@ -164,10 +165,9 @@ def episode_advantages(
     adv_B, zero_std_G = batch_advantages(group_rewards, scale=scale)
     keep_G = dynamic_sampling_keep(group_rewards) if dynamic_sampling else [True] * len(groups)
     turn_adv: dict[int, list[float]] = {}
-    if per_turn:
-        assert turn_rewards is not None
+    if graded is not None:
         for g, group in enumerate(groups):
-            terms = group_turn_advantages([turn_rewards[k] for k in group], turn_gamma, scale)
+            terms = group_turn_advantages([graded[k] for k in group], turn_gamma, scale)
             turn_adv.update(zip(group, terms, strict=True))
             if dynamic_sampling and any(t != 0.0 for term in terms for t in term):
                 keep_G[g] = True  # the returns differ: the turns still have something to learn

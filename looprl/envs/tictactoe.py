@@ -307,8 +307,7 @@ class TicTacToeGame(_TicTacToeEnv):
             return self._reply(state, call, text, "illegal", failure=failure)
 
         assert square is not None and call is not None
-        grade = "best" if square in best_moves(state.board, state.agent) else "legal"
-        state.grade = grade
+        state.grade = "best" if square in best_moves(state.board, state.agent) else "legal"
         state.board = play(state.board, square, state.agent)
         state.moves.append((state.agent, square))
         text = f"You played {square}."
