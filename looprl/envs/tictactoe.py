@@ -214,7 +214,6 @@ class _GameState:
     rng: random.Random
     moves: list[tuple[Player, int]] = field(default_factory=list)
     done: bool = False
-    grade: str = "illegal"  # the last agent move's, MOVE_GRADES
 
 
 class TicTacToeGame(_TicTacToeEnv):
@@ -300,14 +299,15 @@ class TicTacToeGame(_TicTacToeEnv):
         elif square is not None and state.board[square - 1] != ".":
             failure = "occupied"
         if failure is not None:
-            state.grade = "illegal"
             text = (
                 f"Illegal move ({failure}).\n\n{self._board(state.board)}\n\nGame over: you lose."
             )
-            return self._reply(state, call, text, "illegal", failure=failure)
+            return self._reply(state, call, text, "illegal", "illegal", failure=failure)
 
         assert square is not None and call is not None
-        state.grade = "best" if square in best_moves(state.board, state.agent) else "legal"
+        # the move's grade for move_rewards (MOVE_GRADES), only worked out when asked for
+        best = self.move_rewards and square in best_moves(state.board, state.agent)
+        grade = "best" if best else "legal"
         state.board = play(state.board, square, state.agent)
         state.moves.append((state.agent, square))
         text = f"You played {square}."
@@ -316,9 +316,10 @@ class TicTacToeGame(_TicTacToeEnv):
         text += f"\n\n{self._board(state.board)}"
         won = winner(state.board)
         if won is None and "." in state.board:
-            return self._reply(state, call, text + "\n\nYour move?", None)
+            return self._reply(state, call, text + "\n\nYour move?", None, grade)
         outcome = "draw" if won is None else "win" if won == state.agent else "loss"
-        return self._reply(state, call, f"{text}\n\nGame over: {_GAME_OVER[outcome]}", outcome)
+        text = f"{text}\n\nGame over: {_GAME_OVER[outcome]}"
+        return self._reply(state, call, text, outcome, grade)
 
     def demonstrations(self, task: Task) -> list[Message]:
         """Expert calls for the whole game. The opponent is seeded by the task, so playing
@@ -339,21 +340,25 @@ class TicTacToeGame(_TicTacToeEnv):
         return calls
 
     def _reply(
-        self, state: _GameState, call: ToolCall | None, text: str, outcome: str | None, **info: Any
+        self,
+        state: _GameState,
+        call: ToolCall | None,
+        text: str,
+        outcome: str | None,
+        grade: str,
+        **info: Any,
     ) -> StepResult:
         """The tool message answering `call` (also on the last move, so transcripts show how
-        the game ended; none after a parse failure, which has no call to answer)."""
+        the game ended; none after a parse failure, which has no call to answer); with
+        move_rewards, the move's `grade` as the turn reward."""
         state.done = outcome is not None
         reward = {"win": 1.0, "draw": 0.0, None: 0.0}.get(outcome, -1.0)  # loss, illegal: -1
         messages = [Message("tool", text, tool_call_id=call.id, name=_TOOL_NAME)] if call else []
         info.update(board=state.board, agent=state.agent, moves=list(state.moves))
-        if not self.move_rewards:
-            return StepResult(messages, state.done, reward=reward, outcome=outcome, info=info)
-        info["move_grade"] = state.grade
-        return StepResult(
-            messages, state.done, reward=reward, outcome=outcome, info=info,
-            turn_reward=MOVE_GRADES[state.grade],
-        )  # fmt: skip
+        turn_reward = None
+        if self.move_rewards:
+            info["move_grade"], turn_reward = grade, MOVE_GRADES[grade]
+        return StepResult(messages, state.done, reward, outcome, info, turn_reward=turn_reward)
 
 
 ENVIRONMENTS: dict[str, type] = {"tictactoe-move": TicTacToeMove, "tictactoe-game": TicTacToeGame}

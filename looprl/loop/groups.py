@@ -85,10 +85,11 @@ def play_step(
             play([tasks[i] for i in mine for _ in range(group)], params=params,
                  first_index=(sampled + (mine[0] if mine else 0)) * group)
         )  # fmt: skip
+        graded = [graded_turns(e) for e in episodes] if cfg.algo.turn_reward_weight else None
         advantages, zero_std = episode_advantages(
             [e.reward for e in episodes], [e.trainable for e in episodes], group,
             scale=cfg.algo.scale_advantages, dynamic_sampling=cfg.algo.dynamic_sampling,
-            turn_rewards=[graded_turns(e) for e in episodes],
+            turn_rewards=graded,
             turn_weight=cfg.algo.turn_reward_weight, turn_gamma=cfg.algo.turn_gamma,
         )  # fmt: skip
         kept = _keep_at_most(advantages, group, wanted, kept)
