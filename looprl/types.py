@@ -109,6 +109,9 @@ class Turn:
     completion_logprobs: list[float]
     text: str = ""
     finish_reason: str = "stop"  # "stop" | "length"
+    # the grammar the call was sampled under (a forced call's), None for free text;
+    # `algo.loss_on: free` finds the call's decision tokens with it (loop/decisions.py)
+    constraint: Any = None
 
 
 @dataclass

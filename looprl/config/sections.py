@@ -211,6 +211,11 @@ class AlgoConfig(Section):
         description="Discount of the turn returns G_k = sum_j gamma^(j-k) r_j; 0 = each "
         "turn's own grade.",
     )
+    loss_on: Literal["all", "free"] = Field(
+        "all",
+        description="Tokens the policy loss covers: all generated tokens, or only those a "
+        "forced call's grammar leaves free (the decision, e.g. the square's digit).",
+    )
     kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the initial policy; 0 = off.")
     tis_cap: float | None = Field(
         None,

@@ -152,8 +152,9 @@ def run_episodes(
                     request.on_complete = partial(ended, lv)
             completions = engine.generate(requests, turn_params)
             still: list[_Live] = []
-            for lv, completion in zip(active, completions):
-                if _advance(lv, completion, renderer, last_turn=turn + 1 >= max_turns):
+            for lv, completion, request in zip(active, completions, requests):
+                last = turn + 1 >= max_turns
+                if _advance(lv, completion, renderer, last, request.constraint):
                     still.append(lv)
                 else:
                     ended(lv)
@@ -182,8 +183,11 @@ class _Ended:
             self.report(len(self.seen))
 
 
-def _advance(live: _Live, completion: Any, renderer: ChatRenderer, last_turn: bool) -> bool:
-    """Record one completion, let the environment answer; True if the episode goes on."""
+def _advance(
+    live: _Live, completion: Any, renderer: ChatRenderer, last_turn: bool, constraint: Any = None
+) -> bool:
+    """Record one completion (sampled under `constraint`, if any), let the environment
+    answer; True if the episode goes on."""
     ep = live.episode
     text = renderer.decode(completion.ids)
     ep.turns.append(
@@ -193,6 +197,7 @@ def _advance(live: _Live, completion: Any, renderer: ChatRenderer, last_turn: bo
             completion_logprobs=list(completion.logprobs),
             text=text,
             finish_reason=completion.finish_reason,
+            constraint=constraint,
         )
     )
     _append(ep, completion.ids, mask=1, logprobs=completion.logprobs)

@@ -9,9 +9,8 @@ next-token cross-entropy on the assistant tokens only (loss mask 1), token-mean.
 With `sft.loss_on: free` and a forced call, the mean is over the tokens the call's
 grammar leaves free only. Of the ≈ 20 tokens of `{"name": "choose_square", "arguments":
 {"square": 5}}` one, the digit, is the decision; the rest are forced at sampling time
-anyway, and their (quickly tiny) losses only dilute the mean of the one that matters.
-A token is forced when it lies inside the string the grammar allows next (its
-jump-forward string) or when it is the only token the grammar allows.
+anyway, and their (quickly tiny) losses only dilute the mean of the one that matters
+(which tokens are forced: loop/decisions.py).
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from looprl.config import Config
 from looprl.engine.requests import generation_request
 from looprl.envs import demonstrations
 from looprl.errors import EnvError
+from looprl.loop.decisions import free_tokens
 from looprl.loop.policy import Policy, sequence_logprobs
 from looprl.loop.update import micro_batches
 from looprl.types import Episode, Task
@@ -68,37 +68,6 @@ def demo_episode(env: Any, task: Task, renderer: ChatRenderer, grammars: Any = N
         episode.loss_mask += [0] * len(more)
         episode.logprobs += [0.0] * len(more)
     return episode
-
-
-def free_tokens(matcher: Any, completion: list[int], tokenizer: Any, vocab_size: int) -> list[int]:
-    """1 for each token of `completion` the grammar left a choice about, 0 for a forced one
-    (module doc). Past the grammar's end the tokens are the chat template's: forced. If
-    the grammar rejects a token (a demonstration written differently), the rest count as
-    free: nothing is known about them."""
-    import xgrammar as xgr
-
-    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-    flags: list[int] = []
-    for k, token in enumerate(completion):
-        if matcher.is_terminated():
-            return flags + [0] * (len(completion) - k)
-        text = tokenizer.decode([token])
-        ahead = matcher.find_jump_forward_string()
-        forced = bool(ahead) and bool(text) and ahead.startswith(text)
-        if not forced:
-            matcher.fill_next_token_bitmask(bitmask)
-            forced = _set_bits(bitmask) == 1
-        flags.append(0 if forced else 1)
-        if not matcher.accept_token(token):
-            return flags[:-1] + [1] * (len(completion) - k)
-    return flags
-
-
-def _set_bits(bitmask_1W: torch.Tensor) -> int:
-    """How many tokens an xgrammar bitmask allows (bits set over its int32 words)."""
-    words = bitmask_1W.view(-1).to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(32, dtype=torch.int64)
-    return int(((words[:, None] >> shifts) & 1).sum())
 
 
 def sft_step(

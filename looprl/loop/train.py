@@ -36,6 +36,7 @@ from looprl.errors import ConfigError, EngineError, LoopRLError
 from looprl.loop import checkpoint as checkpoints
 from looprl.loop import dist as ranks
 from looprl.loop import log
+from looprl.loop.decisions import decision_batch, grammar_cache
 from looprl.loop.dist import Dist, main_only
 from looprl.loop.evaluate import evaluate, load_model, player, summarize
 from looprl.loop.groups import play_step
@@ -171,6 +172,9 @@ def train(
             {"model": cfg.model.name, **loop.to_meta()}, cfg.train.keep_checkpoints,
         )  # fmt: skip
 
+    # algo.loss_on=free: the update sees each forced call's decision tokens only
+    grammars = grammar_cache(policy) if cfg.algo.loss_on == "free" else None
+
     # ---- training steps
     with (
         progress.phase("training", total=cfg.train.steps, unit="step") as phase,
@@ -210,6 +214,11 @@ def train(
             batch = [(e, a) for e, a in zip(episodes, advantages) if a is not None]
             mine_batch = [(e, a) for e, a in dist.share(list(zip(episodes, advantages)))
                           if a is not None]  # fmt: skip
+            decision: dict[str, float] = {}
+            if grammars is not None:
+                mine_batch, decision = decision_batch(
+                    episodes, mine_batch, grammars, policy.tokenizer
+                )
 
             # policy update
             t1 = time.time()
@@ -244,6 +253,7 @@ def train(
                 ),
                 "rollout/logprob_gap": stats["logprob_gap"],
                 "rollout/entropy": summary["entropy"],
+                **decision,  # rollout/decision_entropy, rollout/decision_tokens (loss_on=free)
                 "train/loss": stats["loss"],
                 "train/clip_frac": stats["clip_frac"],
                 "train/grad_norm": stats["grad_norm"],
@@ -338,7 +348,7 @@ def warm_start(
     main_only(sft_log.write_text)("")
     append_line = main_only(log.append_json)
     # sft.loss_on=free: the loss leaves out the tokens a forced call's grammar fixes
-    grammars = policy.engine.grammars() if cfg.sft.loss_on == "free" else None
+    grammars = grammar_cache(policy) if cfg.sft.loss_on == "free" else None
     with (progress or Progress(quiet=True)).phase("SFT warm start", cfg.sft.steps, "step") as phase:
         for step in range(1, cfg.sft.steps + 1):
             tasks = probe.tasks("train", n=cfg.sft.batch_size, seed=cfg.seed * 999_983 + step)

@@ -1,0 +1,111 @@
+"""Decision tokens: the tokens of a forced call that its grammar leaves free.
+
+Of the ≈ 20 tokens of `{"name": "choose_square", "arguments": {"square": 5}}` one, the
+digit, is the model's decision; the rest are fixed by the call's grammar and sampled with
+probability 1 whatever the model's logits say. A token is forced when it lies inside the
+string the grammar allows next (its jump-forward string) or when it is the only token the
+grammar allows; every other token (a digit, free text before the call, text inside a
+string argument) is free.
+
+Two places use this: the SFT warm start with `sft.loss_on: free` (loop/sft.py) and the
+policy update with `algo.loss_on: free` (`decision_view`): the loss, its importance ratios
+and its length normalisation then cover the decision tokens only. Under the
+grammar-constrained sampler a forced token's probability is 1, so its true log-ratio is
+0 and it carries no gradient; scored by the unconstrained model it only dilutes a
+sequence-level ratio (GSPO) and the mean of the gradient, by the call's length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from looprl.types import Episode
+
+
+def grammar_cache(policy: Any) -> Any:
+    """The rollout engine's grammar cache where it keeps one (`hf`), else one built for
+    the policy's tokenizer (the grammar is the same: engine/grammar.py)."""
+    own = getattr(policy.engine, "grammars", None)
+    if own is not None:
+        return own()
+    from looprl.engine.grammar import GrammarCache
+    from looprl.model.load import base_model
+
+    vocab = base_model(policy.model).get_output_embeddings().weight.shape[0]
+    return GrammarCache(policy.tokenizer, vocab, list(policy.renderer.eos_ids))
+
+
+def decision_view(episode: Episode, grammars: Any, tokenizer: Any) -> Episode:
+    """A copy of `episode` whose loss mask keeps only its decision tokens: in each turn
+    sampled under a grammar (`Turn.constraint`), the tokens that grammar left free; a turn
+    sampled without one keeps all its tokens. Everything else is shared with `episode`."""
+    mask = list(episode.loss_mask)
+    for turn in episode.turns:
+        if turn.constraint is None:
+            continue
+        flags = free_tokens(
+            grammars.matcher(turn.constraint), turn.completion_ids, tokenizer,
+            grammars.info.vocab_size,
+        )  # fmt: skip
+        start = len(turn.prompt_ids)
+        mask[start : start + len(flags)] = flags
+    return replace(episode, loss_mask=mask)
+
+
+def decision_batch(
+    episodes: list[Episode], batch: list[tuple[Episode, Any]], grammars: Any, tokenizer: Any
+) -> tuple[list[tuple[Episode, Any]], dict[str, float]]:
+    """`batch` (episode, advantage) with each episode's `decision_view`; an episode without
+    a decision token (a call whose grammar allows one string only) takes no part. Also the
+    step's metrics over every trainable episode of `episodes`: `rollout/decision_tokens`
+    (decision tokens per episode) and `rollout/decision_entropy` (their mean −log π, the
+    sampled estimate of the per-decision entropy, free of the forced tokens' surprisal)."""
+    views = {id(e): decision_view(e, grammars, tokenizer) for e in episodes if e.trainable}
+    views.update(
+        (id(e), decision_view(e, grammars, tokenizer)) for e, _ in batch if id(e) not in views
+    )
+    kept = [(views[id(e)], a) for e, a in batch if views[id(e)].response_len > 0]
+    surprisal = [
+        -lp for v in views.values() for lp, m in zip(v.logprobs, v.loss_mask) if m
+    ]
+    metrics = {
+        "rollout/decision_tokens": len(surprisal) / max(len(views), 1),
+        "rollout/decision_entropy": sum(surprisal) / len(surprisal) if surprisal else 0.0,
+    }
+    return kept, metrics
+
+
+def free_tokens(matcher: Any, completion: list[int], tokenizer: Any, vocab_size: int) -> list[int]:
+    """1 for each token of `completion` the grammar left a choice about, 0 for a forced one
+    (module doc). Past the grammar's end the tokens are the chat template's: forced. If
+    the grammar rejects a token (a demonstration written differently), the rest count as
+    free: nothing is known about them."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    flags: list[int] = []
+    for k, token in enumerate(completion):
+        if matcher.is_terminated():
+            return flags + [0] * (len(completion) - k)
+        text = tokenizer.decode([token])
+        ahead = matcher.find_jump_forward_string()
+        forced = bool(ahead) and bool(text) and ahead.startswith(text)
+        if not forced:
+            matcher.fill_next_token_bitmask(bitmask)
+            forced = _set_bits(bitmask) == 1
+        flags.append(0 if forced else 1)
+        if not matcher.accept_token(token):
+            return flags[:-1] + [1] * (len(completion) - k)
+    return flags
+
+
+def _set_bits(bitmask_1W: torch.Tensor) -> int:
+    """How many tokens an xgrammar bitmask allows (bits set over its int32 words)."""
+    words = bitmask_1W.view(-1).to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(32, dtype=torch.int64)
+    return int(((words[:, None] >> shifts) & 1).sum())
+
+
