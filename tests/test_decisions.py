@@ -130,3 +130,13 @@ def test_a_run_with_loss_on_free_trains_on_the_decisions(tmp_path):
         assert row["response_len"] > 10  # the record keeps the whole call
         assert math.isfinite(row["train/loss"])
     assert (run / "report.md").exists()
+
+
+def test_decision_span_by_hand():
+    from looprl.loop.decisions import decision_span
+
+    assert decision_span([0, 0, 1, 0, 0]) == [0, 0, 1, 0, 0]  # a square's digit
+    # free text, forced scaffold, a free digit: one run, so one turn for gspo_turn
+    assert decision_span([1, 1, 0, 0, 1, 0]) == [1, 1, 1, 1, 1, 0]
+    assert decision_span([0, 0, 0]) == [0, 0, 0]
+    assert decision_span([]) == []

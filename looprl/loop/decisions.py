@@ -9,10 +9,11 @@ string argument) is free.
 
 Two places use this: the SFT warm start with `sft.loss_on: free` (loop/sft.py) and the
 policy update with `algo.loss_on: free` (`decision_view`): the loss, its importance ratios
-and its length normalisation then cover the decision tokens only. Under the
-grammar-constrained sampler a forced token's probability is 1, so its true log-ratio is
-0 and it carries no gradient; scored by the unconstrained model it only dilutes a
-sequence-level ratio (GSPO) and the mean of the gradient, by the call's length.
+and its length normalisation then cover each call's decision span only (its first free
+token to its last: one token for a square). Under the grammar-constrained sampler a
+forced token's probability is 1, so its true log-ratio is 0 and it carries no gradient;
+scored by the unconstrained model it only dilutes a sequence-level ratio (GSPO) and the
+mean of the gradient, by the call's length.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ def grammar_cache(policy: Any) -> Any:
 
 def decision_view(episode: Episode, grammars: Any, tokenizer: Any) -> Episode:
     """A copy of `episode` whose loss mask keeps only its decision tokens: in each turn
-    sampled under a grammar (`Turn.constraint`), the tokens that grammar left free; a turn
-    sampled without one keeps all its tokens. Everything else is shared with `episode`."""
+    sampled under a grammar (`Turn.constraint`), the span from the first token that grammar
+    left free to the last (`decision_span`); a turn sampled without one keeps all its
+    tokens. Everything else is shared with `episode`."""
     mask = list(episode.loss_mask)
     for turn in episode.turns:
         if turn.constraint is None:
@@ -51,8 +53,19 @@ def decision_view(episode: Episode, grammars: Any, tokenizer: Any) -> Episode:
             grammars.info.vocab_size,
         )  # fmt: skip
         start = len(turn.prompt_ids)
-        mask[start : start + len(flags)] = flags
+        mask[start : start + len(flags)] = decision_span(flags)
     return replace(episode, loss_mask=mask)
+
+
+def decision_span(flags: list[int]) -> list[int]:
+    """1 from the first free token of a call to its last, 0 outside. A turn stays one run of
+    masked tokens (turn-level GSPO reads turns off the mask's runs, algo/turns.py): a call
+    with free text before it, or with two free arguments, keeps the forced tokens between
+    them. A call with a single free stretch (a square's digit) is exactly that stretch."""
+    free = [i for i, f in enumerate(flags) if f]
+    if not free:
+        return [0] * len(flags)
+    return [int(free[0] <= i <= free[-1]) for i in range(len(flags))]
 
 
 def decision_batch(
