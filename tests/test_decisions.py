@@ -53,11 +53,7 @@ def test_decision_view_keeps_each_forced_calls_square(game):
         for turn in episode.turns:
             assert turn.constraint is not None  # the game forces its call every turn
             start = len(turn.prompt_ids)
-            picked = [
-                t
-                for t, m in zip(turn.completion_ids, view.loss_mask[start:])
-                if m
-            ]
+            picked = [t for t, m in zip(turn.completion_ids, view.loss_mask[start:]) if m]
             call = policy.renderer.parse(turn.text, probe.reset(episode.task).tools)
             if call.failure is None:  # the forced call always parses; its digit is free
                 square = call.calls[0].arguments["square"]
@@ -99,9 +95,7 @@ def test_decision_batch_views_and_metrics(game):
             view = decision_view(e, grammars, policy.tokenizer)
             start = len(turn.prompt_ids)
             surprisal += [
-                -lp
-                for lp, m in zip(turn.completion_logprobs, view.loss_mask[start:])
-                if m
+                -lp for lp, m in zip(turn.completion_logprobs, view.loss_mask[start:]) if m
             ]
     assert metrics["rollout/decision_entropy"] == pytest.approx(sum(surprisal) / len(surprisal))
     # the untrained model's logits are near uniform over its whole vocabulary (the
@@ -140,3 +134,55 @@ def test_decision_span_by_hand():
     assert decision_span([1, 1, 0, 0, 1, 0]) == [1, 1, 1, 1, 1, 0]
     assert decision_span([0, 0, 0]) == [0, 0, 0]
     assert decision_span([]) == []
+
+
+def test_play_step_with_an_entropy_bonus():
+    """entropy_coef on the tiny model: every kept advantage is the rewards' own plus β ×
+    the episode's decision surprisal minus its group's mean."""
+    from functools import partial
+
+    from looprl.algo import episode_advantages
+    from looprl.loop.decisions import decision_surprisal
+
+    cfg = config_from_dict(
+        {
+            "model": {"name": "tiny-random"},
+            "env": {"name": "tictactoe-move"},
+            "rollout": {"tasks_per_step": 3, "group_size": 4, "max_new_tokens": 32},
+            "algo": {"entropy_coef": 0.5},
+        }
+    )
+    policy = load_policy(cfg)
+    probe = make_env(cfg.env.name, cfg.env.args)
+    grammars = grammar_cache(policy)
+    bonus = partial(decision_surprisal, grammars=grammars, tokenizer=policy.tokenizer)
+    played, _ = play_step(
+        cfg, probe, player(cfg, policy, probe), Dist(), step=1, history={}, bonus=bonus
+    )
+    episodes = played.episodes
+    plain, _ = episode_advantages([e.reward for e in episodes], [e.trainable for e in episodes], 4)
+    for start in range(0, len(episodes), 4):
+        group = episodes[start : start + 4]
+        b = [bonus(e) for e in group]
+        # the digit's surprisal: one token of a near-uniform vocabulary
+        assert all(abs(x - math.log(len(policy.tokenizer))) < 2.0 for x in b)
+        mean = sum(b) / 4
+        for e, x, a, a0 in zip(group, b, played.advantages[start:], plain[start:]):
+            if e.trainable:
+                assert a == pytest.approx(a0 + 0.5 * (x - mean), abs=1e-6)
+
+
+def test_a_run_with_an_entropy_bonus_logs_the_decisions(tmp_path):
+    cfg = {
+        "model": {"name": "tiny-random"},
+        "env": {"name": "tictactoe-move"},
+        "rollout": {"tasks_per_step": 2, "group_size": 4, "max_new_tokens": 32},
+        "algo": {"entropy_coef": 0.1},
+        "train": {"steps": 1, "checkpoint_every": 0},
+        "eval": {"tasks": 2, "samples_per_task": 1, "greedy": False},
+        "logging": {"trackers": []},
+    }
+    run_training(config_from_dict(cfg), tmp_path / "run")
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["rollout/decision_tokens"] == pytest.approx(1.0)
+    assert row["rollout/decision_entropy"] > 0 and math.isfinite(row["train/loss"])

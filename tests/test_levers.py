@@ -370,3 +370,45 @@ def test_play_step_gives_per_turn_advantages_on_a_graded_game():
         seed=0, state=UpdateState(micro_batch_tokens=cfg.train.micro_batch_tokens),
     )  # fmt: skip
     assert stats["updated"] >= 1 and math.isfinite(stats["loss"])
+
+
+# ------------------------------------------------------------- entropy bonus
+
+
+def test_bonus_terms_by_hand():
+    from looprl.algo import bonus_terms
+
+    assert bonus_terms([1.0, 3.0], 0.5) == [-0.5, 0.5]
+    assert bonus_terms([0.2, 0.2, 1.1], 1.0) == pytest.approx([-0.3, -0.3, 0.6])
+    assert bonus_terms([0.7, 0.7 + 1e-5], 1.0) == [0.0, 0.0]  # one choice, rounding apart
+    assert bonus_terms([], 1.0) == []
+
+
+def test_episode_advantages_with_an_entropy_bonus():
+    rewards = [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.5]
+    bonus = [0.5, 0.5, 2.0, 0.5, 1.0, 3.0, 0.7, 0.7]
+    ok = [True] * 8
+    plain, zero_std = episode_advantages(rewards, ok, 2)
+    with_bonus, zero_std_b = episode_advantages(rewards, ok, 2, bonus=bonus, bonus_weight=0.1)
+    assert zero_std == zero_std_b == 3  # counted on the rewards
+    # group 1: rewards differ, bonuses equal: as before
+    assert with_bonus[:2] == pytest.approx(plain[:2])
+    # group 2 (0, 0) and 3 (0, 0): the rarer choice pushed up by 0.1 x the spread, unscaled
+    assert with_bonus[2:4] == pytest.approx([0.0 + 0.1 * 0.75, 0.0 - 0.1 * 0.75])
+    assert with_bonus[4:6] == pytest.approx([-0.1, 0.1])
+    # group 4: equal rewards, one choice: nothing
+    assert with_bonus[6:] == [0.0, 0.0]
+    # dynamic sampling keeps the groups whose bonuses spread, drops the last
+    kept, _ = episode_advantages(
+        rewards, ok, 2, dynamic_sampling=True, bonus=bonus, bonus_weight=0.1
+    )
+    assert kept[2:6] == pytest.approx(with_bonus[2:6]) and kept[6:] == [None, None]
+    # beta 0: exactly the old floats; per-turn tuples take the term on every turn
+    assert episode_advantages(rewards, ok, 2, bonus=bonus, bonus_weight=0.0)[0] == plain
+    turns = [[1.0], [0.0], [1.0, 1.0], [1.0], [0.0], [0.0], [1.0], [1.0]]
+    per_turn, _ = episode_advantages(
+        rewards, ok, 2, turn_rewards=turns, turn_weight=1.0, bonus=bonus, bonus_weight=0.1
+    )
+    assert per_turn[4] == pytest.approx((-0.1,)) and per_turn[5] == pytest.approx((0.1,))
+    with pytest.raises(ValueError, match="bonuses"):
+        episode_advantages(rewards, ok, 2, bonus=bonus[:3], bonus_weight=0.1)

@@ -3,6 +3,7 @@
 from looprl.algo.advantages import (
     Advantage,
     batch_advantages,
+    bonus_terms,
     dynamic_sampling_keep,
     episode_advantages,
     group_advantages,
@@ -59,6 +60,7 @@ __all__ = [
     "episode_advantages",
     "group_advantages",
     "group_turn_advantages",
+    "bonus_terms",
     "moves",
     "turn_returns",
     "Advantage",

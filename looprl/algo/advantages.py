@@ -29,6 +29,18 @@ says which move did it. gamma = 0 credits a turn with its own grade only, the ri
 when a grade already looks ahead (tic-tac-toe's exact minimax). A group whose returns are
 all equal gets no turn term, and one whose rewards and returns are all equal is still
 dropped by dynamic sampling.
+
+Entropy bonus (maximum-entropy RL): with b_i the surprisal -log pi of episode i's
+decision tokens (as sampled) and beta = algo.entropy_coef,
+
+    A_i += beta * (b_i - mean(b))        mean over the group, after the scaling above
+
+which is the score-function estimate of beta times the gradient of the decisions' entropy,
+E[-log pi], with the group mean as its baseline. It is not scaled by the rewards' std (that
+would give a group of equal rewards a bonus of full size whatever beta). Among equal
+rewards the choice sampled less often is pushed up; a group that played one choice
+throughout has no spread (below BONUS_TOL) and gets nothing. Dynamic sampling keeps a
+group whose rewards are equal but whose bonuses differ.
 """
 
 from __future__ import annotations
@@ -114,6 +126,18 @@ def group_turn_advantages(
 
 Advantage = float | tuple[float, ...]  # one per episode, or one per turn (per-turn rewards)
 
+# a group's bonus spread (nats) below which its episodes count as one choice: the same
+# tokens after the same prompt, whose logprobs differ only by batching's rounding
+BONUS_TOL = 1e-3
+
+
+def bonus_terms(bonus_G: list[float], beta: float) -> list[float]:
+    """beta * (b_i - mean b) for one group; all 0 when its spread is below BONUS_TOL."""
+    if not bonus_G or max(bonus_G) - min(bonus_G) < BONUS_TOL:
+        return [0.0] * len(bonus_G)
+    mean = sum(bonus_G) / len(bonus_G)
+    return [beta * (b - mean) for b in bonus_G]
+
 
 def moves(advantage: Advantage | None) -> bool:
     """Whether an episode with this advantage can move the policy-gradient loss."""
@@ -134,6 +158,8 @@ def episode_advantages(
     turn_rewards: list[list[float]] | None = None,
     turn_weight: float = 0.0,
     turn_gamma: float = 1.0,
+    bonus: list[float] | None = None,
+    bonus_weight: float = 0.0,
 ) -> tuple[list[Advantage | None], int]:
     """The advantage of every episode of a rollout batch, None for one that takes no part.
 
@@ -145,6 +171,9 @@ def episode_advantages(
     advantage is a tuple, one per graded turn: A_i + w * the group's normalised return of
     that turn (module doc); dynamic sampling then drops a group only when its rewards and
     its returns are all equal.
+    With `bonus` (each episode's decision surprisal) and `bonus_weight` β > 0, every kept
+    advantage (each turn's too) adds β × its bonus minus the group's mean bonus (module
+    doc); dynamic sampling keeps a group whose bonuses spread.
     Returns (advantages, zero_std_groups): one entry per episode, in order, and the number
     of groups (with a trainable entry) whose rewards are all equal, dropped or not.
     """
@@ -152,6 +181,8 @@ def episode_advantages(
     per_turn = graded is not None
     if graded is not None and len(graded) != len(rewards):
         raise ValueError(f"{len(rewards)} rewards but {len(graded)} turn reward lists")
+    if bonus is not None and len(bonus) != len(rewards):
+        raise ValueError(f"{len(rewards)} rewards but {len(bonus)} bonuses")
     n = len(rewards)
     if len(trainable) != n or group_size < 1:
         raise ValueError(f"{n} rewards, {len(trainable)} trainable flags, group_size {group_size}")
@@ -171,10 +202,18 @@ def episode_advantages(
             turn_adv.update(zip(group, terms, strict=True))
             if dynamic_sampling and any(t != 0.0 for term in terms for t in term):
                 keep_G[g] = True  # the returns differ: the turns still have something to learn
+    extra: dict[int, float] = {}
+    if bonus is not None and bonus_weight > 0:
+        for g, group in enumerate(groups):
+            terms = bonus_terms([bonus[k] for k in group], bonus_weight)
+            extra.update(zip(group, terms, strict=True))
+            if dynamic_sampling and any(terms):
+                keep_G[g] = True  # different choices: the bonus has something to say
     advantages: list[Advantage | None] = [None] * n
     index_B = [k for group in groups for k in group]
     keep_B = [keep for group, keep in zip(groups, keep_G, strict=True) for _ in group]
     for k, keep, adv in zip(index_B, keep_B, adv_B.tolist(), strict=True):
         if keep:
+            adv += extra.get(k, 0.0)
             advantages[k] = tuple(adv + turn_weight * t for t in turn_adv[k]) if per_turn else adv
     return advantages, int(zero_std_G.sum())

@@ -216,6 +216,13 @@ class AlgoConfig(Section):
         description="Tokens the policy loss covers: all generated tokens, or only those a "
         "forced call's grammar leaves free (the decision, e.g. the square's digit).",
     )
+    entropy_coef: float = Field(
+        0.0,
+        ge=0,
+        le=10,
+        description="Entropy bonus beta: each advantage adds beta * (its decision tokens' "
+        "-log pi - the group's mean); 0 = off.",
+    )
     kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the initial policy; 0 = off.")
     tis_cap: float | None = Field(
         None,

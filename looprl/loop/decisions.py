@@ -7,8 +7,9 @@ string the grammar allows next (its jump-forward string) or when it is the only 
 grammar allows; every other token (a digit, free text before the call, text inside a
 string argument) is free.
 
-Two places use this: the SFT warm start with `sft.loss_on: free` (loop/sft.py) and the
-policy update with `algo.loss_on: free` (`decision_view`): the loss, its importance ratios
+Three places use this: the SFT warm start with `sft.loss_on: free` (loop/sft.py), the
+entropy bonus `algo.entropy_coef` (`decision_surprisal`), and the policy update with
+`algo.loss_on: free` (`decision_view`): the loss, its importance ratios
 and its length normalisation then cover each call's decision span only (its first free
 token to its last: one token for a square). Under the grammar-constrained sampler a
 forced token's probability is 1, so its true log-ratio is 0 and it carries no gradient;
@@ -68,6 +69,15 @@ def decision_span(flags: list[int]) -> list[int]:
     return [int(free[0] <= i <= free[-1]) for i in range(len(flags))]
 
 
+def decision_surprisal(episode: Episode, grammars: Any, tokenizer: Any) -> float:
+    """−log π of the episode's decision tokens as sampled (summed over its turns): a forced
+    call's decision span, every token of a call sampled without a grammar. Within a group
+    (one prompt) it ranks the choices as the grammar-constrained sampler's own logprobs do:
+    renormalising over the allowed tokens shifts every sample of a position alike."""
+    view = decision_view(episode, grammars, tokenizer)
+    return -sum(lp for lp, m in zip(view.logprobs, view.loss_mask) if m)
+
+
 def decision_batch(
     episodes: list[Episode], batch: list[tuple[Episode, Any]], grammars: Any, tokenizer: Any
 ) -> tuple[list[tuple[Episode, Any]], dict[str, float]]:
@@ -81,9 +91,7 @@ def decision_batch(
         (id(e), decision_view(e, grammars, tokenizer)) for e, _ in batch if id(e) not in views
     )
     kept = [(views[id(e)], a) for e, a in batch if views[id(e)].response_len > 0]
-    surprisal = [
-        -lp for v in views.values() for lp, m in zip(v.logprobs, v.loss_mask) if m
-    ]
+    surprisal = [-lp for v in views.values() for lp, m in zip(v.logprobs, v.loss_mask) if m]
     metrics = {
         "rollout/decision_tokens": len(surprisal) / max(len(views), 1),
         "rollout/decision_entropy": sum(surprisal) / len(surprisal) if surprisal else 0.0,
@@ -120,5 +128,3 @@ def _set_bits(bitmask_1W: torch.Tensor) -> int:
     words = bitmask_1W.view(-1).to(torch.int64) & 0xFFFFFFFF
     shifts = torch.arange(32, dtype=torch.int64)
     return int(((words[:, None] >> shifts) & 1).sum())
-
-

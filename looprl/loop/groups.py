@@ -7,6 +7,9 @@ formulas are in algo/selection.py):
 - `algo.dynamic_sampling` drops groups whose rewards are all equal (advantage 0); with
   `algo.max_oversample` > 1 the step then plays more tasks, round after round, until
   `tasks_per_step` groups with a reward spread are kept or the cap is reached (DAPO).
+- `algo.entropy_coef` β adds β × (the episode's decision surprisal − its group's mean)
+  to each advantage (`bonus`: loop/decisions.py; algo/advantages.py), so within a group
+  the choice sampled less often is favoured, also among equal rewards.
 - `curriculum.enabled` draws `curriculum.candidates` times more tasks than it plays and
   picks among them by their recent groups: mixed ones first, mastered ones retired. Its
   history is part of the loop state saved with each checkpoint, so a resumed run picks
@@ -19,6 +22,7 @@ loop always has; refill rounds take new task seeds and continue the episode stre
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,9 +60,11 @@ def play_step(
     dist: Dist,
     step: int,
     history: dict[str, list[list[float]]],
+    bonus: Callable[[Episode], float] | None = None,
 ) -> tuple[StepGroups, dict[str, list[list[float]]]]:
     """Play the step's groups (refilling dropped ones); returns them and the curriculum
-    history updated with every group played."""
+    history updated with every group played. With `bonus` (an episode's decision
+    surprisal), the advantages take `algo.entropy_coef` × its spread in the group."""
     wanted, group = cfg.rollout.tasks_per_step, cfg.rollout.group_size
     refill = cfg.algo.dynamic_sampling and cfg.algo.max_oversample > 1
     cap = max(wanted, math.floor(wanted * cfg.algo.max_oversample)) if refill else wanted
@@ -91,6 +97,8 @@ def play_step(
             scale=cfg.algo.scale_advantages, dynamic_sampling=cfg.algo.dynamic_sampling,
             turn_rewards=graded,
             turn_weight=cfg.algo.turn_reward_weight, turn_gamma=cfg.algo.turn_gamma,
+            bonus=[bonus(e) if e.trainable else 0.0 for e in episodes] if bonus else None,
+            bonus_weight=cfg.algo.entropy_coef,
         )  # fmt: skip
         kept = _keep_at_most(advantages, group, wanted, kept)
         if round_ == 0:

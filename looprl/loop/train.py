@@ -36,7 +36,7 @@ from looprl.errors import ConfigError, EngineError, LoopRLError
 from looprl.loop import checkpoint as checkpoints
 from looprl.loop import dist as ranks
 from looprl.loop import log
-from looprl.loop.decisions import decision_batch, grammar_cache
+from looprl.loop.decisions import decision_batch, decision_surprisal, grammar_cache
 from looprl.loop.dist import Dist, main_only
 from looprl.loop.evaluate import evaluate, load_model, player, summarize
 from looprl.loop.groups import play_step
@@ -172,8 +172,13 @@ def train(
             {"model": cfg.model.name, **loop.to_meta()}, cfg.train.keep_checkpoints,
         )  # fmt: skip
 
-    # algo.loss_on=free: the update sees each forced call's decision tokens only
-    grammars = grammar_cache(policy) if cfg.algo.loss_on == "free" else None
+    # algo.loss_on=free: the update sees each forced call's decision tokens only;
+    # algo.entropy_coef: each advantage takes the spread of the decisions' surprisal
+    decisions = cfg.algo.loss_on == "free" or cfg.algo.entropy_coef > 0
+    grammars = grammar_cache(policy) if decisions else None
+    bonus = None
+    if grammars is not None and cfg.algo.entropy_coef > 0:
+        bonus = partial(decision_surprisal, grammars=grammars, tokenizer=policy.tokenizer)
 
     # ---- training steps
     with (
@@ -185,7 +190,9 @@ def train(
             t0 = time.time()
             # play the step's groups (refilled and picked by the levers of loop/groups.py)
             try:
-                played, loop.curriculum = play_step(cfg, probe, play, dist, step, loop.curriculum)
+                played, loop.curriculum = play_step(
+                    cfg, probe, play, dist, step, loop.curriculum, bonus
+                )
             except EngineError as err:  # e.g. the vLLM server died: keep what was learned
                 checkpoint(step - 1)
                 logger.close()
@@ -216,9 +223,9 @@ def train(
                           if a is not None]  # fmt: skip
             decision: dict[str, float] = {}
             if grammars is not None:
-                mine_batch, decision = decision_batch(
-                    episodes, mine_batch, grammars, policy.tokenizer
-                )
+                views, decision = decision_batch(episodes, mine_batch, grammars, policy.tokenizer)
+                if cfg.algo.loss_on == "free":
+                    mine_batch = views
 
             # policy update
             t1 = time.time()
@@ -253,7 +260,7 @@ def train(
                 ),
                 "rollout/logprob_gap": stats["logprob_gap"],
                 "rollout/entropy": summary["entropy"],
-                **decision,  # rollout/decision_entropy, rollout/decision_tokens (loss_on=free)
+                **decision,  # rollout/decision_entropy, rollout/decision_tokens
                 "train/loss": stats["loss"],
                 "train/clip_frac": stats["clip_frac"],
                 "train/grad_norm": stats["grad_norm"],
