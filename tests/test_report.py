@@ -409,3 +409,22 @@ def test_outcome_chart_colours_in_chromium(chromium, tmp_path):
     blue = int(((b > r + 60) & (b > g + 30)).sum())
     assert red > 2000 and green > 2000, (red, green)
     assert blue < 50, blue
+
+
+def test_training_curves_get_a_panel_per_entropy_logged(tmp_path):
+    # rollout/entropy and rollout/decision_entropy each add a panel of the same width
+    from PIL import Image
+
+    from looprl.report.plots import plot_curves
+
+    rows = [{"step": s, "rollout/rewards_mean": 0.1 * s, "response_len": 20} for s in (1, 2, 3)]
+    widths = []
+    for extra in (
+        {},
+        {"rollout/entropy": 0.6},
+        {"rollout/entropy": 0.6, "rollout/decision_entropy": 0.2},
+    ):
+        path = plot_curves([{**r, **extra} for r in rows], tmp_path / f"c{len(extra)}.png")
+        widths.append(Image.open(path).size[0])
+    assert widths[0] < widths[1] < widths[2]
+    assert widths[2] - widths[1] == pytest.approx(widths[1] - widths[0], abs=4)

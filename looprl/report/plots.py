@@ -48,8 +48,8 @@ def ema(values: list[float], beta: float = 0.7) -> list[float]:
 
 
 def plot_curves(rows: list[dict[str, Any]], path: Path) -> Path | None:
-    """`rollout/rewards_mean`, `response_len` and, when logged, `rollout/entropy` against
-    step, raw and smoothed. Returns None (and writes nothing) when no step was logged."""
+    """`rollout/rewards_mean`, `response_len` and, when logged, `rollout/entropy` and
+    `rollout/decision_entropy` against step, raw and smoothed. Returns None (and writes nothing) when no step was logged."""
     if not rows:
         return None
     from matplotlib.ticker import MaxNLocator
@@ -61,6 +61,8 @@ def plot_curves(rows: list[dict[str, Any]], path: Path) -> Path | None:
     ]
     if any("rollout/entropy" in r for r in rows):
         panels.append(("rollout/entropy", "nats per generated token"))
+    if any("rollout/decision_entropy" in r for r in rows):
+        panels.append(("rollout/decision_entropy", "nats per decision token"))
     fig = _figure(figsize=(4.5 * len(panels), 3.4))
     for ax, (key, label) in zip(fig.subplots(1, len(panels)), panels):
         raw = [finite(r.get(key)) for r in rows]
