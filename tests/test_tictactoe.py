@@ -434,6 +434,10 @@ def test_game_replays_are_identical() -> None:
         (TicTacToeGame, {"opponent": "smart"}, "opponent='smart'"),
         (TicTacToeGame, {"opponent": "mixed:1.5"}, "0 <= P <= 1"),
         (TicTacToeGame, {"opponent": "mixed:abc"}, "mixed:P"),
+        (TicTacToeGame, {"opponent": "mix:minimax=0.5,random=0.6"}, "add up to 1"),
+        (TicTacToeGame, {"opponent": "mix:minimax=0.5,expert=0.5"}, "minimax, random, snapshot"),
+        (TicTacToeGame, {"opponent": "mix:minimax=half,random=0.5"}, "mix:NAME=SHARE"),
+        (TicTacToeGame, {"opponent": "mix:minimax"}, "mix:NAME=SHARE"),
         (TicTacToeGame, {"agent_plays": "Z"}, "agent_plays='Z'.*X, O, alternate"),
         (TicTacToeGame, {"tool_choice": "sometimes"}, "tool_choice='sometimes'.*auto, required"),
         (TicTacToeGame, {"max_turns": 4}, "max_turns=4"),
@@ -494,3 +498,72 @@ def test_minimax_opponent_is_not_memorisable() -> None:
             result = env.step(message)
         replays.add(tuple(result.info["moves"]))
     assert len(replays) == 1
+
+
+# ------------------------------------------------------------- the snapshot opponent
+
+
+def test_opponent_shares() -> None:
+    from looprl.envs.tictactoe import parse_opponent
+
+    assert parse_opponent("snapshot") == {"minimax": 0.0, "random": 0.0, "snapshot": 1.0}
+    assert parse_opponent("mixed:0.25") == {"minimax": 0.25, "random": 0.75, "snapshot": 0.0}
+    assert parse_opponent("mix:minimax=0.5, snapshot=0.5") == {
+        "minimax": 0.5, "random": 0.0, "snapshot": 0.5,
+    }  # fmt: skip
+
+
+def test_games_against_a_policy_snapshot() -> None:
+    """The env asks the registered player for the opponent's moves, from the opponent's
+    side, among the legal squares, with the game's random stream; train and eval games
+    ask their own player; a mix keeps the other players' moves."""
+    from looprl.envs.tictactoe import SnapshotPlayers
+
+    asked = []
+
+    def highest(split):
+        def choose(messages, tools, legal, rng):
+            asked.append((split, messages[-1].content, list(legal)))
+            rng.random()
+            return legal[-1]
+
+        return choose
+
+    env = TicTacToeGame(opponent="snapshot")
+    assert env.plays_snapshot and not TicTacToeGame(opponent="mixed:0.5").plays_snapshot
+    task = env.tasks("eval")[0]  # the agent plays X
+    env.reset(task)
+    with pytest.raises(EnvError, match="only `looprl run` provides"):
+        env.step(_call(1, "c0"))
+    try:
+        SnapshotPlayers.set("eval", highest("eval"))
+        SnapshotPlayers.set("train", highest("train"))
+        _, res = _play(env, task, _lowest)
+        # X plays 1, 2, 3 (lowest), the snapshot O plays 9, 8: X wins on the top row
+        assert res.outcome == "win" and res.info["moves"] == [
+            ("X", 1), ("O", 9), ("X", 2), ("O", 8), ("X", 3),
+        ]  # fmt: skip
+        assert {split for split, _, _ in asked} == {"eval"}
+        first = asked[0][1]
+        assert first.startswith("You play O.") and "Your move?" in first
+        assert asked[0][2] == [2, 3, 4, 5, 6, 7, 8, 9]
+        asked.clear()
+        _play(env, env.tasks("train", n=1, seed=3)[0], _lowest)
+        assert asked and {split for split, _, _ in asked} == {"train"}
+        # half and half with minimax: the same coin decides who moves, so the minimax
+        # moves of the mix are those of a pure minimax game up to the first snapshot move
+        mix = TicTacToeGame(opponent="mix:minimax=0.5,snapshot=0.5")
+        asked.clear()
+        counts = Counter()
+        for t in mix.tasks("eval", n=16):
+            _, res = _play(mix, t, _lowest)
+            counts[res.outcome] += 1
+        assert 0 < len(asked) < 16 * 4  # some moves by the snapshot, not all
+        # a player that answers an occupied square is the env's error, said plainly
+        SnapshotPlayers.set("eval", lambda messages, tools, legal, rng: 10)
+        env.reset(task)
+        with pytest.raises(EnvError, match="chose 10, not one of"):
+            env.step(_call(1, "c0"))
+    finally:
+        SnapshotPlayers.set("eval", None)
+        SnapshotPlayers.set("train", None)

@@ -183,21 +183,76 @@ class TicTacToeMove(_TicTacToeEnv):
 # ------------------------------------------------------------------------ whole game env
 
 
-def parse_opponent(spec: Any) -> float:
-    """Probability of a minimax opponent move: random -> 0, minimax -> 1, mixed:P -> P."""
-    if spec in ("random", "minimax"):
-        return 0.0 if spec == "random" else 1.0
+OPPONENTS = ("minimax", "random", "snapshot")
+
+
+def parse_opponent(spec: Any) -> dict[str, float]:
+    """The share of the opponent's moves each player makes (OPPONENTS; they add up to 1):
+    `random`, `minimax`, `snapshot` (the policy's own snapshot, see `SnapshotPlayers`),
+    `mixed:P` (minimax with probability P, else random) or `mix:minimax=A,random=B,
+    snapshot=C` (shares that add up to 1, missing ones 0)."""
+    if spec in OPPONENTS:
+        return {k: float(k == spec) for k in OPPONENTS}
     if isinstance(spec, str) and spec.startswith("mixed:"):
         try:
             p = float(spec[len("mixed:") :])
         except ValueError:
             p = math.nan
         if 0.0 <= p <= 1.0:  # also false for nan
-            return p
+            return {"minimax": p, "random": 1.0 - p, "snapshot": 0.0}
+    if isinstance(spec, str) and spec.startswith("mix:"):
+        shares = _mix_shares(spec)
+        if shares is not None:
+            return shares
     raise EnvError(
-        f"opponent={spec!r} is invalid: expected 'random', 'minimax' or 'mixed:P' with "
-        "0 <= P <= 1 (e.g. 'mixed:0.5')"
+        f"opponent={spec!r} is invalid: expected 'random', 'minimax', 'snapshot', 'mixed:P' "
+        "with 0 <= P <= 1 (e.g. 'mixed:0.5'), or 'mix:NAME=SHARE,...' with names from "
+        f"{', '.join(OPPONENTS)} and shares that add up to 1 (e.g. "
+        "'mix:minimax=0.5,random=0.25,snapshot=0.25')"
     )
+
+
+def _mix_shares(spec: str) -> dict[str, float] | None:
+    """`mix:minimax=A,random=B,snapshot=C` as shares, or None when it is malformed."""
+    shares = dict.fromkeys(OPPONENTS, 0.0)
+    for part in spec[len("mix:") :].split(","):
+        name, eq, value = part.strip().partition("=")
+        try:
+            share = float(value)
+        except ValueError:
+            return None
+        if not eq or name not in shares or not 0.0 <= share <= 1.0:
+            return None
+        shares[name] += share
+    return shares if abs(sum(shares.values()) - 1.0) < 1e-6 else None
+
+
+class SnapshotPlayers:
+    """Where `tictactoe-game`'s `snapshot` opponent finds the policy it plays as: a
+    callable `(messages, tools, legal_squares, rng) -> square` per split, set by the
+    training loop (loop/snapshot.py: train games play the policy of the last checkpoint,
+    eval games the model as it was loaded, so that every eval meets the same opponent).
+    Module-level because environments are built from their name and arguments alone."""
+
+    players: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def set(cls, split: str, player: Any) -> None:
+        if player is None:
+            cls.players.pop(split, None)
+        else:
+            cls.players[split] = player
+
+    @classmethod
+    def get(cls, split: str) -> Any:
+        player = cls.players.get(split)
+        if player is None:
+            raise EnvError(
+                "tictactoe-game's 'snapshot' opponent plays a snapshot of the policy, which "
+                f"only `looprl run` provides (no {split} snapshot is set); outside a run use "
+                "opponent 'random', 'minimax' or 'mixed:P'"
+            )
+        return player
 
 
 _GAME_OVER = {"win": "you win.", "draw": "it is a draw.", "loss": "you lose."}
@@ -210,8 +265,9 @@ MOVE_GRADES = {"best": 1.0, "legal": 0.0, "illegal": -1.0}
 class _GameState:
     board: str
     agent: Player
-    minimax_p: float
+    shares: dict[str, float]  # of the opponent's moves, by player (parse_opponent)
     rng: random.Random
+    split: str
     moves: list[tuple[Player, int]] = field(default_factory=list)
     done: bool = False
 
@@ -250,6 +306,7 @@ class TicTacToeGame(_TicTacToeEnv):
         self.opponent = opponent
         # against perfect play a draw is the best there is; otherwise only a win
         self.solved_outcomes = ("win", "draw") if opponent == "minimax" else ("win",)
+        self.plays_snapshot = parse_opponent(opponent)["snapshot"] > 0
         self.agent_plays = check_choice("agent_plays", agent_plays, ("X", "O", "alternate"))
         self.eval_size = check_int("eval_size", eval_size, 1)
         # X places at most 5 marks, so 5 agent turns always finish the game: the env never
@@ -270,8 +327,11 @@ class TicTacToeGame(_TicTacToeEnv):
 
     def reset(self, task: Task) -> Observation:
         agent = check_choice(f"task {task.id!r}: agent", task.data.get("agent"), ("X", "O"))
-        p = parse_opponent(task.data.get("opponent"))
-        state = self._state = _GameState(EMPTY_BOARD, agent, p, random.Random(task.seed))
+        shares = parse_opponent(task.data.get("opponent"))
+        split = "eval" if task.id.startswith("game-eval-") else "train"
+        state = self._state = _GameState(
+            EMPTY_BOARD, agent, shares, random.Random(task.seed), split
+        )
         if agent == "O":
             intro = f"You play O. The opponent (X) opened on {self._opponent_move(state)}."
         else:
@@ -279,14 +339,30 @@ class TicTacToeGame(_TicTacToeEnv):
         return self._observation(f"{intro}\n\n{self._board(state.board)}\n\nYour move?")
 
     def _opponent_move(self, state: _GameState) -> int:
-        # The coin is tossed even when p is 0 or 1 so that every opponent draws the same
-        # number of values from its RNG per move.
-        use_minimax = state.rng.random() < state.minimax_p
+        # The coin is tossed even when one player makes every move, so that every opponent
+        # draws the same number of values from its RNG per move (minimax first: `mixed:P`
+        # plays the games it always has).
+        coin = state.rng.random()
+        shares = state.shares
         player = other(state.agent)
-        choices = best_moves(state.board, player) if use_minimax else legal_moves(state.board)
-        square = state.rng.choice(choices)
+        if coin < shares["minimax"]:
+            square = state.rng.choice(best_moves(state.board, player))
+        elif coin < shares["minimax"] + shares["random"] or not shares["snapshot"]:
+            square = state.rng.choice(legal_moves(state.board))
+        else:
+            square = self._snapshot_move(state, player)
         state.board = play(state.board, square, player)
         state.moves.append((player, square))
+        return square
+
+    def _snapshot_move(self, state: _GameState, player: Player) -> int:
+        """The policy snapshot's move, asked as a one-move prompt from its side."""
+        choose = SnapshotPlayers.get(state.split)
+        obs = self._observation(f"You play {player}.\n\n{self._board(state.board)}\n\nYour move?")
+        legal = legal_moves(state.board)
+        square = choose(obs.messages, obs.tools, legal, state.rng)
+        if square not in legal:
+            raise EnvError(f"the snapshot opponent chose {square!r}, not one of {legal}")
         return square
 
     def step(self, message: Message) -> StepResult:

@@ -55,6 +55,7 @@ from looprl.loop.run_state import (
     resume_state,
     seed_everything,
 )
+from looprl.loop.snapshot import start_snapshots
 from looprl.loop.trackers import check_trackers
 from looprl.loop.update import UpdateState, update_policy
 from looprl.report import write as report_files
@@ -121,6 +122,8 @@ def train(
     )
     policy = load_model(cfg, progress)
     dist.broadcast_parameters(policy.trainable_parameters())  # the replicas start equal
+    # tictactoe-game's `snapshot` opponent: frozen copies of the model (loop/snapshot.py)
+    snapshot = start_snapshots(policy, bool(getattr(probe, "plays_snapshot", False)))
     dist.barrier()  # every rank has checked the folder before rank 0 changes it
     run_dir = out
     main_only(prepare_run_dir)(out, force=force, resume=resume)
@@ -149,6 +152,8 @@ def train(
     if cfg.sft.enabled and after_sft is None:
         warm_start(policy, probe, cfg, run_dir, progress)
         dist.broadcast_parameters(policy.trainable_parameters())
+        if snapshot is not None:
+            snapshot.refresh(policy.model)
         if greedy:  # first: a resume redoes the SFT until after_sft.json exists
             evaluate(policy, play, eval_tasks, cfg, run_dir, "after_sft_greedy", progress,
                      greedy=True)  # fmt: skip
@@ -161,6 +166,8 @@ def train(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg))
     loop = LoopState(update=UpdateState(micro_batch_tokens=cfg.train.micro_batch_tokens))
     start = resume_state(run_dir, policy, optimizer, scheduler, loop) if resume else 0
+    if snapshot is not None and resume:
+        snapshot.refresh(policy.model)  # the resumed checkpoint's weights
     logger = MetricsLogger(
         run_dir, cfg.logging.trackers, cfg.model_dump(mode="json"), cfg.logging.project,
         enabled=dist.is_main,
@@ -171,6 +178,8 @@ def train(
             run_dir, step, policy.model, optimizer, scheduler,
             {"model": cfg.model.name, **loop.to_meta()}, cfg.train.keep_checkpoints,
         )  # fmt: skip
+        if snapshot is not None:  # train games meet the policy of the last checkpoint
+            snapshot.refresh(policy.model)
 
     # algo.loss_on=free: the update sees each forced call's decision tokens only;
     # algo.entropy_coef: each advantage takes the spread of the decisions' surprisal

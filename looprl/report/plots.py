@@ -49,7 +49,8 @@ def ema(values: list[float], beta: float = 0.7) -> list[float]:
 
 def plot_curves(rows: list[dict[str, Any]], path: Path) -> Path | None:
     """`rollout/rewards_mean`, `response_len` and, when logged, `rollout/entropy` and
-    `rollout/decision_entropy` against step, raw and smoothed. Returns None (and writes nothing) when no step was logged."""
+    `rollout/decision_entropy` against step, raw and smoothed. Returns None (and writes
+    nothing) when no step was logged."""
     if not rows:
         return None
     from matplotlib.ticker import MaxNLocator
