@@ -60,6 +60,7 @@ def test_memory_arithmetic_on_a_hand_checked_shape():
     assert every["weights"] == 1_000_000 * 4  # float32 on a CPU
     assert every["LoRA adapters"] == 10_000 * 4
     assert every["optimizer state"] == 2 * 10_000 * 4  # AdamW: m and v in float32
+    assert "snapshot opponent" not in every
     eval_, rollout, update = (p.components for p in plan.phases)
     # rollout: 8 episodes, 6 rows; each row's own columns: 50 - 30 (head) + 10 = 30
     assert rollout["KV cache"] == (6 * 30 + 30) * 400 * 4
@@ -202,3 +203,12 @@ def test_the_embedded_models_known_config_is_what_its_gguf_says():
 
     from_gguf = load_model_config(f"gguf:{smollm2_gguf_path()}")
     assert {key: getattr(from_gguf, key) for key in SMOLLM2_CONFIG} == SMOLLM2_CONFIG
+
+
+def test_a_snapshot_opponent_costs_two_copies_of_the_model():
+    cfg = config_from_dict({
+        "env": {"name": "tictactoe-game", "args": {"opponent": "mix:minimax=0.5,snapshot=0.5"}},
+        "model": {"lora": {"rank": 8}},
+    })  # fmt: skip
+    every = plan_memory(cfg, hand_shape(), hand_work(), device("cpu-24g")).persistent.components
+    assert every["snapshot opponent"] == 2 * (1_000_000 * 4 + 10_000 * 4)

@@ -101,7 +101,22 @@ def persistent(cfg: Config, shape: ModelShape, device: Device) -> Phase:
         phase.add("LoRA adapters", shape.lora_params * 4,
                   f"{shape.lora_params / 1e6:,.2f}M float32, r={cfg.model.lora.rank}")  # fmt: skip
     phase.add("optimizer state", optimizer_bytes(cfg, shape, b), cfg.train.optimizer)
+    if plays_snapshot(cfg):
+        copy = shape.params * b + (shape.lora_params * 4 if cfg.model.lora.enabled else 0.0)
+        phase.add("snapshot opponent", 2 * copy, "two frozen copies of the model (train, eval)")
     return phase
+
+
+def plays_snapshot(cfg: Config) -> bool:
+    """Whether the run's env has the policy play against its own snapshot (loop/snapshot.py
+    keeps two copies of the model for it). An env that cannot be built says so elsewhere."""
+    from looprl.envs import make_env
+
+    try:
+        env = make_env(cfg.env.name, cfg.env.args)
+    except Exception:
+        return False
+    return bool(getattr(env, "plays_snapshot", False))
 
 
 def rollout_phase(cfg: Config, shape: ModelShape, work: Workload, device: Device,
