@@ -43,6 +43,12 @@ BAD_RUNS = [
         ["--set", "env.name=tictactoe-game", "--set", "env.args={move_rewards: maybe}"],
         ["move_rewards='maybe'"],
     ),
+    (["--set", "algo.loss_on=digits"], ["algo.loss_on", "'all' or 'free'"]),
+    (["--set", "algo.entropy_coef=-0.1"], ["algo.entropy_coef = -0.1"]),
+    (
+        ["--set", "env.name=tictactoe-game", "--set", "env.args={opponent: 'mix:minimax=0.7'}"],
+        ["mix:minimax=0.7", "add up to 1"],
+    ),
     (["--set", "model.device=cuda"], ["no CUDA device"]),
     (["no-such-config.yaml"], ["config file not found"]),
 ]
