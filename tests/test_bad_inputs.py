@@ -44,6 +44,17 @@ BAD_RUNS = [
         ["move_rewards='maybe'"],
     ),
     (["--set", "algo.loss_on=digits"], ["algo.loss_on", "'all' or 'free'"]),
+    (
+        [
+            "--set",
+            "env.name=tictactoe-game",
+            "--set",
+            "sft.enabled=true",
+            "--set",
+            "sft.env_args={agent_plays: Z}",
+        ],
+        ["sft.env_args", "agent_plays='Z'"],
+    ),
     (["--set", "algo.entropy_coef=-0.1"], ["algo.entropy_coef = -0.1"]),
     (
         ["--set", "env.name=tictactoe-game", "--set", "env.args={opponent: 'mix:minimax=0.7'}"],

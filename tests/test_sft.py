@@ -120,3 +120,35 @@ def test_greedy_eval_after_sft(tmp_path):
     assert "▶ greedy eval after SFT (3 episodes)" in shown.getvalue()
     greedy = (run / "report.md").read_text().split("## Greedy policy (T = 0)")[1]
     assert "| metric | before | after SFT | after |" in greedy.split("##")[0]
+
+
+def test_sft_env_args_choose_the_demonstration_tasks(tmp_path, monkeypatch):
+    """sft.env_args override env.args for the warm start's tasks only: here every
+    demonstration game is played as O, while the RL steps and evals alternate sides."""
+    import looprl.loop.sft as sft
+
+    seen = []
+    real = sft.demo_episode
+
+    def recording(env, task, renderer, grammars=None):
+        seen.append((env.agent_plays, task.data["agent"]))
+        return real(env, task, renderer, grammars)
+
+    monkeypatch.setattr(sft, "demo_episode", recording)
+    cfg = {
+        "model": {"name": "tiny-random"},
+        "env": {"name": "tictactoe-game", "args": {"opponent": "random"}},
+        "sft": {"enabled": True, "steps": 2, "batch_size": 3, "env_args": {"agent_plays": "O"}},
+        "rollout": {"tasks_per_step": 2, "group_size": 2, "max_new_tokens": 32},
+        "train": {"steps": 1, "checkpoint_every": 0},
+        "eval": {"tasks": 2, "samples_per_task": 1, "greedy": False},
+        "logging": {"trackers": []},
+    }
+    run = tmp_path / "run"
+    run_training(config_from_dict(cfg), run)
+    assert seen == [("O", "O")] * 6
+    # the evals keep env.args: the agent alternates sides (even games X, odd ones O)
+    baseline = json.loads((run / "eval" / "baseline.json").read_text())
+    assert {int(t.rsplit("-", 1)[1]) % 2 for t in baseline["task_ids"]} <= {0, 1}
+    assert all(t.startswith("game-eval-") for t in baseline["task_ids"])
+    assert (run / "config.yaml").read_text().count("agent_plays: O") == 1

@@ -317,6 +317,11 @@ class SFTConfig(Section):
         description="Tokens the SFT loss averages over: all assistant tokens, or only those "
         "a forced call's grammar leaves free (the decision, e.g. the square's digit).",
     )
+    env_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="env.args overrides for the SFT's demonstration tasks only (e.g. "
+        "{agent_plays: O}).",
+    )
 
 
 class LoggingConfig(Section):

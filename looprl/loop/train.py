@@ -103,7 +103,9 @@ def train(
     check_trackers(cfg.logging.trackers)
     ranks.check_split(cfg, dist)
     probe = make_env(cfg.env.name, cfg.env.args)
-    if cfg.sft.enabled and not callable(getattr(probe, "demonstrations", None)):
+    # the SFT draws its demonstration tasks from env.args with sft.env_args over them
+    sft_env = sft_environment(cfg) if cfg.sft.enabled else None
+    if sft_env is not None and not callable(getattr(sft_env, "demonstrations", None)):
         raise ConfigError(
             f"sft.enabled needs demonstrations, and environment {cfg.env.name!r} has no "
             "demonstrations(task) method (agent environments never do); set sft.enabled=false"
@@ -150,7 +152,7 @@ def train(
     # ---- optional SFT warm start on the env's demonstrations, then its own eval
     after_sft = load_json(run_dir / "eval" / "after_sft.json") if cfg.sft.enabled else None
     if cfg.sft.enabled and after_sft is None:
-        warm_start(policy, probe, cfg, run_dir, progress)
+        warm_start(policy, sft_env, cfg, run_dir, progress)
         dist.broadcast_parameters(policy.trainable_parameters())
         if snapshot is not None:
             snapshot.refresh(policy.model)
@@ -355,7 +357,8 @@ def write_config(run_dir: Path, cfg: Config) -> None:
 def warm_start(
     policy: Policy, probe: Any, cfg: Config, run_dir: Path, progress: Progress | None = None
 ) -> None:
-    """SFT steps on demonstrations of train tasks; checkpointed as step 0 (weights only)."""
+    """SFT steps on demonstrations of `probe`'s train tasks (the env built with env.args and
+    sft.env_args over them); checkpointed as step 0 (weights only)."""
     from looprl.loop.sft import demo_episode, sft_step
 
     # weight decay 0.01: torch AdamW's default, which the warm start has always used
@@ -369,7 +372,12 @@ def warm_start(
         for step in range(1, cfg.sft.steps + 1):
             tasks = probe.tasks("train", n=cfg.sft.batch_size, seed=cfg.seed * 999_983 + step)
             episodes = [
-                demo_episode(make_env(cfg.env.name, cfg.env.args), t, policy.renderer, grammars)
+                demo_episode(
+                    make_env(cfg.env.name, {**cfg.env.args, **cfg.sft.env_args}),
+                    t,
+                    policy.renderer,
+                    grammars,
+                )  # fmt: skip
                 for t in tasks
             ]
             stats = sft_step(policy, optimizer, episodes, cfg)
@@ -377,6 +385,16 @@ def warm_start(
             phase.update(step, detail=f"loss {stats['sft/loss']:.3f}")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     save_checkpoint(run_dir, 0, policy.model, optimizer, scheduler, {"stage": "sft"}, 1_000_000)
+
+
+def sft_environment(cfg: Config) -> Any:
+    """The env the SFT draws its demonstration tasks from: env.args, sft.env_args over them."""
+    if not cfg.sft.env_args:
+        return make_env(cfg.env.name, cfg.env.args)
+    try:
+        return make_env(cfg.env.name, {**cfg.env.args, **cfg.sft.env_args})
+    except LoopRLError as err:
+        raise ConfigError(f"sft.env_args {cfg.sft.env_args} over env.args: {err}") from None
 
 
 def lr_factor(step: int, cfg: Config) -> float:
