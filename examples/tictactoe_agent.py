@@ -22,6 +22,7 @@ from looprl.envs.tictactoe_board import (
     render_board,
     winner,
 )
+from looprl.errors import EnvError
 from looprl.openai.agents import AgentResult
 
 GAME_OVER = {"win": "you win.", "draw": "it is a draw.", "loss": "you lose."}
@@ -38,13 +39,15 @@ class TicTacToeAgent:
     def __init__(self, opponent="mixed:0.5", agent_plays="alternate", eval_size=64):
         # The tasks (and their opponent seeds) are the built-in game's.
         self.game = TicTacToeGame(opponent, agent_plays, eval_size=eval_size)
+        if parse_opponent(opponent)["snapshot"]:
+            raise EnvError("this example's opponent is random, minimax or mixed:P, not a snapshot")
 
     def tasks(self, split, n=None, seed=0):
         return self.game.tasks(split, n=n, seed=seed)
 
     async def run_agent(self, client, task):
         me, rng = task.data["agent"], random.Random(task.seed)
-        minimax_p = parse_opponent(task.data["opponent"])
+        minimax_p = parse_opponent(task.data["opponent"])["minimax"]
         board, moves = EMPTY_BOARD, []
 
         def opponent_move():
