@@ -26,6 +26,7 @@ import torch
 
 from looprl.chat import ChatRenderer
 from looprl.errors import LoopRLError
+from looprl.loop.policy import decoder_and_head
 from looprl.types import Message, ToolCall
 
 SQUARE_TOOL = "choose_square"
@@ -80,8 +81,13 @@ class SnapshotPlayer:
         rng: random.Random,
     ) -> int:
         prefix, heads = self._call_tokens(tools)
-        ids = self.renderer.prompt_ids(messages, tools) + prefix
-        logits_V = self.model(torch.tensor([ids], device=self.device)).logits[0, -1].float()
+        ids = torch.tensor([self.renderer.prompt_ids(messages, tools) + prefix], device=self.device)
+        split = decoder_and_head(self.model)
+        if split is not None:  # the head on the last position only
+            decoder, head = split
+            logits_V = head(decoder(input_ids=ids).last_hidden_state[:, -1]).float()[0]
+        else:
+            logits_V = self.model(input_ids=ids, use_cache=False).logits[0, -1].float()
         logp_L = torch.log_softmax(logits_V[[heads[k - 1] for k in legal]], dim=-1)
         # inverse CDF with the game's own stream: one draw per move, whatever the weights
         u, total = rng.random(), 0.0
