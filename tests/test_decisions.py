@@ -186,3 +186,22 @@ def test_a_run_with_an_entropy_bonus_logs_the_decisions(tmp_path):
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert row["rollout/decision_tokens"] == pytest.approx(1.0)
     assert row["rollout/decision_entropy"] > 0 and math.isfinite(row["train/loss"])
+
+
+def test_a_steps_views_are_built_once(game):
+    """With the step's cache, the entropy bonus and the update share each episode's view."""
+    from looprl.loop.decisions import decision_surprisal
+
+    policy, _, played = game
+    grammars = grammar_cache(policy)
+    cache: dict = {}
+    trainable = [e for e in played.episodes if e.trainable]
+    bonuses = [decision_surprisal(e, grammars, policy.tokenizer, cache) for e in trainable]
+    first = {id(e): cache[id(e)][1] for e in trainable}
+    batch = [(e, a) for e, a in zip(played.episodes, played.advantages) if a is not None]
+    views, metrics = decision_batch(played.episodes, batch, grammars, policy.tokenizer, cache)
+    assert all(v is first[id(e)] for (v, _), (e, _) in zip(views, batch))
+    plain, plain_metrics = decision_batch(played.episodes, batch, grammars, policy.tokenizer)
+    assert metrics == plain_metrics
+    assert [v.loss_mask for v, _ in views] == [v.loss_mask for v, _ in plain]
+    assert bonuses == [decision_surprisal(e, grammars, policy.tokenizer) for e in trainable]

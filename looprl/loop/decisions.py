@@ -40,11 +40,16 @@ def grammar_cache(policy: Any) -> Any:
     return GrammarCache(policy.tokenizer, vocab, list(policy.renderer.eos_ids))
 
 
-def decision_view(episode: Episode, grammars: Any, tokenizer: Any) -> Episode:
+def decision_view(
+    episode: Episode, grammars: Any, tokenizer: Any, cache: dict[int, Any] | None = None
+) -> Episode:
     """A copy of `episode` whose loss mask keeps only its decision tokens: in each turn
     sampled under a grammar (`Turn.constraint`), the span from the first token that grammar
     left free to the last (`decision_span`); a turn sampled without one keeps all its
-    tokens. Everything else is shared with `episode`."""
+    tokens. Everything else is shared with `episode`. With `cache` (one training step's:
+    the entropy bonus and the update ask for the same episodes), each view is built once."""
+    if cache is not None and id(episode) in cache:
+        return cache[id(episode)][1]
     mask = list(episode.loss_mask)
     for turn in episode.turns:
         if turn.constraint is None:
@@ -55,7 +60,10 @@ def decision_view(episode: Episode, grammars: Any, tokenizer: Any) -> Episode:
         )  # fmt: skip
         start = len(turn.prompt_ids)
         mask[start : start + len(flags)] = decision_span(flags)
-    return replace(episode, loss_mask=mask)
+    view = replace(episode, loss_mask=mask)
+    if cache is not None:  # the episode is kept with its view: its id stays its own
+        cache[id(episode)] = (episode, view)
+    return view
 
 
 def decision_span(flags: list[int]) -> list[int]:
@@ -69,27 +77,31 @@ def decision_span(flags: list[int]) -> list[int]:
     return [int(free[0] <= i <= free[-1]) for i in range(len(flags))]
 
 
-def decision_surprisal(episode: Episode, grammars: Any, tokenizer: Any) -> float:
+def decision_surprisal(
+    episode: Episode, grammars: Any, tokenizer: Any, cache: dict[int, Any] | None = None
+) -> float:
     """−log π of the episode's decision tokens as sampled (summed over its turns): a forced
     call's decision span, every token of a call sampled without a grammar. Within a group
     (one prompt) it ranks the choices as the grammar-constrained sampler's own logprobs do:
     renormalising over the allowed tokens shifts every sample of a position alike."""
-    view = decision_view(episode, grammars, tokenizer)
+    view = decision_view(episode, grammars, tokenizer, cache)
     return -sum(lp for lp, m in zip(view.logprobs, view.loss_mask) if m)
 
 
 def decision_batch(
-    episodes: list[Episode], batch: list[tuple[Episode, Any]], grammars: Any, tokenizer: Any
+    episodes: list[Episode],
+    batch: list[tuple[Episode, Any]],
+    grammars: Any,
+    tokenizer: Any,
+    cache: dict[int, Any] | None = None,
 ) -> tuple[list[tuple[Episode, Any]], dict[str, float]]:
-    """`batch` (episode, advantage) with each episode's `decision_view`; an episode without
-    a decision token (a call whose grammar allows one string only) takes no part. Also the
-    step's metrics over every trainable episode of `episodes`: `rollout/decision_tokens`
-    (decision tokens per episode) and `rollout/decision_entropy` (their mean −log π, the
-    sampled estimate of the per-decision entropy, free of the forced tokens' surprisal)."""
-    views = {id(e): decision_view(e, grammars, tokenizer) for e in episodes if e.trainable}
-    views.update(
-        (id(e), decision_view(e, grammars, tokenizer)) for e, _ in batch if id(e) not in views
-    )
+    """`batch` (episode, advantage; its episodes are among the trainable ones of `episodes`)
+    with each episode's `decision_view`; an episode without a decision token (a call whose
+    grammar allows one string only) takes no part. Also the step's metrics over every
+    trainable episode of `episodes`: `rollout/decision_tokens` (decision tokens per
+    episode) and `rollout/decision_entropy` (their mean −log π, the sampled estimate of
+    the per-decision entropy, free of the forced tokens' surprisal)."""
+    views = {id(e): decision_view(e, grammars, tokenizer, cache) for e in episodes if e.trainable}
     kept = [(views[id(e)], a) for e, a in batch if views[id(e)].response_len > 0]
     surprisal = [-lp for v in views.values() for lp, m in zip(v.logprobs, v.loss_mask) if m]
     metrics = {

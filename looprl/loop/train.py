@@ -187,9 +187,13 @@ def train(
     # algo.entropy_coef: each advantage takes the spread of the decisions' surprisal
     decisions = cfg.algo.loss_on == "free" or cfg.algo.entropy_coef > 0
     grammars = grammar_cache(policy) if decisions else None
+    views_of_step: dict[int, Any] = {}  # each episode's decision view, built once a step
     bonus = None
     if grammars is not None and cfg.algo.entropy_coef > 0:
-        bonus = partial(decision_surprisal, grammars=grammars, tokenizer=policy.tokenizer)
+        bonus = partial(
+            decision_surprisal, grammars=grammars, tokenizer=policy.tokenizer,
+            cache=views_of_step,
+        )  # fmt: skip
 
     # ---- training steps
     with (
@@ -199,6 +203,7 @@ def train(
         phase.update(start)
         for step in range(start + 1, cfg.train.steps + 1):
             t0 = time.time()
+            views_of_step.clear()
             # play the step's groups (refilled and picked by the levers of loop/groups.py)
             try:
                 played, loop.curriculum = play_step(
@@ -234,7 +239,9 @@ def train(
                           if a is not None]  # fmt: skip
             decision: dict[str, float] = {}
             if grammars is not None:
-                views, decision = decision_batch(episodes, mine_batch, grammars, policy.tokenizer)
+                views, decision = decision_batch(
+                    episodes, mine_batch, grammars, policy.tokenizer, views_of_step
+                )
                 if cfg.algo.loss_on == "free":
                     mine_batch = views
 
@@ -368,16 +375,12 @@ def warm_start(
     append_line = main_only(log.append_json)
     # sft.loss_on=free: the loss leaves out the tokens a forced call's grammar fixes
     grammars = grammar_cache(policy) if cfg.sft.loss_on == "free" else None
+    args = sft_env_args(cfg)
     with (progress or Progress(quiet=True)).phase("SFT warm start", cfg.sft.steps, "step") as phase:
         for step in range(1, cfg.sft.steps + 1):
             tasks = probe.tasks("train", n=cfg.sft.batch_size, seed=cfg.seed * 999_983 + step)
             episodes = [
-                demo_episode(
-                    make_env(cfg.env.name, {**cfg.env.args, **cfg.sft.env_args}),
-                    t,
-                    policy.renderer,
-                    grammars,
-                )  # fmt: skip
+                demo_episode(make_env(cfg.env.name, args), t, policy.renderer, grammars)
                 for t in tasks
             ]
             stats = sft_step(policy, optimizer, episodes, cfg)
@@ -387,12 +390,17 @@ def warm_start(
     save_checkpoint(run_dir, 0, policy.model, optimizer, scheduler, {"stage": "sft"}, 1_000_000)
 
 
+def sft_env_args(cfg: Config) -> dict[str, Any]:
+    """The env arguments of the SFT's demonstration tasks: env.args, sft.env_args over them."""
+    return {**cfg.env.args, **cfg.sft.env_args}
+
+
 def sft_environment(cfg: Config) -> Any:
-    """The env the SFT draws its demonstration tasks from: env.args, sft.env_args over them."""
+    """The env the SFT draws its demonstration tasks from (`sft_env_args`)."""
     if not cfg.sft.env_args:
         return make_env(cfg.env.name, cfg.env.args)
     try:
-        return make_env(cfg.env.name, {**cfg.env.args, **cfg.sft.env_args})
+        return make_env(cfg.env.name, sft_env_args(cfg))
     except LoopRLError as err:
         raise ConfigError(f"sft.env_args {cfg.sft.env_args} over env.args: {err}") from None
 
