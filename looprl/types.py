@@ -139,6 +139,9 @@ class Episode:
     # the environment's reward for each assistant turn, in order, where it grades turns
     # (StepResult.turn_reward); empty where it does not
     turn_rewards: list[float] = field(default_factory=list)
+    # played from the environment's demonstrations, not sampled (loop/guidance.py): its
+    # logprobs are 0 and the update takes the trainer's own as its behaviour policy
+    expert: bool = False
 
     @property
     def response_len(self) -> int:

@@ -60,6 +60,15 @@ BAD_RUNS = [
         ["--set", "env.name=tictactoe-game", "--set", "env.args={opponent: 'mix:minimax=0.7'}"],
         ["mix:minimax=0.7", "add up to 1"],
     ),
+    (["--set", "algo.expert_samples=8"], ["algo.expert_samples=8", "rollout.group_size=8"]),
+    (
+        ["--set", "algo.expert_samples=1", "--set", "algo.entropy_coef=0.1"],
+        ["algo.expert_samples", "algo.entropy_coef"],
+    ),
+    (
+        ["--set", "env.name=toy_envs:PickSevenAgent", "--set", "algo.expert_samples=1"],
+        ["algo.expert_samples needs demonstrations", "PickSevenAgent"],
+    ),
     (["--set", "model.device=cuda"], ["no CUDA device"]),
     (["no-such-config.yaml"], ["config file not found"]),
 ]

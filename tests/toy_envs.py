@@ -130,3 +130,44 @@ class PickSevenAgent:
             return AgentResult(-1.0, "no_tool_call")
         hit = json.loads(calls[0].function.arguments).get("n") == 7
         return AgentResult(1.0, "hit") if hit else AgentResult(0.0, "miss")
+
+
+SAY_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "say",
+        "description": "Say a word.",
+        "parameters": {
+            "type": "object",
+            "properties": {"word": {"type": "string"}},
+            "required": ["word"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+class SayPassword(PickSeven):
+    """Reward 1 for say(word="looprl"), 0 for another word, -1 for a failed call: an answer
+    a policy's own samples practically never hit, which only its demonstration shows."""
+
+    name = "say-password"
+    description = "Say the password (an answer sampling alone never finds)."
+    PASSWORD = "looprl"
+
+    def reset(self, task: Task) -> Observation:
+        return Observation(
+            messages=[Message(role="user", content="Say the password.")],
+            tools=[SAY_TOOL],
+            tool_choice=self.tool_choice,
+        )
+
+    def demonstrations(self, task: Task) -> list[Message]:
+        return [Message(role="assistant", tool_calls=[ToolCall("say", {"word": self.PASSWORD})])]
+
+    def step(self, message: Message) -> StepResult:
+        if message.parse_failure or not message.tool_calls:
+            return StepResult([], done=True, reward=-1.0, outcome=message.parse_failure)
+        hit = message.tool_calls[0].arguments.get("word") == self.PASSWORD
+        reward, outcome = (1.0, "hit") if hit else (0.0, "miss")
+        return StepResult([], done=True, reward=reward, outcome=outcome)

@@ -223,6 +223,12 @@ class AlgoConfig(Section):
         description="Entropy bonus beta: each advantage adds beta * (its decision tokens' "
         "-log pi - the group's mean); 0 = off.",
     )
+    expert_samples: int = Field(
+        0,
+        ge=0,
+        description="Expert guidance: in each group this many episodes are the env's "
+        "demonstration instead of policy samples (< rollout.group_size); 0 = off.",
+    )
     kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the initial policy; 0 = off.")
     tis_cap: float | None = Field(
         None,
@@ -402,6 +408,17 @@ class Config(Section):
             raise ValueError(
                 "algo.max_oversample > 1 refills the groups dynamic sampling drops: set "
                 "algo.dynamic_sampling=true as well (or algo.max_oversample=1)"
+            )
+        if self.algo.expert_samples >= self.rollout.group_size:
+            raise ValueError(
+                f"algo.expert_samples={self.algo.expert_samples} leaves no policy samples in "
+                f"a group of rollout.group_size={self.rollout.group_size}: it must be smaller"
+            )
+        if self.algo.expert_samples and self.algo.entropy_coef > 0:
+            raise ValueError(
+                "algo.expert_samples cannot be combined with algo.entropy_coef > 0: the "
+                "entropy bonus needs each episode's sampling logprobs, and an expert episode "
+                "was not sampled; set one of them to 0"
             )
         eight_bit = self.train.optimizer == "adamw_8bit"
         if eight_bit and importlib.util.find_spec("bitsandbytes") is None:

@@ -95,17 +95,24 @@ def decision_batch(
     tokenizer: Any,
     cache: dict[int, Any] | None = None,
 ) -> tuple[list[tuple[Episode, Any]], dict[str, float]]:
-    """`batch` (episode, advantage; its episodes are among the trainable ones of `episodes`)
-    with each episode's `decision_view`; an episode without a decision token (a call whose
-    grammar allows one string only) takes no part. Also the step's metrics over every
-    trainable episode of `episodes`: `rollout/decision_tokens` (decision tokens per
-    episode) and `rollout/decision_entropy` (their mean −log π, the sampled estimate of
-    the per-decision entropy, free of the forced tokens' surprisal)."""
-    views = {id(e): decision_view(e, grammars, tokenizer, cache) for e in episodes if e.trainable}
-    kept = [(views[id(e)], a) for e, a in batch if views[id(e)].response_len > 0]
-    surprisal = [-lp for v in views.values() for lp, m in zip(v.logprobs, v.loss_mask) if m]
+    """`batch` (episode, advantage) with each episode's `decision_view`; an episode
+    without a decision token (a call whose grammar allows one string only) takes no part.
+    Also the step's metrics over the policy's trainable samples among `episodes` (expert
+    episodes are not samples): `rollout/decision_tokens` (decision tokens per episode)
+    and `rollout/decision_entropy` (their mean −log π, the sampled estimate of the
+    per-decision entropy, free of the forced tokens' surprisal)."""
+    views: dict[int, Episode] = {}
+
+    def view(episode: Episode) -> Episode:
+        if id(episode) not in views:
+            views[id(episode)] = decision_view(episode, grammars, tokenizer, cache)
+        return views[id(episode)]
+
+    sampled = [view(e) for e in episodes if e.trainable and not e.expert]
+    kept = [(view(e), a) for e, a in batch if view(e).response_len > 0]
+    surprisal = [-lp for v in sampled for lp, m in zip(v.logprobs, v.loss_mask) if m]
     metrics = {
-        "rollout/decision_tokens": len(surprisal) / max(len(views), 1),
+        "rollout/decision_tokens": len(surprisal) / max(len(sampled), 1),
         "rollout/decision_entropy": sum(surprisal) / len(surprisal) if surprisal else 0.0,
     }
     return kept, metrics

@@ -10,6 +10,8 @@ formulas are in algo/selection.py):
 - `algo.entropy_coef` β adds β × (the episode's decision surprisal − its group's mean)
   to each advantage (`bonus`: loop/decisions.py; algo/advantages.py), so within a group
   the choice sampled less often is favoured, also among equal rewards.
+- `algo.expert_samples` k makes the last k members of each group the task's expert
+  episode (the env's demonstration, loop/guidance.py) instead of policy samples.
 - `curriculum.enabled` draws `curriculum.candidates` times more tasks than it plays and
   picks among them by their recent groups: mixed ones first, mastered ones retired. Its
   history is part of the loop state saved with each checkpoint, so a resumed run picks
@@ -38,6 +40,7 @@ from looprl.algo import (
 from looprl.config import Config
 from looprl.engine import SamplingParams
 from looprl.loop.dist import Dist
+from looprl.loop.guidance import with_experts
 from looprl.types import Episode, Task
 
 REFILL_SEED_STRIDE = 500_009  # a refill round's task seed: the step's seed + round × this
@@ -61,11 +64,15 @@ def play_step(
     step: int,
     history: dict[str, list[list[float]]],
     bonus: Callable[[Episode], float] | None = None,
+    expert: Callable[[Task], Episode] | None = None,
 ) -> tuple[StepGroups, dict[str, list[list[float]]]]:
     """Play the step's groups (refilling dropped ones); returns them and the curriculum
     history updated with every group played. With `bonus` (an episode's decision
-    surprisal), the advantages take `algo.entropy_coef` × its spread in the group."""
+    surprisal), the advantages take `algo.entropy_coef` × its spread in the group. With
+    `expert` (a task's expert episode), the last `algo.expert_samples` members of each
+    group are that episode."""
     wanted, group = cfg.rollout.tasks_per_step, cfg.rollout.group_size
+    experts = cfg.algo.expert_samples if expert is not None else 0
     refill = cfg.algo.dynamic_sampling and cfg.algo.max_oversample > 1
     cap = max(wanted, math.floor(wanted * cfg.algo.max_oversample)) if refill else wanted
     seed = cfg.seed * 1_000_003 + step
@@ -87,10 +94,11 @@ def play_step(
         weights += chosen_weights
         # this rank plays its share of whole groups; every rank then sees all episodes
         mine = dist.share(range(len(tasks)))
-        episodes = dist.gather(
-            play([tasks[i] for i in mine for _ in range(group)], params=params,
-                 first_index=(sampled + (mine[0] if mine else 0)) * group)
-        )  # fmt: skip
+        played = play([tasks[i] for i in mine for _ in range(group - experts)], params=params,
+                      first_index=(sampled + (mine[0] if mine else 0)) * group)  # fmt: skip
+        if experts:
+            played = with_experts(played, [tasks[i] for i in mine], experts, expert)
+        episodes = dist.gather(played)
         graded = [graded_turns(e) for e in episodes] if cfg.algo.turn_reward_weight else None
         advantages, zero_std = episode_advantages(
             [e.reward for e in episodes], [e.trainable for e in episodes], group,

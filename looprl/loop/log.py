@@ -97,6 +97,7 @@ def episode_record(episode: Episode, step: int | None = None) -> dict[str, Any]:
         ],
         "completions": [t.text for t in episode.turns],
         **({"turn_rewards": episode.turn_rewards} if episode.turn_rewards else {}),
+        **({"expert": True} if episode.expert else {}),
         **({"error": episode.error} if episode.error else {}),
     }
 

@@ -15,59 +15,38 @@ anyway, and their (quickly tiny) losses only dilute the mean of the one that mat
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from looprl.chat import ChatRenderer
 from looprl.config import Config
-from looprl.engine.requests import generation_request
-from looprl.envs import demonstrations
-from looprl.errors import EnvError
 from looprl.loop.decisions import free_tokens
+from looprl.loop.guidance import expert_episode
 from looprl.loop.policy import Policy, sequence_logprobs
 from looprl.loop.update import micro_batches
 from looprl.types import Episode, Task
 
 
 def demo_episode(env: Any, task: Task, renderer: ChatRenderer, grammars: Any = None) -> Episode:
-    """The token sequence of `task` played with its demonstration messages. With
-    `grammars` (an engine's GrammarCache), tokens a forced call's grammar leaves no
-    choice about get loss mask 0 (`free_tokens`)."""
-    demos = demonstrations(env, task)
-    if not demos:
-        raise EnvError(
-            f"environment {type(env).__name__} has no demonstrations for task {task.id}; "
-            "sft.enabled needs an environment with a demonstrations(task) method"
-        )
-    obs = env.reset(task)
-    history = list(obs.messages)
-    ids = renderer.prompt_ids(history, obs.tools)
-    episode = Episode(task=task, messages=history, token_ids=ids, loss_mask=[0] * len(ids),
-                      logprobs=[0.0] * len(ids))  # fmt: skip
-    constraint = generation_request([], obs.tools, obs.tool_choice, renderer.format).constraint
-    for demo in demos:
-        completion = renderer.assistant_ids(demo)
-        episode.token_ids += completion
-        if grammars is not None and constraint is not None:
-            matcher = grammars.matcher(constraint)
-            episode.loss_mask += free_tokens(
-                matcher, completion, renderer.tokenizer, grammars.info.vocab_size
-            )
-        else:
-            episode.loss_mask += [1] * len(completion)
-        episode.logprobs += [0.0] * len(completion)
-        history.append(demo)
-        result = env.step(demo)
-        episode.reward, episode.outcome = result.reward, result.outcome or ""
-        if result.done:
-            break
-        more = renderer.continuation_ids(history, result.messages, obs.tools, completion)
-        history.extend(result.messages)
-        episode.token_ids += more
-        episode.loss_mask += [0] * len(more)
-        episode.logprobs += [0.0] * len(more)
-    return episode
+    """The token sequence of `task` played with its demonstration messages
+    (`expert_episode`). With `grammars` (an engine's GrammarCache), tokens a forced call's
+    grammar leaves no choice about get loss mask 0 (`free_tokens`)."""
+    episode = expert_episode(env, task, renderer)
+    if grammars is None:
+        return episode
+    mask = list(episode.loss_mask)
+    for turn in episode.turns:
+        if turn.constraint is None:
+            continue
+        flags = free_tokens(
+            grammars.matcher(turn.constraint), turn.completion_ids, renderer.tokenizer,
+            grammars.info.vocab_size,
+        )  # fmt: skip
+        start = len(turn.prompt_ids)
+        mask[start : start + len(flags)] = flags
+    return replace(episode, loss_mask=mask)
 
 
 def sft_step(

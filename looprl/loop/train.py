@@ -40,6 +40,7 @@ from looprl.loop.decisions import decision_batch, decision_surprisal, grammar_ca
 from looprl.loop.dist import Dist, main_only
 from looprl.loop.evaluate import evaluate, load_model, player, summarize
 from looprl.loop.groups import play_step
+from looprl.loop.guidance import expert_advantage, safe_expert_episode
 from looprl.loop.log import MetricsLogger
 from looprl.loop.optim import make_optimizer
 from looprl.loop.policy import Policy
@@ -109,6 +110,12 @@ def train(
         raise ConfigError(
             f"sft.enabled needs demonstrations, and environment {cfg.env.name!r} has no "
             "demonstrations(task) method (agent environments never do); set sft.enabled=false"
+        )
+    if cfg.algo.expert_samples and not callable(getattr(probe, "demonstrations", None)):
+        raise ConfigError(
+            f"algo.expert_samples needs demonstrations, and environment {cfg.env.name!r} has "
+            "no demonstrations(task) method (agent environments never do); set "
+            "algo.expert_samples=0"
         )
     if cfg.algo.turn_reward_weight > 0 and not gives_turn_rewards(probe):
         raise ConfigError(
@@ -195,6 +202,14 @@ def train(
             cache=views_of_step,
         )  # fmt: skip
 
+    # algo.expert_samples: the task's expert episode as the last members of each group
+    expert = None
+    if cfg.algo.expert_samples:
+        expert = partial(
+            safe_expert_episode, lambda: make_env(cfg.env.name, cfg.env.args),
+            renderer=policy.renderer, temperature=cfg.rollout.temperature,
+        )  # fmt: skip
+
     # ---- training steps
     with (
         progress.phase("training", total=cfg.train.steps, unit="step") as phase,
@@ -207,7 +222,7 @@ def train(
             # play the step's groups (refilled and picked by the levers of loop/groups.py)
             try:
                 played, loop.curriculum = play_step(
-                    cfg, probe, play, dist, step, loop.curriculum, bonus
+                    cfg, probe, play, dist, step, loop.curriculum, bonus, expert
                 )
             except EngineError as err:  # e.g. the vLLM server died: keep what was learned
                 checkpoint(step - 1)
@@ -264,17 +279,21 @@ def train(
                 warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
                 scheduler.step()
 
-            summary = summarize(episodes)
+            # rollout/*: the policy's own samples (expert episodes were not sampled)
+            sampled = [e for e in episodes if not e.expert]
+            summary = summarize(sampled)
             metrics = {
                 "step": step,
                 "rollout/rewards_mean": summary["reward_mean"],
-                "rollout/rewards_std": float(np.std([e.reward for e, _ in batch] or [0.0])),
+                "rollout/rewards_std": float(
+                    np.std([e.reward for e, _ in batch if not e.expert] or [0.0])
+                ),
                 "response_len": summary["response_len"],
                 "rollout/valid_tool_call_rate": summary["valid_tool_call_rate"],
                 "rollout/env_errors": len(errors),
-                "rollout/token_mismatch": sum("token_mismatch" in e.info for e in episodes),
+                "rollout/token_mismatch": sum("token_mismatch" in e.info for e in sampled),
                 "rollout/retokenize_mismatch": sum(
-                    "retokenize_mismatch" in e.info for e in episodes
+                    "retokenize_mismatch" in e.info for e in sampled
                 ),
                 "rollout/logprob_gap": stats["logprob_gap"],
                 "rollout/entropy": summary["entropy"],
@@ -288,11 +307,13 @@ def train(
                 "train/ratio_max": stats["ratio_max"],
                 "train/micro_batch_tokens": loop.update.micro_batch_tokens,
                 "perf/step_s": time.time() - t0,
-                "perf/rollout_tokens_per_s": sum(e.response_len for e in episodes) / rollout_s,
+                "perf/rollout_tokens_per_s": sum(e.response_len for e in sampled) / rollout_s,
                 "perf/train_tokens_per_s": stats["tokens"] / max(train_s, 1e-9),
                 "perf/peak_rss_gb": peak_rss_gb(),
             }
-            graded = [r for e in episodes if e.trainable for r in e.turn_rewards]
+            if expert is not None:
+                metrics["train/expert_advantage"] = expert_advantage(batch)
+            graded = [r for e in sampled if e.trainable for r in e.turn_rewards]
             if graded:  # environments that grade each turn (StepResult.turn_reward)
                 metrics["rollout/turn_rewards_mean"] = float(np.mean(graded))
             metrics.update(stats.get("router", {}))  # MoE models only

@@ -146,7 +146,13 @@ def update_policy(
         with model.disable_adapter():
             ref = retry_on_oom(lambda budget: masked_values(episodes, budget), state, optimizer)
     model.train()
-    gaps = [(old[id(e)] - _sampled(e)).abs().mean().item() for e in episodes]
+
+    def behaviour(episode: Episode) -> torch.Tensor:
+        # an expert episode was not sampled: the policy before the step stands in for its
+        # behaviour policy (loop/guidance.py)
+        return old[id(episode)] if episode.expert else _sampled(episode)
+
+    gaps = [(old[id(e)] - _sampled(e)).abs().mean().item() for e in episodes if not e.expert]
     gap_sum, gap_count = dist.all_reduce([float(np.sum(gaps)), len(gaps)])
     out["logprob_gap"] = gap_sum / gap_count if gap_count else float("nan")
 
@@ -168,7 +174,7 @@ def update_policy(
             old_BK[mask_BK] = torch.cat([old[id(e)] for e in chunk]).to(old_BK)
             if algo.tis_cap is not None:  # off-policy correction (algo/tis.py)
                 engine_BK = torch.zeros_like(logp_BK)
-                engine_BK[mask_BK] = torch.cat([_sampled(e) for e in chunk]).to(engine_BK)
+                engine_BK[mask_BK] = torch.cat([behaviour(e) for e in chunk]).to(engine_BK)
                 w_BK = tis_weights(old_BK, engine_BK, mask_BK, algo.tis_cap)
                 logp_BK = weight_gradient(logp_BK, w_BK)
             ref_BK = None
