@@ -277,8 +277,19 @@ def _rss(peak_rss: float | None) -> str:
 def _headline(cfg: Config, wall_s: float | None, wall_label: str, peak: float | None) -> str:
     return (
         f"{cfg.train.steps} steps · {cfg.rollout.tasks_per_step} tasks × "
-        f"{cfg.rollout.group_size} samples per step · lr {cfg.train.lr} · "
+        f"{_group(cfg)} per step · lr {cfg.train.lr} · "
         f"{_time(wall_s, wall_label)} · {_rss(peak)}"
+    )
+
+
+def _group(cfg: Config) -> str:
+    """A group's members: samples, and the expert episodes of algo.expert_samples."""
+    k = cfg.algo.expert_samples
+    if not k:
+        return f"{cfg.rollout.group_size} samples"
+    return (
+        f"({cfg.rollout.group_size - k} samples + {k} expert "
+        f"demonstration{'s' if k > 1 else ''})"
     )
 
 
@@ -295,7 +306,7 @@ def _facts(
         ["algorithm", cfg.algo.name],
         ["steps", f"{len(rows)} logged of {cfg.train.steps} configured"],
         ["learning rate", f"{cfg.train.lr} ({cfg.train.lr_schedule})"],
-        ["tasks × group", f"{cfg.rollout.tasks_per_step} × {cfg.rollout.group_size}"],
+        ["tasks × group", f"{cfg.rollout.tasks_per_step} × {_group(cfg)}"],
         [
             "held-out eval",
             f"{base.get('n', '?')} episodes: {cfg.eval.tasks} tasks × "
