@@ -31,6 +31,10 @@ class ChecksumEnv:
         text = f"Say something about the number {task.data['i']}."
         return Observation(messages=[Message(role="user", content=text)], tools=[])
 
+    def demonstrations(self, task: Task) -> list[Message]:
+        """An "expert" reply (algo.expert_samples): any fixed text has its own checksum."""
+        return [Message(role="assistant", content=f"The number {task.data['i']}.")]
+
     def step(self, message: Message) -> StepResult:
         reward = zlib.crc32((message.content or "").encode()) % 1000 / 1000
         return StepResult(messages=[], done=True, reward=reward, outcome="done")

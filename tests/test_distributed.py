@@ -175,6 +175,16 @@ def test_two_nodes_train_like_one(runs):
     assert_same_run(runs["one"], runs["nodes"])
 
 
+def test_expert_guidance_on_two_processes_trains_like_one(tmp_path):
+    """Each rank adds the expert episodes of its own groups before the gather."""
+    sets = ["algo.expert_samples=1", "rollout.group_size=3"]
+    one_process(tmp_path / "one", *sets)
+    one_node(tmp_path / "two", *sets)
+    assert_same_step(tmp_path / "one", tmp_path / "two", 1)
+    for run in ("one", "two"):
+        assert metrics(tmp_path / run)[0]["train/expert_advantage"] != 0
+
+
 def test_checkpoints_resume_at_another_world_size(runs, tmp_path):
     """A 2-process checkpoint resumed for one more step on 1 process and on 2 processes:
     the same step from the same weights."""

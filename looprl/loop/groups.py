@@ -94,8 +94,11 @@ def play_step(
         weights += chosen_weights
         # this rank plays its share of whole groups; every rank then sees all episodes
         mine = dist.share(range(len(tasks)))
-        played = play([tasks[i] for i in mine for _ in range(group - experts)], params=params,
-                      first_index=(sampled + (mine[0] if mine else 0)) * group)  # fmt: skip
+        # a task's samples take random streams (the step's tasks so far) × (samples a
+        # task) on: the streams of one process playing the whole batch
+        sampling = group - experts
+        played = play([tasks[i] for i in mine for _ in range(sampling)], params=params,
+                      first_index=(sampled + (mine[0] if mine else 0)) * sampling)  # fmt: skip
         if experts:
             played = with_experts(played, [tasks[i] for i in mine], experts, expert)
         episodes = dist.gather(played)
