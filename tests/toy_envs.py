@@ -38,20 +38,24 @@ class PickSeven:
         offset = 0 if split == "eval" else 10_000
         return [Task(id=f"{split}-{seed}-{i}", data={}, seed=offset + i) for i in range(n or 8)]
 
+    # what a subclass changes to ask for another answer
+    prompt, tool, argument, answer = "Pick a number from 1 to 9.", PICK_TOOL, "n", 7
+
     def reset(self, task: Task) -> Observation:
         return Observation(
-            messages=[Message(role="user", content="Pick a number from 1 to 9.")],
-            tools=[PICK_TOOL],
+            messages=[Message(role="user", content=self.prompt)],
+            tools=[self.tool],
             tool_choice=self.tool_choice,
         )
 
     def demonstrations(self, task: Task) -> list[Message]:
-        return [Message(role="assistant", tool_calls=[ToolCall("pick", {"n": 7})])]
+        call = ToolCall(self.tool["function"]["name"], {self.argument: self.answer})
+        return [Message(role="assistant", tool_calls=[call])]
 
     def step(self, message: Message) -> StepResult:
         if message.parse_failure or not message.tool_calls:
             return StepResult([], done=True, reward=-1.0, outcome=message.parse_failure)
-        hit = message.tool_calls[0].arguments.get("n") == 7
+        hit = message.tool_calls[0].arguments.get(self.argument) == self.answer
         reward, outcome = (1.0, "hit") if hit else (0.0, "miss")
         return StepResult([], done=True, reward=reward, outcome=outcome)
 
@@ -153,21 +157,4 @@ class SayPassword(PickSeven):
 
     name = "say-password"
     description = "Say the password (an answer sampling alone never finds)."
-    PASSWORD = "looprl"
-
-    def reset(self, task: Task) -> Observation:
-        return Observation(
-            messages=[Message(role="user", content="Say the password.")],
-            tools=[SAY_TOOL],
-            tool_choice=self.tool_choice,
-        )
-
-    def demonstrations(self, task: Task) -> list[Message]:
-        return [Message(role="assistant", tool_calls=[ToolCall("say", {"word": self.PASSWORD})])]
-
-    def step(self, message: Message) -> StepResult:
-        if message.parse_failure or not message.tool_calls:
-            return StepResult([], done=True, reward=-1.0, outcome=message.parse_failure)
-        hit = message.tool_calls[0].arguments.get("word") == self.PASSWORD
-        reward, outcome = (1.0, "hit") if hit else (0.0, "miss")
-        return StepResult([], done=True, reward=reward, outcome=outcome)
+    prompt, tool, argument, answer = "Say the password.", SAY_TOOL, "word", "looprl"
