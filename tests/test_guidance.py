@@ -196,6 +196,7 @@ def test_expert_guidance_teaches_what_sampling_never_finds(tmp_path):
             sum(s["reward"] for s in mine) / len(mine)
         )
     assert sum(bool(s.get("expert")) for s in samples) == 2 * len(rows)
-    assert "2 tasks × (3 samples + 1 expert demonstration) per step" in (
-        tmp_path / "run1" / "report.md"
-    ).read_text()
+    assert (
+        "2 tasks × (3 samples + 1 expert demonstration) per step"
+        in (tmp_path / "run1" / "report.md").read_text()
+    )

@@ -288,8 +288,7 @@ def _group(cfg: Config) -> str:
     if not k:
         return f"{cfg.rollout.group_size} samples"
     return (
-        f"({cfg.rollout.group_size - k} samples + {k} expert "
-        f"demonstration{'s' if k > 1 else ''})"
+        f"({cfg.rollout.group_size - k} samples + {k} expert demonstration{'s' if k > 1 else ''})"
     )
 
 
