@@ -19,6 +19,7 @@ mean of the gradient, by the call's length.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -50,6 +51,21 @@ def decision_view(
     the entropy bonus and the update ask for the same episodes), each view is built once."""
     if cache is not None and id(episode) in cache:
         return cache[id(episode)][1]
+    view = grammar_masked(episode, grammars, tokenizer, decision_span)
+    if cache is not None:  # the episode is kept with its view: its id stays its own
+        cache[id(episode)] = (episode, view)
+    return view
+
+
+def grammar_masked(
+    episode: Episode,
+    grammars: Any,
+    tokenizer: Any,
+    shape: Callable[[list[int]], list[int]] = list,
+) -> Episode:
+    """A copy of `episode` whose loss mask over each turn sampled under a grammar is
+    `shape(free_tokens(...))` (the free tokens themselves by default); turns sampled
+    without one keep their mask. Everything else is shared with `episode`."""
     mask = list(episode.loss_mask)
     for turn in episode.turns:
         if turn.constraint is None:
@@ -59,11 +75,8 @@ def decision_view(
             grammars.info.vocab_size,
         )  # fmt: skip
         start = len(turn.prompt_ids)
-        mask[start : start + len(flags)] = decision_span(flags)
-    view = replace(episode, loss_mask=mask)
-    if cache is not None:  # the episode is kept with its view: its id stays its own
-        cache[id(episode)] = (episode, view)
-    return view
+        mask[start : start + len(flags)] = shape(flags)
+    return replace(episode, loss_mask=mask)
 
 
 def decision_span(flags: list[int]) -> list[int]:
@@ -101,15 +114,14 @@ def decision_batch(
     episodes are not samples): `rollout/decision_tokens` (decision tokens per episode)
     and `rollout/decision_entropy` (their mean −log π, the sampled estimate of the
     per-decision entropy, free of the forced tokens' surprisal)."""
-    views: dict[int, Episode] = {}
-
-    def view(episode: Episode) -> Episode:
-        if id(episode) not in views:
-            views[id(episode)] = decision_view(episode, grammars, tokenizer, cache)
-        return views[id(episode)]
-
-    sampled = [view(e) for e in episodes if e.trainable and not e.expert]
-    kept = [(view(e), a) for e, a in batch if view(e).response_len > 0]
+    cache = {} if cache is None else cache
+    views = [(decision_view(e, grammars, tokenizer, cache), a) for e, a in batch]
+    sampled = [
+        decision_view(e, grammars, tokenizer, cache)
+        for e in episodes
+        if e.trainable and not e.expert
+    ]
+    kept = [(view, a) for view, a in views if view.response_len > 0]
     surprisal = [-lp for v in sampled for lp, m in zip(v.logprobs, v.loss_mask) if m]
     metrics = {
         "rollout/decision_tokens": len(surprisal) / max(len(sampled), 1),

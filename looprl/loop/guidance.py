@@ -20,7 +20,6 @@ policy's samples.
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -29,7 +28,8 @@ from looprl.chat import ChatRenderer
 from looprl.engine.requests import generation_request
 from looprl.envs import demonstrations
 from looprl.errors import EnvError
-from looprl.types import ENV_ERROR, TRUNCATED, Episode, Task, Turn
+from looprl.loop.rollout import append_tokens, mark_env_error
+from looprl.types import TRUNCATED, Episode, Task, Turn
 
 
 def expert_episode(
@@ -48,9 +48,9 @@ def expert_episode(
         )
     obs = env.reset(task)
     history = list(obs.messages)
-    ids = renderer.prompt_ids(history, obs.tools)
-    episode = Episode(task=task, messages=history, token_ids=ids, loss_mask=[0] * len(ids),
-                      logprobs=[0.0] * len(ids), temperature=temperature, expert=True)  # fmt: skip
+    episode = Episode(task=task, messages=history, token_ids=[], loss_mask=[], logprobs=[],
+                      temperature=temperature, expert=True)  # fmt: skip
+    append_tokens(episode, renderer.prompt_ids(history, obs.tools), mask=0)
     constraint = generation_request([], obs.tools, obs.tool_choice, renderer.format).constraint
     result = None
     for demo in demos:
@@ -64,9 +64,7 @@ def expert_episode(
                 constraint=constraint,
             )
         )
-        episode.token_ids += completion
-        episode.loss_mask += [1] * len(completion)
-        episode.logprobs += [0.0] * len(completion)
+        append_tokens(episode, completion, mask=1)
         history.append(demo)
         result = env.step(demo)
         episode.reward, episode.info = float(result.reward), dict(result.info)
@@ -77,9 +75,7 @@ def expert_episode(
             break
         more = renderer.continuation_ids(history, result.messages, obs.tools, completion)
         history.extend(result.messages)
-        episode.token_ids += more
-        episode.loss_mask += [0] * len(more)
-        episode.logprobs += [0.0] * len(more)
+        append_tokens(episode, more, mask=0)
     done = result is not None and result.done
     episode.outcome = (result.outcome or "done") if done else TRUNCATED
     return episode
@@ -93,10 +89,10 @@ def safe_expert_episode(
     try:
         return expert_episode(make_env(), task, renderer, temperature)
     except Exception as err:
-        text = "".join(traceback.format_exception(type(err), err, err.__traceback__))[-4000:]
-        return Episode(task=task, messages=[], token_ids=[], loss_mask=[], logprobs=[],
-                       outcome=ENV_ERROR, error=text, temperature=temperature,
-                       expert=True)  # fmt: skip
+        episode = Episode(task=task, messages=[], token_ids=[], loss_mask=[], logprobs=[],
+                          temperature=temperature, expert=True)  # fmt: skip
+        mark_env_error(episode, err)
+        return episode
 
 
 def with_experts(

@@ -39,12 +39,11 @@ class _Live:
     turn_starts: list[int] = field(default_factory=list)  # len(history) as each turn began
 
 
-def _fail(live: _Live, err: BaseException) -> None:
+def mark_env_error(episode: Episode, err: BaseException) -> None:
     """A bug inside the environment: this episode only is marked and left out of the loss."""
-    ep = live.episode
-    ep.outcome = ENV_ERROR
-    ep.reward = 0.0
-    ep.error = "".join(traceback.format_exception(type(err), err, err.__traceback__))[-4000:]
+    episode.outcome = ENV_ERROR
+    episode.reward = 0.0
+    episode.error = "".join(traceback.format_exception(type(err), err, err.__traceback__))[-4000:]
 
 
 def _start(
@@ -58,15 +57,15 @@ def _start(
     try:
         live.obs = env.reset(task)
     except Exception as err:
-        _fail(live, err)
+        mark_env_error(live.episode, err)
         return live
     live.history = list(live.obs.messages)
     prompt = renderer.prompt_ids(live.history, live.obs.tools)
-    _append(episode, prompt, mask=0)
+    append_tokens(episode, prompt, mask=0)
     return live
 
 
-def _append(
+def append_tokens(
     episode: Episode, ids: list[int], mask: int, logprobs: list[float] | None = None
 ) -> None:
     episode.token_ids.extend(ids)
@@ -200,7 +199,7 @@ def _advance(
             constraint=constraint,
         )
     )
-    _append(ep, completion.ids, mask=1, logprobs=completion.logprobs)
+    append_tokens(ep, completion.ids, mask=1, logprobs=completion.logprobs)
     message = renderer.assistant_message(
         text, live.obs.tools, require_call=bool(live.obs.tools) and live.obs.tool_choice != "none"
     )
@@ -208,7 +207,7 @@ def _advance(
     try:
         result = live.env.step(message)
     except Exception as err:
-        _fail(live, err)
+        mark_env_error(live.episode, err)
         return False
     ep.reward = float(result.reward)
     ep.info = dict(result.info)
@@ -223,8 +222,8 @@ def _advance(
             live.history, result.messages, live.obs.tools, completion.ids
         )
     except Exception as err:
-        _fail(live, err)
+        mark_env_error(live.episode, err)
         return False
     live.history.extend(result.messages)
-    _append(ep, more, mask=0)
+    append_tokens(ep, more, mask=0)
     return True

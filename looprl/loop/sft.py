@@ -15,14 +15,13 @@ anyway, and their (quickly tiny) losses only dilute the mean of the one that mat
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
 
 from looprl.chat import ChatRenderer
 from looprl.config import Config
-from looprl.loop.decisions import free_tokens
+from looprl.loop.decisions import grammar_masked
 from looprl.loop.guidance import expert_episode
 from looprl.loop.policy import Policy, sequence_logprobs
 from looprl.loop.update import micro_batches
@@ -34,19 +33,7 @@ def demo_episode(env: Any, task: Task, renderer: ChatRenderer, grammars: Any = N
     (`expert_episode`). With `grammars` (an engine's GrammarCache), tokens a forced call's
     grammar leaves no choice about get loss mask 0 (`free_tokens`)."""
     episode = expert_episode(env, task, renderer)
-    if grammars is None:
-        return episode
-    mask = list(episode.loss_mask)
-    for turn in episode.turns:
-        if turn.constraint is None:
-            continue
-        flags = free_tokens(
-            grammars.matcher(turn.constraint), turn.completion_ids, renderer.tokenizer,
-            grammars.info.vocab_size,
-        )  # fmt: skip
-        start = len(turn.prompt_ids)
-        mask[start : start + len(flags)] = flags
-    return replace(episode, loss_mask=mask)
+    return episode if grammars is None else grammar_masked(episode, grammars, renderer.tokenizer)
 
 
 def sft_step(

@@ -106,17 +106,16 @@ def train(
     probe = make_env(cfg.env.name, cfg.env.args)
     # the SFT draws its demonstration tasks from env.args with sft.env_args over them
     sft_env = sft_environment(cfg) if cfg.sft.enabled else None
-    if sft_env is not None and not callable(getattr(sft_env, "demonstrations", None)):
-        raise ConfigError(
-            f"sft.enabled needs demonstrations, and environment {cfg.env.name!r} has no "
-            "demonstrations(task) method (agent environments never do); set sft.enabled=false"
-        )
-    if cfg.algo.expert_samples and not callable(getattr(probe, "demonstrations", None)):
-        raise ConfigError(
-            f"algo.expert_samples needs demonstrations, and environment {cfg.env.name!r} has "
-            "no demonstrations(task) method (agent environments never do); set "
-            "algo.expert_samples=0"
-        )
+    guided = probe if cfg.algo.expert_samples else None  # its groups take the expert's
+    for field, env, off in (
+        ("sft.enabled", sft_env, "sft.enabled=false"),
+        ("algo.expert_samples", guided, "algo.expert_samples=0"),
+    ):
+        if env is not None and not callable(getattr(env, "demonstrations", None)):
+            raise ConfigError(
+                f"{field} needs demonstrations, and environment {cfg.env.name!r} has no "
+                f"demonstrations(task) method (agent environments never do); set {off}"
+            )
     if cfg.algo.turn_reward_weight > 0 and not gives_turn_rewards(probe):
         raise ConfigError(
             f"algo.turn_reward_weight > 0 needs per-turn rewards, and environment "
