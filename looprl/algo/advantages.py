@@ -30,6 +30,19 @@ when a grade already looks ahead (tic-tac-toe's exact minimax). A group whose re
 all equal gets no turn term, and one whose rewards and returns are all equal is still
 dropped by dynamic sampling.
 
+Expert baseline (`algo.expert_baseline: samples`, with expert guidance): a group of
+policy samples s and expert episodes e takes
+
+    A_s = the samples' own group advantages (as if no expert were there)
+    A_e = max(0, r_e - mean(r_s)) / (std(r_s and r_e) + eps)
+
+so the expert only pulls the policy toward its move where it beats the samples, and never
+pushes the samples down: a group whose samples tie and lose to the expert trains on the
+expert's episode alone (a supervised step weighted by how far the samples are behind). In
+the default `group` baseline the expert is one member among the others, and seven samples
+that tie below it take negative advantages that spread their probability off the square
+they preferred (docs/learning.md, ablation 5). Per-turn terms are anchored the same way.
+
 Entropy bonus (maximum-entropy RL): with b_i the surprisal -log pi of episode i's
 decision tokens (as sampled) and beta = algo.entropy_coef,
 
@@ -44,6 +57,8 @@ group whose rewards are equal but whose bonuses differ.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 from torch import Tensor
@@ -124,6 +139,21 @@ def group_turn_advantages(
     return [[(g - mean) / div for g in returns_K] for returns_K in returns]
 
 
+def anchored_advantages(
+    samples: list[float], anchors: list[float], scale: bool = True, eps: float = 1e-6
+) -> tuple[list[float], list[float]]:
+    """The expert baseline (module doc): the samples' advantages among themselves, and each
+    anchor's (expert's) lead over the samples' mean, floored at 0, over the std of all of
+    them. No samples, or all values equal: zeros."""
+    if not samples or len(set(samples + anchors)) == 1:
+        return [0.0] * len(samples), [0.0] * len(anchors)
+    adv_s = group_advantages(torch.tensor(samples, dtype=torch.float64), scale=scale, eps=eps)
+    everything = torch.tensor(samples + anchors, dtype=torch.float64)
+    div = float(everything.std(unbiased=False)) + eps if scale else 1.0
+    mean = sum(samples) / len(samples)
+    return adv_s.tolist(), [max(0.0, a - mean) / div for a in anchors]
+
+
 Advantage = float | tuple[float, ...]  # one per episode, or one per turn (per-turn rewards)
 
 # a group's bonus spread (nats) below which its episodes count as one choice: the same
@@ -160,6 +190,7 @@ def episode_advantages(
     turn_gamma: float = 1.0,
     bonus: list[float] | None = None,
     bonus_weight: float = 0.0,
+    anchors: list[bool] | None = None,
 ) -> tuple[list[Advantage | None], int]:
     """The advantage of every episode of a rollout batch, None for one that takes no part.
 
@@ -174,6 +205,9 @@ def episode_advantages(
     With `bonus` (each episode's decision surprisal) and `bonus_weight` β > 0, every kept
     advantage (each turn's too) adds β × its bonus minus the group's mean bonus (module
     doc); dynamic sampling keeps a group whose bonuses spread.
+    With `anchors` (True for an expert episode), a group's advantages and turn terms take
+    the expert baseline (`anchored_advantages`): the samples' own, and each expert's lead
+    over them floored at 0; dynamic sampling then keeps a group with any advantage not 0.
     Returns (advantages, zero_std_groups): one entry per episode, in order, and the number
     of groups (with a trainable entry) whose rewards are all equal, dropped or not.
     """
@@ -183,6 +217,8 @@ def episode_advantages(
         raise ValueError(f"{len(rewards)} rewards but {len(graded)} turn reward lists")
     if bonus is not None and len(bonus) != len(rewards):
         raise ValueError(f"{len(rewards)} rewards but {len(bonus)} bonuses")
+    if anchors is not None and len(anchors) != len(rewards):
+        raise ValueError(f"{len(rewards)} rewards but {len(anchors)} anchor flags")
     n = len(rewards)
     if len(trainable) != n or group_size < 1:
         raise ValueError(f"{n} rewards, {len(trainable)} trainable flags, group_size {group_size}")
@@ -202,6 +238,15 @@ def episode_advantages(
             turn_adv.update(zip(group, terms, strict=True))
             if dynamic_sampling and any(t != 0.0 for term in terms for t in term):
                 keep_G[g] = True  # the returns differ: the turns still have something to learn
+    if anchors is not None:
+        _anchor(groups, rewards, anchors, adv_B, keep_G, turn_adv, graded, turn_gamma, scale)
+        if dynamic_sampling:  # a group keeps its place while anything in it moves
+            starts = [0] + list(itertools.accumulate(len(group) for group in groups))
+            keep_G = [
+                bool((adv_B[start : start + len(group)] != 0).any())
+                or any(t != 0.0 for k in group for t in turn_adv.get(k, ()))
+                for group, start in zip(groups, starts, strict=False)
+            ]
     extra: dict[int, float] = {}
     if bonus is not None and bonus_weight > 0:
         for g, group in enumerate(groups):
@@ -217,3 +262,51 @@ def episode_advantages(
             adv += extra.get(k, 0.0)
             advantages[k] = tuple(adv + turn_weight * t for t in turn_adv[k]) if per_turn else adv
     return advantages, int(zero_std_G.sum())
+
+
+def _anchor(
+    groups: list[list[int]],
+    rewards: list[float],
+    anchors: list[bool],
+    adv_B: Tensor,
+    keep_G: list[bool],
+    turn_adv: dict[int, list[float]],
+    graded: list[list[float]] | None,
+    gamma: float,
+    scale: bool,
+) -> None:
+    """Rewrite, in place, the advantages (adv_B, in the groups' order) and turn terms of
+    every group holding an anchor with the expert baseline."""
+    start = 0
+    for group in groups:
+        own = [k for k in group if not anchors[k]]
+        lead = [k for k in group if anchors[k]]
+        if lead:
+            adv_s, adv_e = anchored_advantages(
+                [rewards[k] for k in own], [rewards[k] for k in lead], scale
+            )
+            values = dict(zip(own + lead, adv_s + adv_e, strict=True))
+            for offset, k in enumerate(group):
+                adv_B[start + offset] = values[k]
+            if graded is not None:
+                turn_adv.update(_anchored_turns(own, lead, graded, gamma, scale))
+        start += len(group)
+
+
+def _anchored_turns(
+    own: list[int], lead: list[int], graded: list[list[float]], gamma: float, scale: bool
+) -> dict[int, list[float]]:
+    """The turn terms of one group under the expert baseline: every turn's return, the
+    samples' turns normalised among themselves, each expert turn's lead over their mean."""
+    returns = {k: turn_returns(graded[k], gamma) for k in own + lead}
+    flat_s = [g for k in own for g in returns[k]]
+    flat_e = [g for k in lead for g in returns[k]]
+    adv_s, adv_e = anchored_advantages(flat_s, flat_e, scale)
+    terms: dict[int, list[float]] = {}
+    for keys, flat in ((own, adv_s), (lead, adv_e)):
+        at = 0
+        for k in keys:
+            terms[k] = flat[at : at + len(returns[k])]
+            at += len(returns[k])
+    return terms
+

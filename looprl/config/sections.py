@@ -229,6 +229,12 @@ class AlgoConfig(Section):
         description="Expert guidance: in each group this many episodes are the env's "
         "demonstration instead of policy samples (< rollout.group_size); 0 = off.",
     )
+    expert_baseline: Literal["group", "samples"] = Field(
+        "group",
+        description="Expert guidance's advantages: 'group' = the expert is one member of "
+        "the group; 'samples' = the samples keep their own advantages and the expert takes "
+        "its lead over their mean, floored at 0 (it pulls, never pushes the samples down).",
+    )
     kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the initial policy; 0 = off.")
     tis_cap: float | None = Field(
         None,

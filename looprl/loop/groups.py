@@ -73,6 +73,7 @@ def play_step(
     group are that episode."""
     wanted, group = cfg.rollout.tasks_per_step, cfg.rollout.group_size
     experts = cfg.algo.expert_samples if expert is not None else 0
+    anchored = experts > 0 and cfg.algo.expert_baseline == "samples"
     refill = cfg.algo.dynamic_sampling and cfg.algo.max_oversample > 1
     cap = max(wanted, math.floor(wanted * cfg.algo.max_oversample)) if refill else wanted
     seed = cfg.seed * 1_000_003 + step
@@ -110,6 +111,7 @@ def play_step(
             turn_weight=cfg.algo.turn_reward_weight, turn_gamma=cfg.algo.turn_gamma,
             bonus=[bonus(e) if e.trainable else 0.0 for e in episodes] if bonus else None,
             bonus_weight=cfg.algo.entropy_coef,
+            anchors=[e.expert for e in episodes] if anchored else None,
         )  # fmt: skip
         kept = _keep_at_most(advantages, group, wanted, kept)
         if round_ == 0:
