@@ -69,6 +69,11 @@ BAD_RUNS = [
         ["--set", "env.name=toy_envs:PickSevenAgent", "--set", "algo.expert_samples=1"],
         ["algo.expert_samples needs demonstrations", "PickSevenAgent"],
     ),
+    (
+        ["--set", "algo.expert_baseline=samples"],
+        ["algo.expert_baseline=samples", "algo.expert_samples > 0"],
+    ),
+    (["--set", "algo.expert_baseline=mean"], ["algo.expert_baseline", "'group' or 'samples'"]),
     (["--set", "model.device=cuda"], ["no CUDA device"]),
     (["no-such-config.yaml"], ["config file not found"]),
 ]

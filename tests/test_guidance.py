@@ -7,7 +7,9 @@ import math
 from dataclasses import replace
 
 import pytest
+import torch
 
+from looprl.algo.advantages import anchored_advantages, episode_advantages, group_advantages
 from looprl.config import config_from_dict
 from looprl.envs import make_env
 from looprl.envs.tictactoe import TicTacToeGame
@@ -102,14 +104,76 @@ def test_expert_advantage_by_hand():
     assert expert_advantage([(plain, 1.0), (other, -1.0)]) == 0.0
 
 
+def test_anchored_advantages_by_hand():
+    # seven samples tie below the expert: they take 0, the expert its lead over the std of
+    # all eight, 0.5 / (0.5 * sqrt(7) / 8)
+    samples, lead = anchored_advantages([0.5] * 7, [1.0])
+    assert samples == [0.0] * 7
+    assert lead == [pytest.approx(8 / math.sqrt(7), rel=1e-5)]
+    # samples that differ keep exactly their own group's advantages; the expert's lead is
+    # over their mean, 1 - 1/2, divided by the std of [0, 1, 1] (sqrt(2) / 3)
+    samples, lead = anchored_advantages([0.0, 1.0], [1.0])
+    assert samples == pytest.approx(group_advantages(torch.tensor([0.0, 1.0])).tolist())
+    assert lead == [pytest.approx(0.5 / (math.sqrt(2) / 3), rel=1e-5)]
+    # an expert behind the samples pulls nothing, and is never negative
+    samples, lead = anchored_advantages([1.0, 0.0], [0.0])
+    assert samples == pytest.approx([1.0, -1.0], rel=1e-5) and lead == [0.0]
+    assert anchored_advantages([1.0] * 3, [1.0]) == ([0.0] * 3, [0.0])
+    assert anchored_advantages([], [1.0]) == ([], [0.0])
+    # Dr.GRPO: no division
+    assert anchored_advantages([0.0, 0.0], [1.0], scale=False) == ([0.0, 0.0], [1.0])
+
+
+def test_episode_advantages_with_an_expert_baseline():
+    anchors = [False, False, False, True] * 3
+    rewards = [0.5, 0.5, 0.5, 1.0] + [1.0, 1.0, 1.0, 0.0] + [0.0, 1.0, 1.0, 1.0]
+    advantages, zero_std = episode_advantages(
+        rewards, [True] * 12, 4, dynamic_sampling=True, anchors=anchors
+    )
+    assert zero_std == 0
+    # group 1: only the expert moves; group 2: the expert is behind, nothing moves: dropped
+    assert advantages[:3] == [0.0] * 3 and advantages[3] > 0
+    assert advantages[4:8] == [None] * 4
+    # group 3: the samples' own advantages, the expert's lead over their mean 2/3
+    own = group_advantages(torch.tensor([0.0, 1.0, 1.0])).tolist()
+    assert advantages[8:11] == pytest.approx(own)
+    assert advantages[11] == pytest.approx((1 - 2 / 3) / float(torch.tensor(rewards[8:]).std(
+        unbiased=False)), rel=1e-5)  # fmt: skip
+    # an untrainable sample leaves the group; without anchors the expert is one member
+    advantages, _ = episode_advantages(
+        [0.0, 0.0, 1.0, 1.0], [True, False, True, True], 4, anchors=[False] * 3 + [True]
+    )
+    assert advantages[1] is None
+    assert advantages[0] == pytest.approx(-1.0, rel=1e-5)
+    plain, _ = episode_advantages([0.5, 0.5, 1.0], [True] * 3, 3)
+    assert plain[0] < 0
+    # per-turn terms: the samples' turns among themselves, the expert's turns by their lead
+    turns = [[1.0, 0.0], [0.0], [1.0, 1.0]]
+    advantages, _ = episode_advantages(
+        [0.0, 0.0, 1.0], [True] * 3, 3, turn_rewards=turns, turn_weight=0.5, turn_gamma=0.0,
+        anchors=[False, False, True],
+    )  # fmt: skip
+    samples_turns, lead_turns = anchored_advantages([1.0, 0.0, 0.0], [1.0, 1.0])
+    assert advantages[0] == pytest.approx((0.5 * samples_turns[0], 0.5 * samples_turns[1]))
+    assert advantages[1] == pytest.approx((0.5 * samples_turns[2],))
+    lead = anchored_advantages([0.0, 0.0], [1.0])[1][0]
+    assert advantages[2] == pytest.approx((lead + 0.5 * lead_turns[0], lead + 0.5 * lead_turns[1]))
+    with pytest.raises(ValueError, match="anchor flags"):
+        episode_advantages([0.0, 1.0], [True] * 2, 2, anchors=[True])
+
+
 @pytest.fixture(scope="module")
 def guided():
+    return _play_guided({})
+
+
+def _play_guided(algo: dict):
     cfg = config_from_dict(
         {
             "model": {"name": "tiny-random"},
             "env": {"name": "tictactoe-move"},
             "rollout": {"tasks_per_step": 2, "group_size": 4, "max_new_tokens": 32},
-            "algo": {"expert_samples": 1, "tis_cap": 2.0},
+            "algo": {"expert_samples": 1, "tis_cap": 2.0, **algo},
         }
     )
     policy = load_policy(cfg)
@@ -139,6 +203,20 @@ def test_each_group_ends_with_the_expert(guided):
             assert advantages[-1] == max(advantages) > 0
 
 
+def test_the_samples_baseline_leaves_the_samples_their_own_advantages():
+    cfg, _, played = _play_guided({"expert_baseline": "samples"})
+    group = cfg.rollout.group_size
+    for start in range(0, len(played.episodes), group):
+        members = played.episodes[start : start + group]
+        assert [e.expert for e in members] == [False] * (group - 1) + [True]
+        advantages = played.advantages[start : start + group]
+        rewards = [e.reward for e in members]
+        own = group_advantages(torch.tensor(rewards[:-1])).tolist()
+        assert advantages[:-1] == pytest.approx(own, abs=1e-5)
+        lead = max(0.0, rewards[-1] - sum(rewards[:-1]) / (group - 1))
+        assert advantages[-1] >= 0 and (advantages[-1] > 0) == (lead > 0)
+
+
 def test_the_update_takes_the_policy_as_the_experts_behaviour(guided):
     """The expert episode has logprobs 0: were they taken as its behaviour policy, the
     engine-vs-trainer gap would be ≈ log(vocab) and its TIS weights exp(log π) ≈ 0."""
@@ -157,18 +235,25 @@ def test_the_update_takes_the_policy_as_the_experts_behaviour(guided):
     assert stats["updated"] >= 1 and math.isfinite(stats["loss"])
 
 
-def _password_run(tmp_path, expert_samples: int) -> tuple[dict, list[dict]]:
+def _password_run(
+    tmp_path, expert_samples: int, baseline: str = "group"
+) -> tuple[dict, list[dict]]:
     cfg = {
         "model": {"name": "tiny-random", "lora": {"enabled": False}, "tool_format": "llama3"},
         "env": {"name": "toy_envs:SayPassword"},
         "rollout": {"tasks_per_step": 2, "group_size": 4, "max_new_tokens": 24},
-        "algo": {"name": "gspo", "num_minibatches": 1, "expert_samples": expert_samples},
+        "algo": {
+            "name": "gspo",
+            "num_minibatches": 1,
+            "expert_samples": expert_samples,
+            "expert_baseline": baseline,
+        },  # fmt: skip
         "train": {"steps": 12, "lr": 3e-3, "checkpoint_every": 0},
         "eval": {"tasks": 4, "temperature": 0.0, "samples_per_task": 1},
         "logging": {"trackers": [], "sample_every": 1, "samples_per_log": 8},
         "seed": 1,
     }
-    run = tmp_path / f"run{expert_samples}"
+    run = tmp_path / f"run{expert_samples}-{baseline}"
     result = run_training(config_from_dict(cfg), run)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     return result, rows
@@ -188,7 +273,7 @@ def test_expert_guidance_teaches_what_sampling_never_finds(tmp_path):
     assert all(r["train/expert_advantage"] > 0 for r in rows)
     assert all(r["rollout/logprob_gap"] < 1e-3 for r in rows)
     # rollout/* describe the policy's own samples: the expert's hits are not among them
-    samples = [json.loads(x) for x in (tmp_path / "run1" / "samples" / "train.jsonl").open()]
+    samples = [json.loads(x) for x in (tmp_path / "run1-group" / "samples" / "train.jsonl").open()]
     for row in rows:
         mine = [s for s in samples if s["step"] == row["step"] and not s.get("expert")]
         assert len(mine) == 6
@@ -198,5 +283,14 @@ def test_expert_guidance_teaches_what_sampling_never_finds(tmp_path):
     assert sum(bool(s.get("expert")) for s in samples) == 2 * len(rows)
     assert (
         "2 tasks × (3 samples + 1 expert demonstration) per step"
-        in (tmp_path / "run1" / "report.md").read_text()
+        in (tmp_path / "run1-group" / "report.md").read_text()
     )
+
+
+def test_the_samples_baseline_teaches_it_too(tmp_path):
+    """With the expert's lead as its only push (the samples that all miss take 0), the
+    greedy policy learns the password as well."""
+    result, rows = _password_run(tmp_path, 1, "samples")
+    assert result["baseline"]["outcomes"].get("hit", 0.0) == 0.0
+    assert result["final"]["outcomes"] == {"hit": 1.0}
+    assert all(r["train/expert_advantage"] > 0 for r in rows)

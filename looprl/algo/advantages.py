@@ -309,4 +309,3 @@ def _anchored_turns(
             terms[k] = flat[at : at + len(returns[k])]
             at += len(returns[k])
     return terms
-

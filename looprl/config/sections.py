@@ -420,6 +420,11 @@ class Config(Section):
                 f"algo.expert_samples={self.algo.expert_samples} leaves no policy samples in "
                 f"a group of rollout.group_size={self.rollout.group_size}: it must be smaller"
             )
+        if self.algo.expert_baseline != "group" and not self.algo.expert_samples:
+            raise ValueError(
+                f"algo.expert_baseline={self.algo.expert_baseline} sets the advantages of "
+                "expert episodes, and there are none: set algo.expert_samples > 0 as well"
+            )
         if self.algo.expert_samples and self.algo.entropy_coef > 0:
             raise ValueError(
                 "algo.expert_samples cannot be combined with algo.entropy_coef > 0: the "
