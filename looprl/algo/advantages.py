@@ -239,7 +239,7 @@ def episode_advantages(
             if dynamic_sampling and any(t != 0.0 for term in terms for t in term):
                 keep_G[g] = True  # the returns differ: the turns still have something to learn
     if anchors is not None:
-        _anchor(groups, rewards, anchors, adv_B, keep_G, turn_adv, graded, turn_gamma, scale)
+        _anchor(groups, rewards, anchors, adv_B, turn_adv, graded, turn_gamma, scale)
         if dynamic_sampling:  # a group keeps its place while anything in it moves
             starts = [0] + list(itertools.accumulate(len(group) for group in groups))
             keep_G = [
@@ -269,7 +269,6 @@ def _anchor(
     rewards: list[float],
     anchors: list[bool],
     adv_B: Tensor,
-    keep_G: list[bool],
     turn_adv: dict[int, list[float]],
     graded: list[list[float]] | None,
     gamma: float,
