@@ -56,6 +56,7 @@ from looprl.loop.run_state import (
     resume_state,
     seed_everything,
 )
+from looprl.loop.sft import demo_episode, sft_step
 from looprl.loop.snapshot import start_snapshots
 from looprl.loop.trackers import check_trackers
 from looprl.loop.update import UpdateState, update_policy
@@ -386,8 +387,6 @@ def warm_start(
 ) -> None:
     """SFT steps on demonstrations of `probe`'s train tasks (the env built with env.args and
     sft.env_args over them); checkpointed as step 0 (weights only)."""
-    from looprl.loop.sft import demo_episode, sft_step
-
     # weight decay 0.01: torch AdamW's default, which the warm start has always used
     optimizer = make_optimizer(policy.trainable_parameters(), cfg.train.optimizer, cfg.sft.lr, 0.01)
     sft_log = run_dir / "sft_metrics.jsonl"
