@@ -236,7 +236,7 @@ def test_the_update_takes_the_policy_as_the_experts_behaviour(guided):
 
 
 def _password_run(
-    tmp_path, expert_samples: int, baseline: str = "group"
+    tmp_path, expert_samples: int, baseline: str = "group", steps: int = 12
 ) -> tuple[dict, list[dict]]:
     cfg = {
         "model": {"name": "tiny-random", "lora": {"enabled": False}, "tool_format": "llama3"},
@@ -248,7 +248,7 @@ def _password_run(
             "expert_samples": expert_samples,
             "expert_baseline": baseline,
         },  # fmt: skip
-        "train": {"steps": 12, "lr": 3e-3, "checkpoint_every": 0},
+        "train": {"steps": steps, "lr": 3e-3, "checkpoint_every": 0},
         "eval": {"tasks": 4, "temperature": 0.0, "samples_per_task": 1},
         "logging": {"trackers": [], "sample_every": 1, "samples_per_log": 8},
         "seed": 1,
@@ -287,10 +287,15 @@ def test_expert_guidance_teaches_what_sampling_never_finds(tmp_path):
     )
 
 
-def test_the_samples_baseline_teaches_it_too(tmp_path):
-    """With the expert's lead as its only push (the samples that all miss take 0), the
-    greedy policy learns the password as well."""
-    result, rows = _password_run(tmp_path, 1, "samples")
+def test_the_samples_baseline_pulls_toward_the_expert(tmp_path):
+    """With the expert's lead as the only push (the samples that all fail take 0), the
+    samples learn from the expert's episode alone: the tiny model's calls, all malformed at
+    first, become valid. It is slower than the group baseline here: after 24 steps the
+    word itself is not yet learned (the group baseline's push off the samples' own wrong
+    answers gets it in 12, above); measured on the demo's board in docs/learning.md."""
+    result, rows = _password_run(tmp_path, 1, "samples", steps=24)
     assert result["baseline"]["outcomes"].get("hit", 0.0) == 0.0
-    assert result["final"]["outcomes"] == {"hit": 1.0}
     assert all(r["train/expert_advantage"] > 0 for r in rows)
+    first = sum(r["rollout/rewards_mean"] for r in rows[:4]) / 4
+    last = sum(r["rollout/rewards_mean"] for r in rows[-4:]) / 4
+    assert first == -1.0 and last > -0.6

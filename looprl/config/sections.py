@@ -231,9 +231,8 @@ class AlgoConfig(Section):
     )
     expert_baseline: Literal["group", "samples"] = Field(
         "group",
-        description="Expert guidance's advantages: 'group' = the expert is one member of "
-        "the group; 'samples' = the samples keep their own advantages and the expert takes "
-        "its lead over their mean, floored at 0 (it pulls, never pushes the samples down).",
+        description="Expert episodes' advantages: group = one member of the group; "
+        "samples = their lead over the samples' mean, floored at 0 (samples keep their own).",
     )
     kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the initial policy; 0 = off.")
     tis_cap: float | None = Field(

@@ -35,7 +35,7 @@ from looprl.envs import gives_turn_rewards, make_env
 from looprl.errors import ConfigError, EngineError, LoopRLError
 from looprl.loop import checkpoint as checkpoints
 from looprl.loop import dist as ranks
-from looprl.loop import log
+from looprl.loop import log, sft
 from looprl.loop.decisions import decision_batch, decision_surprisal, grammar_cache
 from looprl.loop.dist import Dist, main_only
 from looprl.loop.evaluate import evaluate, load_model, player, summarize
@@ -56,7 +56,6 @@ from looprl.loop.run_state import (
     resume_state,
     seed_everything,
 )
-from looprl.loop.sft import demo_episode, sft_step
 from looprl.loop.snapshot import start_snapshots
 from looprl.loop.trackers import check_trackers
 from looprl.loop.update import UpdateState, update_policy
@@ -399,10 +398,10 @@ def warm_start(
         for step in range(1, cfg.sft.steps + 1):
             tasks = probe.tasks("train", n=cfg.sft.batch_size, seed=cfg.seed * 999_983 + step)
             episodes = [
-                demo_episode(make_env(cfg.env.name, args), t, policy.renderer, grammars)
+                sft.demo_episode(make_env(cfg.env.name, args), t, policy.renderer, grammars)
                 for t in tasks
             ]
-            stats = sft_step(policy, optimizer, episodes, cfg)
+            stats = sft.sft_step(policy, optimizer, episodes, cfg)
             append_line(sft_log, {"step": step, **stats})
             phase.update(step, detail=f"loss {stats['sft/loss']:.3f}")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
