@@ -58,8 +58,6 @@ group whose rewards are equal but whose bonuses differ.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 from torch import Tensor
 
@@ -231,22 +229,21 @@ def episode_advantages(
     group_rewards = [[rewards[k] for k in group] for group in groups]
     adv_B, zero_std_G = batch_advantages(group_rewards, scale=scale)
     keep_G = dynamic_sampling_keep(group_rewards) if dynamic_sampling else [True] * len(groups)
+    if anchors is not None:
+        moving_G = _anchor(groups, rewards, anchors, adv_B, scale)
+        if dynamic_sampling:
+            keep_G = moving_G  # a group keeps its place while an advantage in it is not 0
     turn_adv: dict[int, list[float]] = {}
     if graded is not None:
         for g, group in enumerate(groups):
-            terms = group_turn_advantages([graded[k] for k in group], turn_gamma, scale)
-            turn_adv.update(zip(group, terms, strict=True))
-            if dynamic_sampling and any(t != 0.0 for term in terms for t in term):
+            if anchors is None:
+                terms = group_turn_advantages([graded[k] for k in group], turn_gamma, scale)
+                by_episode = dict(zip(group, terms, strict=True))
+            else:
+                by_episode = _anchored_turns(group, anchors, graded, turn_gamma, scale)
+            turn_adv.update(by_episode)
+            if dynamic_sampling and any(t != 0.0 for term in by_episode.values() for t in term):
                 keep_G[g] = True  # the returns differ: the turns still have something to learn
-    if anchors is not None:
-        _anchor(groups, rewards, anchors, adv_B, turn_adv, graded, turn_gamma, scale)
-        if dynamic_sampling:  # a group keeps its place while anything in it moves
-            starts = [0] + list(itertools.accumulate(len(group) for group in groups))
-            keep_G = [
-                bool((adv_B[start : start + len(group)] != 0).any())
-                or any(t != 0.0 for k in group for t in turn_adv.get(k, ()))
-                for group, start in zip(groups, starts, strict=False)
-            ]
     extra: dict[int, float] = {}
     if bonus is not None and bonus_weight > 0:
         for g, group in enumerate(groups):
@@ -265,17 +262,11 @@ def episode_advantages(
 
 
 def _anchor(
-    groups: list[list[int]],
-    rewards: list[float],
-    anchors: list[bool],
-    adv_B: Tensor,
-    turn_adv: dict[int, list[float]],
-    graded: list[list[float]] | None,
-    gamma: float,
-    scale: bool,
-) -> None:
-    """Rewrite, in place, the advantages (adv_B, in the groups' order) and turn terms of
-    every group holding an anchor with the expert baseline."""
+    groups: list[list[int]], rewards: list[float], anchors: list[bool], adv_B: Tensor, scale: bool
+) -> list[bool]:
+    """Rewrite, in place, the advantages (adv_B, in the groups' order) of every group holding
+    an anchor with the expert baseline; returns, per group, whether any of them is not 0."""
+    moving: list[bool] = []
     start = 0
     for group in groups:
         own = [k for k in group if not anchors[k]]
@@ -287,17 +278,20 @@ def _anchor(
             values = dict(zip(own + lead, adv_s + adv_e, strict=True))
             for offset, k in enumerate(group):
                 adv_B[start + offset] = values[k]
-            if graded is not None:
-                turn_adv.update(_anchored_turns(own, lead, graded, gamma, scale))
+        moving.append(bool((adv_B[start : start + len(group)] != 0).any()))
         start += len(group)
+    return moving
 
 
 def _anchored_turns(
-    own: list[int], lead: list[int], graded: list[list[float]], gamma: float, scale: bool
+    group: list[int], anchors: list[bool], graded: list[list[float]], gamma: float, scale: bool
 ) -> dict[int, list[float]]:
     """The turn terms of one group under the expert baseline: every turn's return, the
-    samples' turns normalised among themselves, each expert turn's lead over their mean."""
-    returns = {k: turn_returns(graded[k], gamma) for k in own + lead}
+    samples' turns normalised among themselves, each expert turn's lead over their mean
+    (a group without an expert: the plain group normalisation)."""
+    own = [k for k in group if not anchors[k]]
+    lead = [k for k in group if anchors[k]]
+    returns = {k: turn_returns(graded[k], gamma) for k in group}
     flat_s = [g for k in own for g in returns[k]]
     flat_e = [g for k in lead for g in returns[k]]
     adv_s, adv_e = anchored_advantages(flat_s, flat_e, scale)
