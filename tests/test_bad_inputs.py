@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import huggingface_hub.constants
 import pytest
 from typer.testing import CliRunner
 
@@ -81,7 +82,10 @@ BAD_RUNS = [
 
 @pytest.fixture()
 def runner(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # an unknown hub id must fail fast, offline
+    # an unknown hub id must fail fast, offline: huggingface_hub reads the variable once,
+    # when it is imported (earlier tests have imported it), so its constant is set as well
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     return CliRunner()
 
 
