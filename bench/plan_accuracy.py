@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 SHORT = ["train.steps=2", "train.checkpoint_every=0", "logging.trackers=[]",
-         "eval.tasks=8"]  # fmt: skip
+         "eval.tasks=8", "eval.greedy_tasks=8"]  # fmt: skip
 ROWS = {
     "tiny-lora-forced": ["model.name=tiny-random", "rollout.max_new_tokens=32"],
     "tiny-lora-long-prompts": [

@@ -412,3 +412,52 @@ def test_episode_advantages_with_an_entropy_bonus():
     assert per_turn[4] == pytest.approx((-0.1,)) and per_turn[5] == pytest.approx((0.1,))
     with pytest.raises(ValueError, match="bonuses"):
         episode_advantages(rewards, ok, 2, bonus=bonus[:3], bonus_weight=0.1)
+
+
+# ------------------------------------------------------------------ the greedy eval's tasks
+
+
+def test_greedy_eval_tasks_extend_the_sampled_evals_and_each_is_played_once():
+    """The greedy eval plays as many distinct held-out tasks as the sampled eval plays
+    episodes (`eval.greedy_tasks` unset), or `eval.greedy_tasks` of them: the sampled
+    eval's tasks first, then more drawn with eval.seed, at most the env's held-out set
+    (tictactoe-game: 64 games); each one once, since a second greedy episode of a task
+    would be the same episode."""
+    from looprl.config import config_from_dict
+    from looprl.envs import make_env
+    from looprl.errors import ConfigError
+    from looprl.loop.evaluate import evaluate, greedy_eval_tasks, kept_tasks
+    from looprl.types import Episode
+
+    def with_eval(**fields):
+        return config_from_dict({"env": {"name": "tictactoe-game"}, "eval": {"tasks": 8, **fields}})
+
+    cfg = with_eval()
+    env = make_env(cfg.env.name, cfg.env.args)
+    eval_tasks = env.tasks("eval", n=8, seed=cfg.eval.seed)
+    ids = [t.id for t in eval_tasks]
+    default = greedy_eval_tasks(env, cfg, eval_tasks)  # 8 tasks × 4 samples: 32 tasks
+    assert len({t.id for t in default}) == len(default) == 32 and [t.id for t in default[:8]] == ids
+    assert [t.id for t in greedy_eval_tasks(env, with_eval(greedy_tasks=5), eval_tasks)] == ids[:5]
+    tasks = greedy_eval_tasks(env, with_eval(greedy_tasks=100), eval_tasks)
+    assert len({t.id for t in tasks}) == len(tasks) == 64 and [t.id for t in tasks[:8]] == ids
+    assert {t.id for t in tasks} == {t.id for t in env.tasks("eval", n=None)}
+
+    played, temperatures = [], []
+
+    def play(batch, params, on_progress=None, first_index=0):
+        played.append([t.id for t in batch])
+        temperatures.append(params.temperature)
+        return [Episode(t, [], [], [], [], reward=1.0, outcome="win") for t in batch]
+
+    twice = eval_tasks + eval_tasks  # a task list with repeats: each task once, in order
+    greedy = evaluate(None, play, twice, cfg, None, "baseline_greedy", greedy=True)
+    assert played[0] == ids and greedy["n"] == 8 and temperatures[0] == 0.0
+    sampled = evaluate(None, play, eval_tasks, cfg, None, "baseline")
+    assert sampled["n"] == 8 * 4 and temperatures[1] == 1.0  # eval.samples_per_task = 4
+    # resumed: the tasks the kept greedy baseline played, in its order, whatever the settings
+    kept = {"task_ids": [t.id for t in reversed(default[:10])]}
+    assert [t.id for t in kept_tasks(kept, tasks[:3], default)] == kept["task_ids"]
+    assert kept_tasks({"task_ids": ["game-eval-nope"]}, tasks[:3], default) == tasks[:3]
+    with pytest.raises(ConfigError, match="greedy_tasks"):
+        config_from_dict({"eval": {"greedy_tasks": 0}})

@@ -61,13 +61,25 @@ def test_memory_arithmetic_on_a_hand_checked_shape():
     assert every["LoRA adapters"] == 10_000 * 4
     assert every["optimizer state"] == 2 * 10_000 * 4  # AdamW: m and v in float32
     assert "snapshot opponent" not in every
-    eval_, rollout, update = (p.components for p in plan.phases)
+    eval_, rollout, update, greedy = (p.components for p in plan.phases)
     # rollout: 8 episodes, 6 rows; each row's own columns: 50 - 30 (head) + 10 = 30
     assert rollout["KV cache"] == (6 * 30 + 30) * 400 * 4
     assert rollout["logits"] == 6 * 1000 * 4 * (SAMPLING_COPIES + JUMP_COPIES * 4)
     # 6 rows of groups of 2: 3 distinct prompts' tails of 20 tokens, width 4H + 3M + attn
     assert rollout["prefill"] == 3 * 20 * (400 + 900 + 200) * 4
     assert eval_["KV cache"] == (4 * 30 + 30) * 400 * 4  # 4 eval episodes < batch size
+    assert eval_["prefill"] == 2 * 20 * (400 + 900 + 200) * 4  # 2 tasks × 2 samples
+    # the greedy eval (eval.greedy, on by default): as many tasks as the sampled eval has
+    # episodes (2 × 2), one episode each, each row its own prompt to prefill
+    assert greedy["KV cache"] == (4 * 30 + 30) * 400 * 4
+    assert greedy["prefill"] == 4 * 20 * (400 + 900 + 200) * 4
+    more = config_from_dict({**cfg.model_dump(), "eval": {"tasks": 2, "greedy_tasks": 5}})
+    wider = plan_memory(more, hand_shape(), hand_work(), device("cpu-24g")).phases[3]
+    assert wider.components["prefill"] == 5 * 20 * (400 + 900 + 200) * 4  # 5 rows < 6
+    off = config_from_dict({**cfg.model_dump(), "eval": {"tasks": 2, "greedy": False}})
+    assert [
+        p.name for p in plan_memory(off, hand_shape(), hand_work(), device("cpu-24g")).phases
+    ] == ["eval", "rollout", "update"]
     # a minibatch is 2 groups × 2 episodes; the trainer's budget counts whole prompts:
     # 50 + 2 × 10 = 70 for one group, 100 + 4 × 10 = 140 > 100 for two: one group per
     # micro-batch, through the model 30 (head) + 20 (tail) + 2 × 10 = 70 tokens
@@ -180,7 +192,7 @@ def test_plan_command_on_tiny_random():
     assert res.exit_code == 0, res.output
     result = json.loads(res.output)
     assert result["fits"] and result["device"]["name"] == "cpu-24g"
-    assert result["peak_phase"] in ("eval", "rollout", "update")
+    assert result["peak_phase"] in ("eval", "rollout", "update", "greedy eval")
     assert 0.5e9 < result["peak_bytes"] < 5e9
     batch = result["largest"]["rollout.batch_size"]
     assert batch["value"] == batch["search_max"] == 256  # every eval episode at once

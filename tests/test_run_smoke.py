@@ -58,7 +58,9 @@ def metrics(run: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     run = tmp_path_factory.mktemp("smoke") / "run"
-    res = looprl("run", *SMALL, "--set", "train.steps=2", "--out", run)
+    # the greedy eval on 6 held-out tasks of its own (eval.greedy_tasks), not the 4 above
+    res = looprl("run", *SMALL, "--set", "train.steps=2", "--set", "eval.greedy_tasks=6",
+                 "--out", run)  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     return run, res
 
@@ -101,10 +103,10 @@ def test_run_shows_each_phase_and_ends_with_the_headline(first_run):
     assert starts == [
         "▶ load model",
         "▶ baseline eval (16 episodes)",
-        "▶ greedy baseline eval (4 episodes)",
+        "▶ greedy baseline eval (6 episodes)",
         "▶ training (2 steps)",
         "▶ final eval (16 episodes)",
-        "▶ greedy final eval (4 episodes)",
+        "▶ greedy final eval (6 episodes)",
         "▶ write report",
     ]
     for title in ("load model", "baseline eval", "training", "final eval", "write report"):
@@ -126,10 +128,14 @@ def test_run_shows_each_phase_and_ends_with_the_headline(first_run):
     greedy = [
         json.loads((run / f"eval/{n}_greedy.json").read_text()) for n in ("baseline", "final")
     ]
-    assert greedy[0]["n"] == greedy[1]["n"] == 4 and greedy[0]["temperature"] == 0.0
+    assert greedy[0]["n"] == greedy[1]["n"] == 6 and greedy[0]["temperature"] == 0.0
+    assert greedy[0]["task_ids"] == greedy[1]["task_ids"] and len(set(greedy[0]["task_ids"])) == 6
     assert greedy_line.startswith(
-        f"greedy (T = 0), 4 episodes: before {reward(greedy[0])} → after {reward(greedy[1])}"
+        f"greedy (T = 0), 6 episodes: before {reward(greedy[0])} → after {reward(greedy[1])}"
     )
+    md = (run / "report.md").read_text()
+    assert "6 held-out tasks (task seed 1234), one greedy episode each" in md
+    assert "| greedy eval | 6 tasks × 1, T = 0 |" in md
     assert report_line == f"report: {run / 'report.md'}, {run / 'report.html'}"
     # the paired figure is the report's own
     figure = paired_line.split(": ", 1)[1].split(" over ")[0]  # "+0.000 [95% CI …]"

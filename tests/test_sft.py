@@ -114,10 +114,10 @@ def test_greedy_eval_after_sft(tmp_path):
     mid = json.loads((run / "eval" / "after_sft_greedy.json").read_text())
     final = json.loads((run / "eval" / "final_greedy.json").read_text())
     base = json.loads((run / "eval" / "baseline_greedy.json").read_text())
-    assert mid["temperature"] == 0.0 and mid["n"] == 3
+    assert mid["temperature"] == 0.0 and mid["n"] == 3 * 2  # greedy: as many tasks as episodes
     assert mid["task_ids"] == base["task_ids"] == final["task_ids"]
     assert mid["rewards"] == final["rewards"]
-    assert "▶ greedy eval after SFT (3 episodes)" in shown.getvalue()
+    assert "▶ greedy eval after SFT (6 episodes)" in shown.getvalue()
     greedy = (run / "report.md").read_text().split("## Greedy policy (T = 0)")[1]
     assert "| metric | before | after SFT | after |" in greedy.split("##")[0]
 

@@ -314,6 +314,12 @@ class EvalConfig(Section):
         description="Also evaluate greedily (T = 0, one episode per task) before and after "
         "(skipped when eval.temperature is already 0).",
     )
+    greedy_tasks: int | None = Field(
+        None,
+        ge=1,
+        description="Distinct held-out tasks of the greedy eval, one episode each, the "
+        "sampled eval's first; unset = eval.tasks × eval.samples_per_task.",
+    )
 
 
 class SFTConfig(Section):

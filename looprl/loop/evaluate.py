@@ -131,7 +131,8 @@ def evaluate(
     greedy: bool = False,
 ) -> dict:
     """Play the eval tasks with the eval sampling settings; write eval/NAME.json. With
-    `greedy`, at T = 0 and one episode per task (another sample would be the same)."""
+    `greedy`, at T = 0 and one episode per distinct task (another episode of the same
+    task would be the same one, and would only narrow the interval)."""
     temperature = 0.0 if greedy else cfg.eval.temperature
     params = SamplingParams(
         temperature=temperature,
@@ -140,7 +141,10 @@ def evaluate(
         max_new_tokens=cfg.rollout.max_new_tokens,
         seed=cfg.eval.seed,
     )
-    repeated = [t for t in tasks for _ in range(1 if greedy else cfg.eval.samples_per_task)]
+    if greedy:
+        repeated = distinct_tasks(tasks)
+    else:
+        repeated = [t for t in tasks for _ in range(cfg.eval.samples_per_task)]
     title = EVAL_TITLES.get(name, name)
     dist = ranks.current()  # each rank plays its share; every rank then has them all
     mine = dist.share(range(len(repeated)))
@@ -160,6 +164,46 @@ def evaluate(
     if run_dir is not None:
         main_only(write_eval)(run_dir, name, result, episodes)
     return result
+
+
+def distinct_tasks(tasks: list) -> list:
+    """The first task of each id, in order."""
+    seen: set[str] = set()
+    out = []
+    for task in tasks:
+        if task.id not in seen:
+            seen.add(task.id)
+            out.append(task)
+    return out
+
+
+def greedy_eval_tasks(env: Any, cfg: Config, eval_tasks: list) -> list:
+    """The greedy eval's distinct tasks: `eval.greedy_tasks` of them (unset: as many as the
+    sampled eval has episodes, `eval.tasks` × `eval.samples_per_task`), the sampled eval's
+    own tasks first, then more held-out tasks drawn with `eval.seed`; at most the env's
+    whole held-out set."""
+    n = cfg.eval.greedy_tasks
+    if n is None:
+        n = cfg.eval.tasks * cfg.eval.samples_per_task
+    own = distinct_tasks(eval_tasks)
+    if n <= len(own):
+        return own[:n]
+    seen = {t.id for t in own}
+    more = [
+        t for t in distinct_tasks(env.tasks("eval", n=n, seed=cfg.eval.seed)) if t.id not in seen
+    ]
+    return own + more[: n - len(own)]
+
+
+def kept_tasks(kept: dict, tasks: list, candidates: list) -> list:
+    """The tasks an eval kept in the run folder played, in its order, found among `tasks`
+    and `candidates` (a run resumed under other eval settings retests the same tasks);
+    `tasks` when one of its ids is not there."""
+    pool = {t.id: t for t in [*tasks, *candidates]}
+    ids = list(dict.fromkeys(kept.get("task_ids") or []))
+    if not ids or any(i not in pool for i in ids):
+        return tasks
+    return [pool[i] for i in ids]
 
 
 def write_eval(run_dir: Path, name: str, result: dict, episodes: list) -> None:

@@ -38,7 +38,14 @@ from looprl.loop import dist as ranks
 from looprl.loop import log, sft
 from looprl.loop.decisions import decision_batch, decision_surprisal, grammar_cache
 from looprl.loop.dist import Dist, main_only
-from looprl.loop.evaluate import evaluate, load_model, player, summarize
+from looprl.loop.evaluate import (
+    evaluate,
+    greedy_eval_tasks,
+    kept_tasks,
+    load_model,
+    player,
+    summarize,
+)
 from looprl.loop.groups import play_step
 from looprl.loop.guidance import expert_advantage, safe_expert_episode
 from looprl.loop.log import MetricsLogger
@@ -146,13 +153,16 @@ def train(
         baseline = evaluate(policy, play, eval_tasks, cfg, run_dir, "baseline", progress)
     else:
         progress.note(f"{DONE} baseline eval: kept from {run_dir / 'eval' / 'baseline.json'}")
-    # the greedy policy (T = 0, one episode per task) on the same tasks, beside it (unless
-    # the eval above already was greedy)
+    # the greedy policy (T = 0, one episode per task) on eval.greedy_tasks held-out tasks
+    # (unset: the same tasks), beside it (unless the eval above already was greedy)
     greedy = cfg.eval.greedy and cfg.eval.temperature > 0
+    greedy_tasks = greedy_eval_tasks(probe, cfg, eval_tasks)
     baseline_greedy = load_json(run_dir / "eval" / "baseline_greedy.json")
+    if baseline_greedy is not None:  # resumed: the tasks it played, whatever the settings
+        greedy_tasks = kept_tasks(baseline_greedy, greedy_tasks, eval_tasks)
     if greedy and baseline_greedy is None:
         baseline_greedy = evaluate(
-            policy, play, eval_tasks, cfg, run_dir, "baseline_greedy", progress, greedy=True
+            policy, play, greedy_tasks, cfg, run_dir, "baseline_greedy", progress, greedy=True
         )
 
     # ---- optional SFT warm start on the env's demonstrations, then its own eval
@@ -163,7 +173,7 @@ def train(
         if snapshot is not None:
             snapshot.refresh(policy.model)
         if greedy:  # first: a resume redoes the SFT until after_sft.json exists
-            evaluate(policy, play, eval_tasks, cfg, run_dir, "after_sft_greedy", progress,
+            evaluate(policy, play, greedy_tasks, cfg, run_dir, "after_sft_greedy", progress,
                      greedy=True)  # fmt: skip
         after_sft = evaluate(policy, play, eval_tasks, cfg, run_dir, "after_sft", progress)
 
@@ -355,7 +365,7 @@ def train(
     final_greedy = None
     if greedy:
         final_greedy = evaluate(
-            policy, play, eval_tasks, cfg, run_dir, "final_greedy", progress, greedy=True
+            policy, play, greedy_tasks, cfg, run_dir, "final_greedy", progress, greedy=True
         )
     with progress.phase("write report") as phase:
         write_report(run_dir, cfg, baseline, final, time.time() - started, peak_rss_gb())

@@ -195,9 +195,14 @@ def write_report(
         )
         blocks.append(("img", curves, "Training reward and response length per step"))
 
+    greedy_before = _load_eval(run_dir / "eval" / "baseline_greedy.json")
     blocks += [
         ("h2", "Run facts"),
-        ("table", ["fact", "value"], _facts(cfg, rows, wall_s, wall_label, peak_rss, baseline)),
+        (
+            "table",
+            ["fact", "value"],
+            _facts(cfg, rows, wall_s, wall_label, peak_rss, baseline, greedy_before),
+        ),
     ]
     if final is not None:
         blocks += [("h2", "Transcripts: the same tasks before and after"), *_transcripts(run_dir)]
@@ -230,8 +235,9 @@ def _greedy_blocks(before: dict | None, after: dict | None, mid: dict | None = N
         ("h2", "Greedy policy (T = 0)"),
         (
             "p",
-            f"The same {after.get('n', '?')} tasks, one greedy episode each: what the policy "
-            "does when it takes its most likely token every time.",
+            f"{after.get('n', '?')} held-out tasks (task seed {after.get('task_seed', '?')}), "
+            "one greedy episode each, the same before and after: what the policy does when it "
+            "takes its most likely token every time.",
         ),
         ("table", headers, _summary_rows(sides)),
         ("p", _paired_text(paired_stats(before, after))),
@@ -293,9 +299,16 @@ def _group(cfg: Config) -> str:
 
 
 def _facts(
-    cfg: Config, rows: list, wall_s: float | None, wall_label: str, peak: float | None, base: dict
+    cfg: Config,
+    rows: list,
+    wall_s: float | None,
+    wall_label: str,
+    peak: float | None,
+    base: dict,
+    greedy: dict | None = None,
 ) -> list[list[str]]:
     lora = cfg.model.lora
+    greedy_row = [["greedy eval", f"{greedy.get('n', '?')} tasks × 1, T = 0"]] if greedy else []
     return [
         [
             "environment",
@@ -311,6 +324,7 @@ def _facts(
             f"{base.get('n', '?')} episodes: {cfg.eval.tasks} tasks × "
             f"{cfg.eval.samples_per_task}, T = {cfg.eval.temperature}",
         ],
+        *greedy_row,
         [wall_label, "unknown" if wall_s is None else f"{wall_s:.0f} s ({wall_s / 60:.1f} min)"],
         ["peak memory", _rss(peak)],
         ["seed", str(cfg.seed)],
