@@ -62,6 +62,11 @@ BAD_RUNS = [
         ["mix:minimax=0.7", "add up to 1"],
     ),
     (["--set", "algo.expert_samples=8"], ["algo.expert_samples=8", "rollout.group_size=8"]),
+    (["--set", "algo.greedy_samples=2"], ["algo.greedy_samples = 2"]),
+    (
+        ["--set", "algo.expert_samples=7", "--set", "algo.greedy_samples=1"],
+        ["algo.greedy_samples=1", "rollout.group_size=8"],
+    ),
     (
         ["--set", "algo.expert_samples=1", "--set", "algo.entropy_coef=0.1"],
         ["algo.expert_samples", "algo.entropy_coef"],

@@ -461,3 +461,44 @@ def test_greedy_eval_tasks_extend_the_sampled_evals_and_each_is_played_once():
     assert kept_tasks({"task_ids": ["game-eval-nope"]}, tasks[:3], default) == tasks[:3]
     with pytest.raises(ConfigError, match="greedy_tasks"):
         config_from_dict({"eval": {"greedy_tasks": 0}})
+
+
+# ------------------------------------------------------------------ the greedy member
+
+
+def test_play_step_makes_one_member_of_each_group_the_greedy_episode(tiny_step):
+    """`algo.greedy_samples: 1`: the last member of each group is the policy's greedy
+    episode of the task (T = 0: the same as a greedy episode played on its own), the
+    others are sampled; it takes an advantage like any member."""
+    from looprl.config import config_from_dict
+    from looprl.engine import SamplingParams
+    from looprl.loop.dist import Dist
+    from looprl.loop.groups import greedy_member, play_step, with_members
+
+    base, probe, play = tiny_step
+    cfg = config_from_dict(
+        {
+            **base.model_dump(),
+            "algo": {"greedy_samples": 1},
+            "curriculum": {"enabled": False},
+        }
+    )
+    played, _ = play_step(cfg, probe, play, Dist(), step=1, history={})
+    group = cfg.rollout.group_size
+    assert len(played.episodes) == cfg.rollout.tasks_per_step * group
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens)
+    for start in range(0, len(played.episodes), group):
+        members = played.episodes[start : start + group]
+        assert [greedy_member(cfg, e) for e in members] == [False] * (group - 1) + [True]
+        assert [e.temperature for e in members[:-1]] == [1.0] * (group - 1)
+        alone = play([members[-1].task], params=greedy)[0]
+        assert alone.token_ids == members[-1].token_ids and alone.reward == members[-1].reward
+    assert not greedy_member(base, played.episodes[group - 1])  # off: nothing is a member
+    assert with_members(["a1", "a2", "b1", "b2"], ["A", "B"], 2) == [
+        "a1",
+        "a2",
+        "A",
+        "b1",
+        "b2",
+        "B",
+    ]

@@ -567,3 +567,6 @@ def test_micro_batches_never_mix_temperatures(tokenizer):
     chunks = micro_batches(episodes, token_budget=1_000)
     assert [[e.temperature for e in chunk] for chunk in chunks] == [[1.0, 1.0], [0.5, 0.5], [1.0]]
     assert [len(c) for c in micro_batches(episodes[:2], token_budget=1_000)] == [2]
+    # greedy episodes are scored at T = 1: they share a micro-batch with those sampled at 1
+    mixed = [episode(t) for t in (1.0, 0.0, 1.0, 0.5)]
+    assert [len(c) for c in micro_batches(mixed, token_budget=1_000)] == [3, 1]

@@ -229,6 +229,13 @@ class AlgoConfig(Section):
         description="Expert guidance: in each group this many episodes are the env's "
         "demonstration instead of policy samples (< rollout.group_size); 0 = off.",
     )
+    greedy_samples: int = Field(
+        0,
+        ge=0,
+        le=1,
+        description="Greedy member: in each group this many episodes (0 or 1) are decoded "
+        "at T = 0, so the policy's argmax is ranked against its own samples; 0 = off.",
+    )
     expert_baseline: Literal["group", "samples"] = Field(
         "group",
         description="Expert episodes' advantages: group = one member of the group; "
@@ -420,10 +427,17 @@ class Config(Section):
                 "algo.max_oversample > 1 refills the groups dynamic sampling drops: set "
                 "algo.dynamic_sampling=true as well (or algo.max_oversample=1)"
             )
-        if self.algo.expert_samples >= self.rollout.group_size:
+        fixed = self.algo.expert_samples + self.algo.greedy_samples
+        if fixed >= self.rollout.group_size:
             raise ValueError(
-                f"algo.expert_samples={self.algo.expert_samples} leaves no policy samples in "
-                f"a group of rollout.group_size={self.rollout.group_size}: it must be smaller"
+                f"algo.expert_samples={self.algo.expert_samples} and algo.greedy_samples="
+                f"{self.algo.greedy_samples} leave no sampled episodes in a group of "
+                f"rollout.group_size={self.rollout.group_size}: together they must be smaller"
+            )
+        if self.algo.greedy_samples and self.rollout.temperature == 0:
+            raise ValueError(
+                "algo.greedy_samples adds a greedy episode to groups sampled at "
+                "rollout.temperature, which is 0 already: set algo.greedy_samples=0"
             )
         if self.algo.expert_baseline != "group" and not self.algo.expert_samples:
             raise ValueError(

@@ -10,6 +10,9 @@ formulas are in algo/selection.py):
 - `algo.entropy_coef` β adds β × (the episode's decision surprisal − its group's mean)
   to each advantage (`bonus`: loop/decisions.py; algo/advantages.py), so within a group
   the choice sampled less often is favoured, also among equal rewards.
+- `algo.greedy_samples` 1 makes one member of each group the policy's greedy episode
+  (T = 0, scored at T = 1 like the samples): its advantage ranks the policy's argmax
+  against its own samples, so a group whose samples beat the argmax moves it directly.
 - `algo.expert_samples` k makes the last k members of each group the task's expert
   episode (the env's demonstration, loop/guidance.py) instead of policy samples.
 - `curriculum.enabled` draws `curriculum.candidates` times more tasks than it plays and
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from looprl.algo import (
@@ -68,11 +71,12 @@ def play_step(
 ) -> tuple[StepGroups, dict[str, list[list[float]]]]:
     """Play the step's groups (refilling dropped ones); returns them and the curriculum
     history updated with every group played. With `bonus` (an episode's decision
-    surprisal), the advantages take `algo.entropy_coef` × its spread in the group. With
-    `expert` (a task's expert episode), the last `algo.expert_samples` members of each
-    group are that episode."""
+    surprisal), the advantages take `algo.entropy_coef` × its spread in the group. A
+    group is its samples, then `algo.greedy_samples` greedy episodes, then with `expert`
+    (a task's expert episode) `algo.expert_samples` copies of that episode."""
     wanted, group = cfg.rollout.tasks_per_step, cfg.rollout.group_size
     experts = cfg.algo.expert_samples if expert is not None else 0
+    greedy = cfg.algo.greedy_samples
     anchored = experts > 0 and cfg.algo.expert_baseline == "samples"
     refill = cfg.algo.dynamic_sampling and cfg.algo.max_oversample > 1
     cap = max(wanted, math.floor(wanted * cfg.algo.max_oversample)) if refill else wanted
@@ -97,9 +101,12 @@ def play_step(
         mine = dist.share(range(len(tasks)))
         # a task's samples take random streams (the step's tasks so far) × (samples a
         # task) on: the streams of one process playing the whole batch
-        sampling = group - experts
+        sampling = group - experts - greedy
         played = play([tasks[i] for i in mine for _ in range(sampling)], params=params,
                       first_index=(sampled + (mine[0] if mine else 0)) * sampling)  # fmt: skip
+        if greedy:  # T = 0 needs no random stream
+            argmax = play([tasks[i] for i in mine], params=replace(params, temperature=0.0))
+            played = with_members(played, argmax, len(mine))
         if experts:
             played = with_experts(played, [tasks[i] for i in mine], experts, expert)
         episodes = dist.gather(played)
@@ -127,6 +134,23 @@ def play_step(
     if cfg.curriculum.enabled:
         out.metrics.update(curriculum_metrics(cfg, history, weights))
     return out, history
+
+
+def greedy_member(cfg: Config, episode: Episode) -> bool:
+    """Whether the episode is a group's greedy member (`algo.greedy_samples`)."""
+    return cfg.algo.greedy_samples > 0 and episode.temperature == 0 and not episode.expert
+
+
+def with_members(played: list[Episode], members: list[Episode], tasks: int) -> list[Episode]:
+    """Each task's episodes in `played` (len(played) / tasks a task, in task order), each
+    followed by the task's episode in `members` (one a task, in task order)."""
+    if not tasks:
+        return list(played)
+    per_task = len(played) // tasks
+    out: list[Episode] = []
+    for j in range(tasks):
+        out += [*played[j * per_task : (j + 1) * per_task], members[j]]
+    return out
 
 
 def graded_turns(episode: Episode) -> list[float]:

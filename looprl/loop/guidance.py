@@ -115,5 +115,11 @@ def expert_advantage(batch: list[tuple[Episode, Any]]) -> float:
     """`train/expert_advantage`: the mean advantage of the step's expert episodes (a
     per-turn advantage counts as its turns' mean); 0 without any. It falls toward 0 as the
     policy's samples catch up with the expert on the tasks played."""
-    values = [sum(a) / len(a) if isinstance(a, tuple) else float(a) for e, a in batch if e.expert]
+    return mean_advantage([a for e, a in batch if e.expert])
+
+
+def mean_advantage(advantages: list[Any]) -> float:
+    """The mean of episode advantages (a per-turn advantage counts as its turns' mean); 0
+    without any."""
+    values = [sum(a) / len(a) if isinstance(a, tuple) else float(a) for a in advantages]
     return sum(values) / len(values) if values else 0.0

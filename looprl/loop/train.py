@@ -46,8 +46,8 @@ from looprl.loop.evaluate import (
     player,
     summarize,
 )
-from looprl.loop.groups import play_step
-from looprl.loop.guidance import expert_advantage, safe_expert_episode
+from looprl.loop.groups import greedy_member, play_step
+from looprl.loop.guidance import expert_advantage, mean_advantage, safe_expert_episode
 from looprl.loop.log import MetricsLogger
 from looprl.loop.optim import make_optimizer
 from looprl.loop.policy import Policy
@@ -288,14 +288,18 @@ def train(
                 warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
                 scheduler.step()
 
-            # rollout/*: the policy's own samples (expert episodes were not sampled)
-            sampled = [e for e in episodes if not e.expert]
+            # rollout/*: the policy's own samples (expert episodes were not sampled, greedy
+            # members not at the rollout temperature)
+            sampled = [e for e in episodes if not (e.expert or greedy_member(cfg, e))]
             summary = summarize(sampled)
             metrics = {
                 "step": step,
                 "rollout/rewards_mean": summary["reward_mean"],
                 "rollout/rewards_std": float(
-                    np.std([e.reward for e, _ in batch if not e.expert] or [0.0])
+                    np.std(
+                        [e.reward for e, _ in batch if not (e.expert or greedy_member(cfg, e))]
+                        or [0.0]
+                    )
                 ),
                 "response_len": summary["response_len"],
                 "rollout/valid_tool_call_rate": summary["valid_tool_call_rate"],
@@ -322,6 +326,9 @@ def train(
             }
             if expert is not None:
                 metrics["train/expert_advantage"] = expert_advantage(batch)
+            if cfg.algo.greedy_samples:  # above 0: the argmax beat its groups' mean
+                argmax = [a for e, a in batch if greedy_member(cfg, e)]
+                metrics["train/greedy_advantage"] = mean_advantage(argmax)
             graded = [r for e in sampled if e.trainable for r in e.turn_rewards]
             if graded:  # environments that grade each turn (StepResult.turn_reward)
                 metrics["rollout/turn_rewards_mean"] = float(np.mean(graded))

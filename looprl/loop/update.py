@@ -283,7 +283,8 @@ def minibatches(
 def micro_batches(episodes: list[Episode], token_budget: int) -> list[list[Episode]]:
     """Greedy split, in order, so that the tokens one forward pass processes stay within
     the budget: each distinct prompt once plus (rows × longest suffix). A forward pass
-    scores at one temperature: episodes sampled at another start a new micro-batch."""
+    scores at one temperature: episodes scored at another start a new micro-batch (greedy
+    ones are scored at 1, as those sampled at 1)."""
     chunks: list[list[Episode]] = []
     current: list[Episode] = []
 
@@ -294,7 +295,7 @@ def micro_batches(episodes: list[Episode], token_budget: int) -> list[list[Episo
 
     for episode in episodes:
         if current and (
-            episode.temperature != current[0].temperature
+            scoring_temperature(episode.temperature) != scoring_temperature(current[0].temperature)
             or cost(current + [episode]) > token_budget
         ):
             chunks.append(current)

@@ -289,13 +289,17 @@ def _headline(cfg: Config, wall_s: float | None, wall_label: str, peak: float | 
 
 
 def _group(cfg: Config) -> str:
-    """A group's members: samples, and the expert episodes of algo.expert_samples."""
-    k = cfg.algo.expert_samples
-    if not k:
+    """A group's members: samples, the greedy episode of algo.greedy_samples, and the
+    expert episodes of algo.expert_samples."""
+    k, g = cfg.algo.expert_samples, cfg.algo.greedy_samples
+    if not k and not g:
         return f"{cfg.rollout.group_size} samples"
-    return (
-        f"({cfg.rollout.group_size - k} samples + {k} expert demonstration{'s' if k > 1 else ''})"
-    )
+    parts = [f"{cfg.rollout.group_size - k - g} samples"]
+    if g:
+        parts.append(f"{g} greedy")
+    if k:
+        parts.append(f"{k} expert demonstration{'s' if k > 1 else ''}")
+    return f"({' + '.join(parts)})"
 
 
 def _facts(
