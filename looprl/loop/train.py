@@ -153,8 +153,8 @@ def train(
         baseline = evaluate(policy, play, eval_tasks, cfg, run_dir, "baseline", progress)
     else:
         progress.note(f"{DONE} baseline eval: kept from {run_dir / 'eval' / 'baseline.json'}")
-    # the greedy policy (T = 0, one episode per task) on eval.greedy_tasks held-out tasks
-    # (unset: the same tasks), beside it (unless the eval above already was greedy)
+    # the greedy policy (T = 0, one episode per distinct task; eval.greedy_tasks of them,
+    # the sampled eval's first), beside it (unless the eval above already was greedy)
     greedy = cfg.eval.greedy and cfg.eval.temperature > 0
     greedy_tasks = greedy_eval_tasks(probe, cfg, eval_tasks)
     baseline_greedy = load_json(run_dir / "eval" / "baseline_greedy.json")
@@ -292,6 +292,7 @@ def train(
             # members not at the rollout temperature)
             sampled = [e for e in episodes if not (e.expert or greedy_member(cfg, e))]
             summary = summarize(sampled)
+            generated = sum(e.response_len for e in episodes if not e.expert)  # greedy too
             metrics = {
                 "step": step,
                 "rollout/rewards_mean": summary["reward_mean"],
@@ -320,7 +321,7 @@ def train(
                 "train/ratio_max": stats["ratio_max"],
                 "train/micro_batch_tokens": loop.update.micro_batch_tokens,
                 "perf/step_s": time.time() - t0,
-                "perf/rollout_tokens_per_s": sum(e.response_len for e in sampled) / rollout_s,
+                "perf/rollout_tokens_per_s": generated / rollout_s,
                 "perf/train_tokens_per_s": stats["tokens"] / max(train_s, 1e-9),
                 "perf/peak_rss_gb": peak_rss_gb(),
             }
