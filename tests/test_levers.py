@@ -473,7 +473,8 @@ def test_play_step_makes_one_member_of_each_group_the_greedy_episode(tiny_step):
     from looprl.config import config_from_dict
     from looprl.engine import SamplingParams
     from looprl.loop.dist import Dist
-    from looprl.loop.groups import greedy_member, play_step, with_members
+    from looprl.loop.groups import greedy_member, play_step
+    from looprl.loop.guidance import with_members
 
     base, probe, play = tiny_step
     cfg = config_from_dict(
@@ -494,7 +495,7 @@ def test_play_step_makes_one_member_of_each_group_the_greedy_episode(tiny_step):
         alone = play([members[-1].task], params=greedy)[0]
         assert alone.token_ids == members[-1].token_ids and alone.reward == members[-1].reward
     assert not greedy_member(base, played.episodes[group - 1])  # off: nothing is a member
-    assert with_members(["a1", "a2", "b1", "b2"], ["A", "B"], 2) == [
+    assert with_members(["a1", "a2", "b1", "b2"], [["A"], ["B"]]) == [
         "a1",
         "a2",
         "A",

@@ -328,6 +328,21 @@ class EvalConfig(Section):
         "sampled eval's first; unset = eval.tasks × eval.samples_per_task.",
     )
 
+    @property
+    def greedy_runs(self) -> bool:
+        """Whether the greedy eval runs (on, and the sampled eval is not greedy already)."""
+        return self.greedy and self.temperature > 0
+
+    @property
+    def greedy_count(self) -> int:
+        """Tasks the greedy eval asks for (the env's held-out set may hold fewer); 0 when it
+        does not run."""
+        if not self.greedy_runs:
+            return 0
+        return (
+            self.tasks * self.samples_per_task if self.greedy_tasks is None else self.greedy_tasks
+        )
+
 
 class SFTConfig(Section):
     enabled: bool = Field(

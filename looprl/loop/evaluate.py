@@ -167,32 +167,19 @@ def evaluate(
 
 
 def distinct_tasks(tasks: list) -> list:
-    """The first task of each id, in order."""
-    seen: set[str] = set()
-    out = []
-    for task in tasks:
-        if task.id not in seen:
-            seen.add(task.id)
-            out.append(task)
-    return out
+    """Each task once, in order of first appearance."""
+    return list({task.id: task for task in tasks}.values())
 
 
 def greedy_eval_tasks(env: Any, cfg: Config, eval_tasks: list) -> list:
-    """The greedy eval's distinct tasks: `eval.greedy_tasks` of them (unset: as many as the
-    sampled eval has episodes, `eval.tasks` × `eval.samples_per_task`), the sampled eval's
+    """The greedy eval's distinct tasks: `eval.greedy_count` of them, the sampled eval's
     own tasks first, then more held-out tasks drawn with `eval.seed`; at most the env's
     whole held-out set."""
-    n = cfg.eval.greedy_tasks
-    if n is None:
-        n = cfg.eval.tasks * cfg.eval.samples_per_task
+    n = cfg.eval.greedy_count
     own = distinct_tasks(eval_tasks)
     if n <= len(own):
         return own[:n]
-    seen = {t.id for t in own}
-    more = [
-        t for t in distinct_tasks(env.tasks("eval", n=n, seed=cfg.eval.seed)) if t.id not in seen
-    ]
-    return own + more[: n - len(own)]
+    return distinct_tasks(own + env.tasks("eval", n=n, seed=cfg.eval.seed))[:n]
 
 
 def kept_tasks(kept: dict, tasks: list, candidates: list) -> list:

@@ -43,7 +43,8 @@ from looprl.algo import (
 from looprl.config import Config
 from looprl.engine import SamplingParams
 from looprl.loop.dist import Dist
-from looprl.loop.guidance import with_experts
+from looprl.loop.evaluate import distinct_tasks
+from looprl.loop.guidance import with_experts, with_members
 from looprl.types import Episode, Task
 
 REFILL_SEED_STRIDE = 500_009  # a refill round's task seed: the step's seed + round × this
@@ -106,7 +107,7 @@ def play_step(
                       first_index=(sampled + (mine[0] if mine else 0)) * sampling)  # fmt: skip
         if greedy:  # T = 0 needs no random stream
             argmax = play([tasks[i] for i in mine], params=replace(params, temperature=0.0))
-            played = with_members(played, argmax, len(mine))
+            played = with_members(played, [[e] for e in argmax])
         if experts:
             played = with_experts(played, [tasks[i] for i in mine], experts, expert)
         episodes = dist.gather(played)
@@ -141,18 +142,6 @@ def greedy_member(cfg: Config, episode: Episode) -> bool:
     return cfg.algo.greedy_samples > 0 and episode.temperature == 0 and not episode.expert
 
 
-def with_members(played: list[Episode], members: list[Episode], tasks: int) -> list[Episode]:
-    """Each task's episodes in `played` (len(played) / tasks a task, in task order), each
-    followed by the task's episode in `members` (one a task, in task order)."""
-    if not tasks:
-        return list(played)
-    per_task = len(played) // tasks
-    out: list[Episode] = []
-    for j in range(tasks):
-        out += [*played[j * per_task : (j + 1) * per_task], members[j]]
-    return out
-
-
 def graded_turns(episode: Episode) -> list[float]:
     """The episode's per-turn rewards, one for each of its turns: a turn the environment
     did not grade (none does in the built-in envs once the episode is trainable) counts 0."""
@@ -168,7 +157,7 @@ def step_tasks(
     if not cfg.curriculum.enabled:
         return probe.tasks("train", n=n, seed=seed), []
     drawn = probe.tasks("train", n=n * cfg.curriculum.candidates, seed=seed)
-    candidates = list({task.id: task for task in drawn}.values())  # each task once
+    candidates = distinct_tasks(drawn)
     if len(candidates) < n:
         return probe.tasks("train", n=n, seed=seed), []  # a pool too small to choose from
     c = cfg.curriculum

@@ -100,15 +100,20 @@ def with_experts(
 ) -> list[Episode]:
     """Each task's group: its sampled episodes (`played`, len(played) / len(tasks) a task,
     in task order) followed by k expert episodes (k − 1 of them copies of the first)."""
-    if not tasks:
+    experts = [expert(task) for task in tasks]
+    return with_members(played, [[e] + [replace(e) for _ in range(k - 1)] for e in experts])
+
+
+def with_members(played: list[Episode], members: list[list[Episode]]) -> list[Episode]:
+    """Each task's episodes in `played` (len(played) / len(members) a task, in task order),
+    each followed by that task's `members`."""
+    if not members:
         return list(played)
-    per_task = len(played) // len(tasks)
-    groups: list[Episode] = []
-    for j, task in enumerate(tasks):
-        groups += played[j * per_task : (j + 1) * per_task]
-        first = expert(task)
-        groups += [first] + [replace(first) for _ in range(k - 1)]
-    return groups
+    per_task = len(played) // len(members)
+    out: list[Episode] = []
+    for j, extra in enumerate(members):
+        out += [*played[j * per_task : (j + 1) * per_task], *extra]
+    return out
 
 
 def expert_advantage(batch: list[tuple[Episode, Any]]) -> float:

@@ -155,7 +155,7 @@ def train(
         progress.note(f"{DONE} baseline eval: kept from {run_dir / 'eval' / 'baseline.json'}")
     # the greedy policy (T = 0, one episode per distinct task; eval.greedy_tasks of them,
     # the sampled eval's first), beside it (unless the eval above already was greedy)
-    greedy = cfg.eval.greedy and cfg.eval.temperature > 0
+    greedy = cfg.eval.greedy_runs
     greedy_tasks = greedy_eval_tasks(probe, cfg, eval_tasks)
     baseline_greedy = load_json(run_dir / "eval" / "baseline_greedy.json")
     if baseline_greedy is not None:  # resumed: the tasks it played, whatever the settings

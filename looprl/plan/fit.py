@@ -9,7 +9,7 @@ from typing import Any
 from looprl.config import Config
 from looprl.loop.update import MIN_MICRO_BATCH_TOKENS
 from looprl.plan.devices import DEVICES, Device
-from looprl.plan.memory import Plan, dtype_name, greedy_episodes, plan_memory, summary
+from looprl.plan.memory import Plan, dtype_name, plan_memory, summary
 from looprl.plan.shape import ModelShape
 from looprl.plan.workload import Workload
 
@@ -39,7 +39,7 @@ def largest_settings(cfg: Config, shape: ModelShape, work: Workload, device: Dev
     the other left as configured. Each search stops where a larger value no longer changes
     the plan (every episode in one batch, a whole minibatch in one micro-batch)."""
     episodes = max(cfg.rollout.tasks_per_step * cfg.rollout.group_size,
-                   cfg.eval.tasks * cfg.eval.samples_per_task, greedy_episodes(cfg))  # fmt: skip
+                   cfg.eval.tasks * cfg.eval.samples_per_task, cfg.eval.greedy_count)  # fmt: skip
     minibatch = -(-cfg.rollout.tasks_per_step // cfg.algo.num_minibatches) * cfg.rollout.group_size
     tokens = minibatch * (work.prompt_tokens + work.response_tokens)
 

@@ -262,20 +262,11 @@ def plan_memory(cfg: Config, shape: ModelShape, work: Workload, device: Device) 
         rollout_phase(cfg, shape, work, device, steps, cfg.rollout.group_size, "rollout"),
         update_phase(cfg, shape, work, device),
     ]
-    if greedy_episodes(cfg):  # one episode a task: every row prefills a prompt of its own
+    if cfg.eval.greedy_count:  # one episode a task: every row prefills a prompt of its own
         phases.append(
-            rollout_phase(cfg, shape, work, device, greedy_episodes(cfg), 1, "greedy eval")
+            rollout_phase(cfg, shape, work, device, cfg.eval.greedy_count, 1, "greedy eval")
         )
     return Plan(persistent(cfg, shape, device), phases)
-
-
-def greedy_episodes(cfg: Config) -> int:
-    """Episodes of the greedy eval (`eval.greedy`), 0 when it does not run."""
-    if not cfg.eval.greedy or cfg.eval.temperature == 0:
-        return 0
-    if cfg.eval.greedy_tasks is None:
-        return cfg.eval.tasks * cfg.eval.samples_per_task
-    return cfg.eval.greedy_tasks
 
 
 def summary(plan: Plan) -> dict[str, Any]:

@@ -120,6 +120,7 @@ def write_report(
     for name in PLOTS:  # a rebuilt report must not leave a stale plot from an earlier one
         (plots / name).unlink(missing_ok=True)
     before = mean_ci(baseline)
+    greedy_before = _load_eval(run_dir / "eval" / "baseline_greedy.json")
     sides = [("before", baseline.get("outcomes") or {})]
     blocks: list[tuple] = []
     if final is None:
@@ -153,7 +154,7 @@ def write_report(
             sides.append(("after SFT", mid.get("outcomes") or {}))
         sides.append(("after", final.get("outcomes") or {}))
         paired = paired_stats(baseline, final)
-        greedy = [_load_eval(run_dir / "eval" / f"{n}_greedy.json") for n in ("baseline", "final")]
+        greedy = [greedy_before, _load_eval(run_dir / "eval" / "final_greedy.json")]
         blocks += [
             ("h1", f"looprl run: {cfg.env.name} · {cfg.model.name} · {cfg.algo.name}"),
             ("p", _headline(cfg, wall_s, wall_label, peak_rss)),
@@ -195,7 +196,6 @@ def write_report(
         )
         blocks.append(("img", curves, "Training reward and response length per step"))
 
-    greedy_before = _load_eval(run_dir / "eval" / "baseline_greedy.json")
     blocks += [
         ("h2", "Run facts"),
         (
