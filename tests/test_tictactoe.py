@@ -22,6 +22,7 @@ from looprl.envs.tictactoe import (
     positions,
     render_board,
     render_lines,
+    render_threats,
     score_move,
     to_move,
     winner,
@@ -180,6 +181,32 @@ def test_render_lines() -> None:
         "diagonal 1-5-9: X X 9",  # X wins on 9: two marks and a number on one line
         "diagonal 3-5-7: O X O",
     ]
+
+
+def test_render_threats() -> None:
+    assert render_threats("X.O.X.O..") == "diagonal 1-5-9: X X 9"  # X's win; O's 3-5-7 is full
+    assert render_threats(".........") == "none"
+    assert render_threats("XX.OO....") == "row 1: X X 3; row 2: O O 6"  # both sides, in line order
+    # two of one mark and one of the other is dead: nothing to win or block there
+    assert render_threats("XOX.O.X..") == "column 1: X 4 X; column 2: O O 8"
+    assert render_threats("XXOOOXXOX") == "none"  # a full board
+
+
+@pytest.mark.parametrize("cls", [TicTacToeMove, TicTacToeGame])
+def test_board_view_threats(cls: type) -> None:
+    plain, threats = cls(), cls(board_view="grid+threats")
+    task = plain.tasks("eval", n=1)[0]
+    a, b = plain.reset(task).messages[1].content, threats.reset(task).messages[1].content
+    grid = a.split("\n\n")[1] if cls is TicTacToeGame else a.split("\n\n")[0]
+    assert "Two in a line" not in a and grid in b and "\n\nTwo in a line: " in b
+    if cls is TicTacToeGame:  # every tool result names the board's open twos
+        for message in threats.demonstrations(task):
+            result = threats.step(message)
+            text = result.messages[0].content
+            assert f"Two in a line: {render_threats(result.info['board'])}" in text
+        assert result.done and result.outcome in ("win", "draw")
+    with pytest.raises(EnvError, match="board_view"):
+        cls(board_view="threats")
 
 
 @pytest.mark.parametrize("cls", [TicTacToeMove, TicTacToeGame])

@@ -30,6 +30,7 @@ from looprl.envs.tictactoe_board import (  # noqa: F401  (the public helpers liv
     positions,
     render_board,
     render_lines,
+    render_threats,
     score_move,
     to_move,
     unfinished_x_to_move,
@@ -60,7 +61,7 @@ CHOOSE_SQUARE_TOOL: dict[str, Any] = {
     },
 }
 _TOOL_NAME = "choose_square"
-BOARD_VIEWS = ("grid", "grid+lines")
+BOARD_VIEWS = ("grid", "grid+lines", "grid+threats")
 
 _MOVE_OUTCOMES = {
     WIN_REWARD: "win",
@@ -90,12 +91,14 @@ class _TicTacToeEnv:
         check_choice(f"{self.name}: split", split, ("train", "eval"))
 
     def _board(self, board: str) -> str:
-        """The board as the model reads it: the grid, and with `board_view: grid+lines`
-        its eight lines below it."""
+        """The board as the model reads it: the grid, and below it its eight lines
+        (`board_view: grid+lines`) or the lines one mark completes (`grid+threats`)."""
         grid = render_board(board)
-        if self.board_view == "grid":
-            return grid
-        return f"{grid}\n\nLines:\n{render_lines(board)}"
+        if self.board_view == "grid+lines":
+            return f"{grid}\n\nLines:\n{render_lines(board)}"
+        if self.board_view == "grid+threats":
+            return f"{grid}\n\nTwo in a line: {render_threats(board)}"
+        return grid
 
     def _observation(self, user_text: str) -> Observation:
         messages = [Message("system", self.system_prompt), Message("user", user_text)]

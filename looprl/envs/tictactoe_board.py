@@ -162,11 +162,27 @@ _LINE_NAMES = ("row 1", "row 2", "row 3", "column 1", "column 2", "column 3")
 _LINE_NAMES += ("diagonal 1-5-9", "diagonal 3-5-7")
 
 
+def _render_line(cells: list[str], name: str, line: tuple[int, ...]) -> str:
+    return f"{name}: {' '.join(cells[i] for i in line)}"
+
+
 def render_lines(board: str) -> str:
     """The eight lines of three, one per row of text, marks shown and empty squares by
     their number. A win or a block becomes local: two equal marks and a number on one
     row of text (`row 2: X X 6`), instead of three squares spread over a drawn grid."""
     cells = _cells(board)
-    return "\n".join(
-        f"{name}: {' '.join(cells[i] for i in line)}" for name, line in zip(_LINE_NAMES, _LINES)
-    )
+    return "\n".join(_render_line(cells, name, line) for name, line in zip(_LINE_NAMES, _LINES))
+
+
+def render_threats(board: str) -> str:
+    """Only the lines that one more mark completes: two equal marks and an empty square
+    (`row 2: X X 6`), joined by "; ", or "none". The part of `render_lines` that decides
+    an immediate win or block, in a few tokens; which of them is the mover's to take or
+    to block is left to the reader."""
+    cells = _cells(board)
+    open_twos = [
+        _render_line(cells, name, line)
+        for name, line in zip(_LINE_NAMES, _LINES)
+        if sorted(board[i] for i in line) in (["."] + ["O"] * 2, ["."] + ["X"] * 2)
+    ]
+    return "; ".join(open_twos) or "none"
