@@ -183,6 +183,6 @@ def render_threats(board: str) -> str:
     open_twos = [
         _render_line(cells, name, line)
         for name, line in zip(_LINE_NAMES, _LINES)
-        if sorted(board[i] for i in line) in (["."] + ["O"] * 2, ["."] + ["X"] * 2)
+        if "".join(sorted(board[i] for i in line)) in (".OO", ".XX")
     ]
     return "; ".join(open_twos) or "none"
