@@ -23,7 +23,9 @@ from looprl.envs.tictactoe_board import (  # noqa: F401  (the public helpers liv
     Player,
     as_square,
     best_moves,
+    expected_result,
     expert_move,
+    exploit_move,
     legal_moves,
     other,
     play,
@@ -258,6 +260,7 @@ class SnapshotPlayers:
         return player
 
 
+EXPERTS = ("minimax", "exploit")  # tictactoe-game's `expert` argument
 _GAME_OVER = {"win": "you win.", "draw": "it is a draw.", "loss": "you lose."}
 # move_rewards: a move that keeps the best game value for the mover (win > draw > loss, as
 # `best_moves`), a legal one that gives value away, an illegal or unparsable one
@@ -297,9 +300,15 @@ class TicTacToeGame(_TicTacToeEnv):
         system_prompt: str | None = None,
         board_view: str = "grid",
         move_rewards: bool = False,
+        expert: str = "minimax",
     ) -> None:
         super().__init__(tool_choice, system_prompt, board_view)
         parse_opponent(opponent)
+        # Whose moves `demonstrations` makes (the SFT warm start, algo.expert_samples): both
+        # play perfectly and never lose. `minimax` plays the smallest best move; `exploit`
+        # the best move with the highest expected result against this opponent (its random
+        # share's mistakes; a snapshot's moves are modelled as random): `exploit_move`.
+        self.expert = check_choice("expert", expert, EXPERTS)
         if not isinstance(move_rewards, bool):
             raise EnvError(f"move_rewards={move_rewards!r} is invalid: expected true or false")
         # Each agent move graded by exact minimax (`StepResult.turn_reward`): MOVE_GRADES.
@@ -410,7 +419,10 @@ class TicTacToeGame(_TicTacToeEnv):
         calls: list[Message] = []
         while not scratch._state.done:
             state = scratch._state
-            square = expert_move(state.board, state.agent)
+            if self.expert == "exploit":
+                square = exploit_move(state.board, state.agent, state.shares["minimax"])
+            else:
+                square = expert_move(state.board, state.agent)
             call_id = f"call_{len(calls)}"
             calls.append(
                 Message("assistant", tool_calls=[ToolCall(_TOOL_NAME, {"square": square}, call_id)])

@@ -9,6 +9,7 @@ it keeps the best game-theoretic value.
 from __future__ import annotations
 
 import random
+from fractions import Fraction
 from functools import cache
 from typing import Any, Literal
 
@@ -96,6 +97,58 @@ def expert_move(board: str, player: Player) -> int:
     if not moves:
         raise ValueError(f"no legal move on finished board {board!r}")
     return moves[0]
+
+
+def exploit_move(board: str, player: Player, minimax_share: float = 0.0) -> int:
+    """A perfect move that profits most from an imperfect opponent.
+
+    The smallest immediate win, else the best move (`best_moves`: it never gives game value
+    away, so the player never loses) with the highest expected result against an opponent
+    who plays one of its own best moves with probability `minimax_share` and a uniformly
+    random legal move otherwise; the smallest such move on ties. Against a perfect opponent
+    (share 1) every best move is worth the game value, so this is `expert_move`.
+    """
+    share = Fraction(str(minimax_share))
+    if not 0 <= share <= 1:
+        raise ValueError(f"minimax_share={minimax_share!r} is not in [0, 1]")
+    wins = winning_moves(board, player)
+    if wins:
+        return wins[0]
+    moves = _best_moves(board, player)
+    if not moves:
+        raise ValueError(f"no legal move on finished board {board!r}")
+    # max keeps the first of equal values, and moves are in ascending order
+    return max(moves, key=lambda m: _expected(play(board, m, player), player, share))
+
+
+@cache
+def _expected(board: str, player: Player, share: Fraction) -> Fraction:
+    """Exact expected result for `player` (win +1, draw 0, loss -1) from `board` when
+    `player` plays `exploit_move` and the opponent as `exploit_move`'s docstring says."""
+    won = winner(board)
+    if won is not None:
+        return Fraction(1 if won == player else -1)
+    moves = legal_moves(board)
+    if not moves:
+        return Fraction(0)
+    mover = to_move(board)
+    if mover == player:  # an immediate win is worth 1, as much as any best move can be
+        children = (play(board, m, player) for m in _best_moves(board, player))
+        return max(_expected(child, player, share) for child in children)
+
+    def mean(squares: tuple[int, ...] | list[int]) -> Fraction:
+        total = sum((_expected(play(board, m, mover), player, share) for m in squares), Fraction(0))
+        return total / len(squares)
+
+    perfect = mean(_best_moves(board, mover)) if share else Fraction(0)
+    anything = mean(moves) if share != 1 else Fraction(0)
+    return share * perfect + (1 - share) * anything
+
+
+def expected_result(board: str, player: Player, minimax_share: float = 0.0) -> Fraction:
+    """`exploit_move`'s exact expected result for `player` from `board` (either side to
+    move) against the opponent its docstring describes: win +1, draw 0, loss -1."""
+    return _expected(board, player, Fraction(str(minimax_share)))
 
 
 def as_square(value: Any) -> int | None:
