@@ -493,16 +493,19 @@ def test_tool_choice_auto_and_custom_prompt() -> None:
     assert obs.tool_choice == "auto" and obs.messages[0].content == "Be brief."
 
 
+def _demonstrated(env: TicTacToeGame, task: Task):
+    """The task's game played through `env` with the env's demonstrations: the last step."""
+    env.reset(task)
+    for message in env.demonstrations(task):
+        result = env.step(message)
+    assert result.done
+    return result
+
+
 @pytest.mark.parametrize("opponent", ["random", "minimax", "mixed:0.5"])
 def test_game_demonstrations_never_lose_and_draw_perfect_play(opponent):
     env = TicTacToeGame(opponent=opponent)
-    outcomes = set()
-    for task in env.tasks("eval"):
-        env.reset(task)
-        for message in env.demonstrations(task):
-            result = env.step(message)
-        assert result.done
-        outcomes.add(result.outcome)
+    outcomes = {_demonstrated(env, task).outcome for task in env.tasks("eval")}
     assert outcomes <= {"win", "draw"}
     if opponent == "minimax":
         assert outcomes == {"draw"}
@@ -566,10 +569,7 @@ def test_game_exploit_expert_wins_more_and_still_never_loses() -> None:
     same games as the minimax expert's."""
 
     def play_out(env: TicTacToeGame, task: Task) -> tuple[str, tuple]:
-        env.reset(task)
-        for message in env.demonstrations(task):
-            result = env.step(message)
-        assert result.done
+        result = _demonstrated(env, task)
         return result.outcome, tuple(result.info["moves"])
 
     wins = {}
@@ -597,19 +597,11 @@ def test_minimax_opponent_is_not_memorisable() -> None:
     env = TicTacToeGame(opponent="minimax")
     games = set()
     for task in env.tasks("eval"):
-        env.reset(task)
-        for message in env.demonstrations(task):
-            result = env.step(message)
-        games.add(tuple(result.info["moves"]))
+        games.add(tuple(_demonstrated(env, task).info["moves"]))
     assert len(games) >= 20  # 27 of 64 with the built-in seeds
     # the same task replays the same game: the variety comes from the seeds, not chance
     task = env.tasks("eval")[3]
-    replays = set()
-    for _ in range(2):
-        env.reset(task)
-        for message in env.demonstrations(task):
-            result = env.step(message)
-        replays.add(tuple(result.info["moves"]))
+    replays = {tuple(_demonstrated(env, task).info["moves"]) for _ in range(2)}
     assert len(replays) == 1
 
 

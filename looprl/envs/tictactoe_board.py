@@ -87,16 +87,20 @@ def winning_moves(board: str, player: Player) -> list[int]:
     return [m for m in legal_moves(board) if winner(play(board, m, player)) == player]
 
 
-def expert_move(board: str, player: Player) -> int:
-    """A deterministic perfect move: the smallest immediate win, else the smallest best move.
+def _perfect_moves(board: str, player: Player) -> list[int]:
+    """The immediate wins if there are any, else the best moves, in ascending order.
 
-    Taking an immediate win first keeps the expert from dawdling in won positions.
+    Taking an immediate win first keeps an expert from dawdling in won positions.
     """
-    wins = winning_moves(board, player)
-    moves = wins or best_moves(board, player)
+    moves = winning_moves(board, player) or best_moves(board, player)
     if not moves:
         raise ValueError(f"no legal move on finished board {board!r}")
-    return moves[0]
+    return moves
+
+
+def expert_move(board: str, player: Player) -> int:
+    """A deterministic perfect move: the smallest immediate win, else the smallest best move."""
+    return _perfect_moves(board, player)[0]
 
 
 def exploit_move(board: str, player: Player, minimax_share: float = 0.0) -> int:
@@ -108,17 +112,25 @@ def exploit_move(board: str, player: Player, minimax_share: float = 0.0) -> int:
     random legal move otherwise; the smallest such move on ties. Against a perfect opponent
     (share 1) every best move is worth the game value, so this is `expert_move`.
     """
+    share = _share(minimax_share)
+    # an immediate win is worth 1, the most there is; max keeps the first of equal values
+    return max(
+        _perfect_moves(board, player),
+        key=lambda m: _expected(play(board, m, player), player, share),
+    )
+
+
+def expected_result(board: str, player: Player, minimax_share: float = 0.0) -> Fraction:
+    """`exploit_move`'s exact expected result for `player` from `board` (either side to
+    move) against the opponent its docstring describes: win +1, draw 0, loss -1."""
+    return _expected(board, player, _share(minimax_share))
+
+
+def _share(minimax_share: float) -> Fraction:
     share = Fraction(str(minimax_share))
     if not 0 <= share <= 1:
         raise ValueError(f"minimax_share={minimax_share!r} is not in [0, 1]")
-    wins = winning_moves(board, player)
-    if wins:
-        return wins[0]
-    moves = _best_moves(board, player)
-    if not moves:
-        raise ValueError(f"no legal move on finished board {board!r}")
-    # max keeps the first of equal values, and moves are in ascending order
-    return max(moves, key=lambda m: _expected(play(board, m, player), player, share))
+    return share
 
 
 @cache
@@ -140,15 +152,7 @@ def _expected(board: str, player: Player, share: Fraction) -> Fraction:
         total = sum((_expected(play(board, m, mover), player, share) for m in squares), Fraction(0))
         return total / len(squares)
 
-    perfect = mean(_best_moves(board, mover)) if share else Fraction(0)
-    anything = mean(moves) if share != 1 else Fraction(0)
-    return share * perfect + (1 - share) * anything
-
-
-def expected_result(board: str, player: Player, minimax_share: float = 0.0) -> Fraction:
-    """`exploit_move`'s exact expected result for `player` from `board` (either side to
-    move) against the opponent its docstring describes: win +1, draw 0, loss -1."""
-    return _expected(board, player, Fraction(str(minimax_share)))
+    return share * mean(_best_moves(board, mover)) + (1 - share) * mean(moves)
 
 
 def as_square(value: Any) -> int | None:
