@@ -45,7 +45,7 @@ $(VLLM_STAMP):
 	touch $(VLLM_STAMP)
 
 demo: setup
-	$(BIN)/looprl run --out runs/demo --force
+	$(BIN)/looprl run examples/demo.yaml --out runs/demo --force
 
 test: setup
 	$(BIN)/python -m pytest
