@@ -72,6 +72,37 @@ def test_prompt_is_the_move_envs_prompt_with_the_tool_forced():
     assert render_board("." * 9) in user_text(model) and session.board == "....X...."
 
 
+def test_a_run_is_shown_the_board_view_and_system_prompt_it_trained_with():
+    """`make demo` trains on the board with its open twos: playing its run, the model reads
+    the board that way (and a run's own system prompt), exactly as the env shows it."""
+    from looprl.config import load_config
+
+    board = "XX.OO...."
+    args = {"board_view": "grid+threats", "system_prompt": "Win if you can."}
+    obs = TicTacToeMove(**args).reset(Task("t", {"board": board}))
+    prompt = move_prompt(board, "grid+threats", "Win if you can.")
+    assert [m.to_dict() for m in prompt] == [m.to_dict() for m in obs.messages]
+    assert "Two in a line: row 1: X X 3; row 2: O O 6" in prompt[1].content
+
+    model = ScriptedModel([1, 3])
+    model.config = load_config(None, [f"env.args.{k}={v}" for k, v in args.items()])  # type: ignore[attr-defined]
+    session = PlaySession(model, human="O")  # the model is X
+    session.model_move()
+    session.human_move(4)
+    seen = model.calls[1]["messages"]
+    assert [m.to_dict() for m in seen] == [m.to_dict() for m in move_prompt("X..O.....", **args)]
+
+    # another env's run, or a plain model: the move env's own prompt
+    other_run = ScriptedModel([1])
+    other_run.config = load_config(None, ["env.name=workflow"])  # type: ignore[attr-defined]
+    PlaySession(other_run, human="O").model_move()
+    assert other_run.calls[0]["messages"][1].content == move_prompt(".........")[1].content
+    bad = ScriptedModel([1])
+    bad.config = load_config(None, ["env.args.board_view=sideways"])  # type: ignore[attr-defined]
+    with pytest.raises(PlayError, match="board_view 'sideways'"):
+        PlaySession(bad)
+
+
 def test_a_whole_game_the_human_wins():
     model = ScriptedModel([4, 5])
     session = PlaySession(model, human="X")

@@ -104,6 +104,11 @@ class ChatModel:
 
     # ------------------------------------------------------------ public
 
+    @property
+    def config(self) -> Config:
+        """The run's config (a plain model: the one it was loaded with)."""
+        return self._cfg
+
     def chat(
         self,
         messages: list[Message],

@@ -4,7 +4,9 @@ How the model is asked. Each model turn is one prompt in the style of the `ticta
 environment, so a model post-trained on that env sees exactly what it was trained on: the
 env's system prompt, "Current board:\\n{board}\\n\\nYou are X. Your move?", the
 `choose_square` tool, forced (tool_choice="choose_square"), greedy unless --temperature.
-There is no game history in the prompt, as in the env: only the current board.
+There is no game history in the prompt, as in the env: only the current board. A run
+trained on a tic-tac-toe env with `board_view` or `system_prompt` in its `env.args` is
+shown the board and the system prompt that way (`run_prompt_args`).
 
 The model as O. The move env always has X to move, so when the model plays O the board it
 is shown has X and O swapped: it sees itself as X. Its answer is a square number, which
@@ -26,14 +28,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from looprl.envs.tictactoe import CHOOSE_SQUARE_TOOL, TicTacToeMove
+from looprl.envs.tictactoe import BOARD_VIEWS, CHOOSE_SQUARE_TOOL, TicTacToeMove, show_board
 from looprl.envs.tictactoe_board import (
     EMPTY_BOARD,
     Player,
     as_square,
     other,
     play,
-    render_board,
     winner,
 )
 from looprl.errors import LoopRLError
@@ -79,10 +80,26 @@ def swap_marks(board: str) -> str:
     return board.translate(str.maketrans("XO", "OX"))
 
 
-def move_prompt(board_as_x: str) -> list[Message]:
-    """The `tictactoe-move` env's prompt for a board where the model plays X."""
-    user = f"Current board:\n{render_board(board_as_x)}\n\nYou are X. Your move?"
-    return [Message("system", TicTacToeMove.default_prompt), Message("user", user)]
+def move_prompt(
+    board_as_x: str, board_view: str = "grid", system_prompt: str | None = None
+) -> list[Message]:
+    """The `tictactoe-move` env's prompt for a board where the model plays X, with the
+    env's `board_view` and `system_prompt` (None: the env's own)."""
+    user = f"Current board:\n{show_board(board_as_x, board_view)}\n\nYou are X. Your move?"
+    system = system_prompt or TicTacToeMove.default_prompt
+    return [Message("system", system), Message("user", user)]
+
+
+def run_prompt_args(model: Any) -> tuple[str, str | None]:
+    """The board view and system prompt a run's model was trained with: its config's
+    `env.args` when the env is tic-tac-toe; else the plain grid and the env's prompt."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or cfg.env.name not in ("tictactoe-move", "tictactoe-game"):
+        return "grid", None
+    view = cfg.env.args.get("board_view", "grid")
+    if view not in BOARD_VIEWS:
+        raise PlayError(f"the run's env.args.board_view {view!r} is not one of {BOARD_VIEWS}")
+    return view, cfg.env.args.get("system_prompt")
 
 
 def check_variant(model: ChatModel, variant: str | None) -> str:
@@ -124,11 +141,13 @@ class PlaySession:
     moves: list[tuple[Player, int]] = field(default_factory=list)
     turns: list[ModelTurn] = field(default_factory=list)
     forfeit: bool = False
+    _prompt_args: tuple[str, str | None] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.human = check_human(self.human)
         self.variant = check_variant(self.model, self.variant)
         check_temperature(self.temperature)
+        self._prompt_args = run_prompt_args(self.model)
 
     @property
     def model_mark(self) -> Player:
@@ -170,7 +189,8 @@ class PlaySession:
         seed = None if self.seed is None else self.seed + len(self.moves)
         single = len(self.model.variants) == 1  # a plain model: no variant to pick
         choice = self.model.chat(
-            move_prompt(seen), tools=[CHOOSE_SQUARE_TOOL], tool_choice="choose_square",
+            move_prompt(seen, *self._prompt_args), tools=[CHOOSE_SQUARE_TOOL],
+            tool_choice="choose_square",
             temperature=self.temperature, max_tokens=MAX_TOKENS, seed=seed,
             variant=None if single else self.variant,
         )[0]  # fmt: skip

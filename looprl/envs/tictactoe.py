@@ -65,6 +65,18 @@ CHOOSE_SQUARE_TOOL: dict[str, Any] = {
 _TOOL_NAME = "choose_square"
 BOARD_VIEWS = ("grid", "grid+lines", "grid+threats")
 
+
+def show_board(board: str, view: str = "grid") -> str:
+    """The board as the model reads it (one of `BOARD_VIEWS`): the grid, and below it its
+    eight lines (`grid+lines`) or the lines one mark completes (`grid+threats`)."""
+    grid = render_board(board)
+    if view == "grid+lines":
+        return f"{grid}\n\nLines:\n{render_lines(board)}"
+    if view == "grid+threats":
+        return f"{grid}\n\nTwo in a line: {render_threats(board)}"
+    return grid
+
+
 _MOVE_OUTCOMES = {
     WIN_REWARD: "win",
     OPTIMAL_REWARD: "optimal",
@@ -93,14 +105,7 @@ class _TicTacToeEnv:
         check_choice(f"{self.name}: split", split, ("train", "eval"))
 
     def _board(self, board: str) -> str:
-        """The board as the model reads it: the grid, and below it its eight lines
-        (`board_view: grid+lines`) or the lines one mark completes (`grid+threats`)."""
-        grid = render_board(board)
-        if self.board_view == "grid+lines":
-            return f"{grid}\n\nLines:\n{render_lines(board)}"
-        if self.board_view == "grid+threats":
-            return f"{grid}\n\nTwo in a line: {render_threats(board)}"
-        return grid
+        return show_board(board, self.board_view)
 
     def _observation(self, user_text: str) -> Observation:
         messages = [Message("system", self.system_prompt), Message("user", user_text)]
