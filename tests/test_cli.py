@@ -301,3 +301,20 @@ def test_learning_recipes_are_valid_configs(recipe):
     """Every bench/learning recipe loads (a typo in one would surface an hour into a run)."""
     cfg = load_config(recipe, [])
     assert cfg.train.steps >= 1 or cfg.sft.enabled  # an SFT-only ablation trains too
+
+
+def test_make_demo_runs_the_demo_config():
+    """`make demo` runs examples/demo.yaml, which loads, and whose env gives the SFT its
+    demonstrations with the board view it trains on."""
+    from looprl.envs import make_env
+    from looprl.envs.base import demonstrations
+
+    root = Path(__file__).resolve().parent.parent
+    demo = re.search(r"^demo:.*\n\t(.+)$", (root / "Makefile").read_text(), re.M)
+    assert demo and "looprl run examples/demo.yaml --out runs/demo --force" in demo.group(1)
+    cfg = load_config(root / "examples" / "demo.yaml", [])
+    assert cfg.sft.enabled and cfg.train.steps >= 1 and cfg.eval.greedy_runs
+    env = make_env(cfg.env.name, cfg.env.args)
+    (task,) = env.tasks("train", 1, 0)
+    assert "Two in a line:" in env.reset(task).messages[-1].content
+    assert demonstrations(env, task)  # the SFT's expert move for this board
