@@ -4,7 +4,7 @@ wall-clock, steps per minute, peak memory and the held-out result.
     .venv/bin/python bench/engine_run.py [--engines hf vllm] [--out runs/bench-engines]
                                          [--set KEY=VALUE ...]
 
-With no `--set`, each engine trains the default task (`make demo`'s config). Memory is
+With no `--set`, each engine trains the default task (`looprl run`'s defaults). Memory is
 sampled every 0.5 s over the whole process tree, since the `vllm` engine's sampler is a
 server process with its own workers: `tree_peak_gb` is the largest sum of resident sets
 seen at one moment; `looprl_peak_gb` is the run's own process (`perf/peak_rss_gb` as

@@ -1,4 +1,4 @@
-"""Peak memory of the default run: `looprl run` with every default, as `make demo` runs it.
+"""Peak memory of the default run: `looprl run` with every default (no config file).
 
     .venv/bin/python bench/memory.py [--out runs/bench-memory] [--set key=value ...]
 
