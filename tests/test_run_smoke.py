@@ -111,6 +111,10 @@ def test_run_shows_each_phase_and_ends_with_the_headline(first_run):
     ]
     for title in ("load model", "baseline eval", "training", "final eval", "write report"):
         assert f"✓ {title}: " in res.stderr, title
+    # the training line closes on the last step's seconds and the mean over the steps
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    times = [s["perf/step_s"] for s in steps]
+    assert f"{times[-1]:.1f} s (mean {sum(times) / len(times):.1f} s/step)" in res.stderr
     baseline = json.loads((run / "eval/baseline.json").read_text())
     final = json.loads((run / "eval/final.json").read_text())
 

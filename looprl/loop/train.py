@@ -225,6 +225,7 @@ def train(
         StopOnSignal() as stop,
     ):
         phase.update(start)
+        step_seconds: list[float] = []  # this process's steps, for the mean it shows
         for step in range(start + 1, cfg.train.steps + 1):
             t0 = time.time()
             views_of_step.clear()
@@ -346,10 +347,11 @@ def train(
             last = step == cfg.train.steps
             if last or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
                 checkpoint(step)
+            step_seconds.append(metrics["perf/step_s"])
             phase.update(
                 advance=1,
                 detail=f"step {step} · reward {metrics['rollout/rewards_mean']:+.3f} · "
-                f"{metrics['perf/step_s']:.1f} s/step",
+                f"{metrics['perf/step_s']:.1f} s (mean {np.mean(step_seconds):.1f} s/step)",
             )
             stopping = dist.all_reduce([bool(stop.requested)], op="max")[0]  # all or none
             stop.requested = stop.requested or ("SIGTERM" if stopping else None)
