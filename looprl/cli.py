@@ -85,6 +85,8 @@ def run(
     if not current_rank().is_main:
         return  # rank 0 of a torchrun job prints the headline
     console.print()
+    for text in result.get("warnings") or []:
+        err_console.print(f"[bold yellow]warning:[/] {text}", highlight=False)
     for line in headline(
         result["baseline"],
         result["final"],
@@ -364,11 +366,15 @@ def envs_check(
     ] = None,
 ) -> None:
     """Test an environment with random, expert and perturbed-expert agents (no model)."""
-    from looprl.envs import list_envs
+    from looprl.envs import env_class, list_envs
     from looprl.envs.check import check_env
 
     failed = []
     for name in names or list(list_envs()):
+        needs = getattr(env_class(name), "needs_args", None)
+        if not names and needs and not arg:
+            console.print(f"looprl envs check {name}: skipped (it needs --arg {needs})")
+            continue
         report = check_env(name, _env_args(arg), n=tasks, seed=seed, max_step_ms=max_step_ms)
         table = Table("check", "", "detail", title=f"looprl envs check {name}")
         for c in report.checks:

@@ -80,6 +80,9 @@ class Observation:
     messages: list[Message]
     tools: list[dict[str, Any]]  # OpenAI function-format schemas
     tool_choice: ToolChoice = "auto"
+    # an OpenAI `response_format` ({"type": "json_schema", ...}): the reply is one JSON
+    # value the grammar forces; None: free text (or the tool call `tool_choice` asks for)
+    response_format: dict[str, Any] | None = None
 
 
 @dataclass

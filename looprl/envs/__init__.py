@@ -24,7 +24,7 @@ __all__ = [
 ]
 
 
-_BUILTIN_MODULES = ("tictactoe", "extraction", "workflow", "instructions")
+_BUILTIN_MODULES = ("tictactoe", "extraction", "workflow", "instructions", "dataset")
 
 
 def _builtins() -> dict[str, type]:

@@ -28,10 +28,12 @@ from typing import Any
 
 from looprl.chat.parsers import parse_tool_calls, validate_arguments
 from looprl.envs import demonstrations, gives_turn_rewards, make_env
+from looprl.envs.schema_values import random_value
 from looprl.types import Message, Task, ToolCall
 
 AGENTS = ("random", "expert", "perturbed")
 _WORDS = ["hello", "order", "refund", "the", "square", "5", "json", "Dear", "thanks", "—", "é"]
+__all__ = ["check_env", "random_value"]
 
 
 @dataclass
@@ -63,30 +65,6 @@ class CheckReport:
 
 
 # ------------------------------------------------------------------ random actions
-
-
-def random_value(schema: dict[str, Any], rng: random.Random, depth: int = 0) -> Any:
-    """A value shaped by a JSON schema (mostly valid; the caller validates it)."""
-    if "enum" in schema:
-        return rng.choice(schema["enum"])
-    kind = schema.get("type", "string")
-    if isinstance(kind, list):
-        kind = rng.choice(kind)
-    if kind == "integer":
-        low, high = int(schema.get("minimum", -3)), int(schema.get("maximum", 12))
-        return rng.randint(low, max(low, high))
-    if kind == "number":
-        return round(rng.uniform(schema.get("minimum", 0.0), schema.get("maximum", 500.0)), 2)
-    if kind == "boolean":
-        return rng.random() < 0.5
-    if kind == "array" and depth < 3:
-        item = schema.get("items", {"type": "string"})
-        return [random_value(item, rng, depth + 1) for _ in range(rng.randint(0, 3))]
-    if kind == "object" and depth < 3:
-        props = schema.get("properties", {})
-        keys = [k for k in props if k in schema.get("required", []) or rng.random() < 0.5]
-        return {k: random_value(props[k], rng, depth + 1) for k in keys}
-    return " ".join(rng.choice(_WORDS) for _ in range(rng.randint(0, 4)))
 
 
 def _as_parsed(message: Message, tools: list[dict[str, Any]]) -> Message:
@@ -316,6 +294,7 @@ def check_env(
         detail = "run_agent needs a model: play it with `looprl eval` or `looprl run`"
         return CheckReport(name, [*checks, Check("agent env: tasks only", True, detail)], {})
 
+    checks.append(_schema_check(make_env(name, args), train[:4] + evals[:4]))
     agents = {agent: AgentStats() for agent in AGENTS}
     rng = random.Random(seed)
     for agent, stats in agents.items():
@@ -367,6 +346,31 @@ def check_env(
     if not agents["expert"].episodes:
         checks.append(Check("expert agent", True, "skipped: no demonstrations(task)"))
     return CheckReport(name, checks, agents)
+
+
+def _schema_check(env: Any, tasks: list[Task]) -> Check:
+    """Every tool's parameters (and a JSON reply's schema) is a valid JSON schema."""
+    import jsonschema
+
+    seen = 0
+    for task in tasks:
+        try:
+            obs = env.reset(task)
+        except Exception as err:
+            return Check("tool schemas valid", False, f"reset({task.id}): {_last_lines(err)}")
+        schemas = [(t.get("function", t).get("name"), t.get("function", t).get("parameters"))
+                   for t in obs.tools]  # fmt: skip
+        fmt = getattr(obs, "response_format", None) or {}
+        schemas.append(("response_format", (fmt.get("json_schema") or {}).get("schema")))
+        for owner, schema in schemas:
+            if schema is None:
+                continue
+            seen += 1
+            try:
+                jsonschema.validators.validator_for(schema).check_schema(schema)
+            except jsonschema.SchemaError as err:
+                return Check("tool schemas valid", False, f"{owner}: {err.message}")
+    return Check("tool schemas valid", True, f"{seen} schemas of {len(tasks)} tasks")
 
 
 def _replay_check(name: str, args: dict[str, Any] | None, tasks: list[Task]) -> Check:

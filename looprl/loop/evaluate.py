@@ -16,9 +16,9 @@ from typing import Any
 from looprl.config import Config
 from looprl.engine import SamplingParams, Thinking
 from looprl.envs import make_env, solved_outcomes
-from looprl.errors import ConfigError
+from looprl.errors import ConfigError, EnvError
 from looprl.loop import dist as ranks
-from looprl.loop import log
+from looprl.loop import log, preflight
 from looprl.loop.checkpoint import load_weights
 from looprl.loop.dist import main_only
 from looprl.loop.policy import Policy, attach_rollout_engine, check_rollout_engine, load_policy
@@ -76,7 +76,19 @@ def summarize(episodes: list[Episode]) -> dict[str, Any]:
         "entropy": sampled_entropy(scored),
         "outcomes": {k: v / n for k, v in sorted(counts.items())},
         "env_errors": counts.get(ENV_ERROR, 0),
+        "scores": score_means(scored),
     }
+
+
+def score_means(episodes: list[Episode]) -> dict[str, float]:
+    """Each named score's mean, where the env reports scores (`info["scores"]`: the
+    dataset env's scorers), over the episodes that have it."""
+    values: dict[str, list[float]] = {}
+    for e in episodes:
+        for name, value in (e.info.get("scores") or {}).items():
+            if isinstance(value, int | float):
+                values.setdefault(name, []).append(float(value))
+    return {name: sum(v) / len(v) for name, v in sorted(values.items())}
 
 
 def eval_result(
@@ -106,6 +118,7 @@ def eval_result(
         "episode_outcomes": [e.outcome for e in episodes],
         "temperature": temperature,
         "solved_outcomes": list(solved),
+        **({"scores": stats["scores"]} if stats["scores"] else {}),
     }
 
 
@@ -163,7 +176,21 @@ def evaluate(
         )
     if run_dir is not None:
         main_only(write_eval)(run_dir, name, result, episodes)
+    check_some_scored(episodes, title, run_dir, name)
     return result
+
+
+def check_some_scored(episodes: list[Episode], title: str, run_dir: Path | None, name: str) -> None:
+    """An eval whose every episode ended in `env_error` measured nothing: a failure, never
+    a reward of 0 (its tracebacks are in samples/NAME.jsonl when there is a run folder)."""
+    if not episodes or any(e.outcome != ENV_ERROR for e in episodes):
+        return
+    where = f"; every traceback is in {run_dir / 'samples' / f'{name}.jsonl'}" if run_dir else ""
+    last = (episodes[0].error or "").strip().splitlines()[-1:] or ["(no traceback)"]
+    raise EnvError(
+        f"the {title} measured nothing: all {len(episodes)} episodes ended in env_error "
+        f"(the environment raised){where}. The first: {last[0]}"
+    )
 
 
 def distinct_tasks(tasks: list) -> list:
@@ -230,11 +257,13 @@ def run_eval(
     progress = progress or Progress()
     if checkpoint is not None and not (checkpoint / "trainable.safetensors").exists():
         raise ConfigError(f"{checkpoint} is not a looprl checkpoint folder")
+    probe = make_env(cfg.env.name, cfg.env.args)
+    preflight.check_env(cfg, probe)
     policy = load_model(cfg, progress)
+    preflight.check_reply_room(cfg, probe, policy.renderer)
     if checkpoint is not None:
         load_weights(policy.model, checkpoint)
         progress.note(f"{DONE} weights from {checkpoint}")
-    probe = make_env(cfg.env.name, cfg.env.args)
     play = player(cfg, policy, probe)
     tasks = probe.tasks("eval", n=cfg.eval.tasks, seed=cfg.eval.seed)
     result = evaluate(policy, play, tasks, cfg, None, "eval", progress)

@@ -96,10 +96,16 @@ def episode_record(episode: Episode, step: int | None = None) -> dict[str, Any]:
             for m in episode.messages
         ],
         "completions": [t.text for t in episode.turns],
+        **({"info": _jsonable_tree(episode.info)} if episode.info else {}),
         **({"turn_rewards": episode.turn_rewards} if episode.turn_rewards else {}),
         **({"expert": True} if episode.expert else {}),
         **({"error": episode.error} if episode.error else {}),
     }
+
+
+def _jsonable_tree(value: Any) -> Any:
+    """`value` with whatever JSON cannot hold (a set, an object) as its text."""
+    return json.loads(json.dumps(value, default=str))
 
 
 def append_json(path: Path, record: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ same conversation says where (`info["retokenize_mismatch"]`, counted per step as
 
 from __future__ import annotations
 
+import math
 import traceback
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -25,6 +26,7 @@ from typing import Any
 from looprl.chat import ChatRenderer
 from looprl.engine import GenerationRequest, RolloutEngine, SamplingParams, Thinking
 from looprl.engine.requests import generation_request
+from looprl.errors import EnvError
 from looprl.types import ENV_ERROR, TRUNCATED, Episode, Message, Observation, Task, Turn
 
 
@@ -78,8 +80,9 @@ def _request(live: _Live, renderer: ChatRenderer, thinking: Thinking | None) -> 
     obs = live.obs
     live.turn_starts.append(len(live.history))
     return generation_request(
-        live.episode.token_ids, obs.tools, obs.tool_choice, renderer.format, thinking=thinking
-    )
+        live.episode.token_ids, obs.tools, obs.tool_choice, renderer.format,
+        response_format=obs.response_format, thinking=thinking,
+    )  # fmt: skip
 
 
 def retokenize_mismatch(live: _Live, renderer: ChatRenderer) -> int | None:
@@ -167,6 +170,22 @@ def run_episodes(
     return [lv.episode for lv in lives]
 
 
+def lowest_reward(env: Any) -> float:
+    """The bottom of the env's `reward_range` (0 when it declares none)."""
+    return float(getattr(env, "reward_range", (0.0, 0.0))[0])
+
+
+def check_reward(env: Any, reward: Any) -> None:
+    """An env's reward outside its declared `reward_range` (or not a finite number) is a
+    bug in the env: raised here, so the episode is `env_error` with the value named."""
+    low, high = getattr(env, "reward_range", (-math.inf, math.inf))
+    if not (isinstance(reward, int | float) and math.isfinite(reward) and low <= reward <= high):
+        raise EnvError(
+            f"{type(env).__name__}.step returned reward={reward!r}, outside its "
+            f"reward_range [{low}, {high}]"
+        )
+
+
 class _Ended:
     """Counts episodes as they end, each once, and tells `report` the count. An episode
     in its last allowed turn has ended as soon as its completion is ready: the engine
@@ -204,8 +223,16 @@ def _advance(
         text, live.obs.tools, require_call=bool(live.obs.tools) and live.obs.tool_choice != "none"
     )
     live.history.append(message)
+    if completion.finish_reason == "length" and not (message.tool_calls and not
+                                                     message.parse_failure):  # fmt: skip
+        # the reply was cut by the token limit: the policy's fault, not a parse of what it
+        # meant; scored as the env's lowest reward, and the env never sees the stub
+        ep.outcome, ep.reward = TRUNCATED, lowest_reward(live.env)
+        ep.info = {"truncated": f"the reply hit the token limit ({len(completion.ids)} tokens)"}
+        return False
     try:
         result = live.env.step(message)
+        check_reward(live.env, result.reward)
     except Exception as err:
         mark_env_error(live.episode, err)
         return False

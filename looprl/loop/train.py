@@ -35,7 +35,7 @@ from looprl.envs import gives_turn_rewards, make_env
 from looprl.errors import ConfigError, EngineError, LoopRLError
 from looprl.loop import checkpoint as checkpoints
 from looprl.loop import dist as ranks
-from looprl.loop import log, sft
+from looprl.loop import log, preflight, sft
 from looprl.loop.decisions import decision_batch, decision_surprisal, grammar_cache
 from looprl.loop.dist import Dist, main_only
 from looprl.loop.evaluate import (
@@ -67,11 +67,13 @@ from looprl.loop.snapshot import start_snapshots
 from looprl.loop.trackers import check_trackers
 from looprl.loop.update import UpdateState, update_policy
 from looprl.report import write as report_files
-from looprl.types import ENV_ERROR
+from looprl.report.health import run_warnings
+from looprl.types import ENV_ERROR, PARSE_FAILURES, TRUNCATED
 
 # Under torchrun every rank runs this loop and computes the same metrics from all ranks'
 # episodes (loop/dist.py); rank 0 alone writes the run folder. These writers do nothing
 # on the other ranks, so the loop reads the same for one process or many.
+UNSCORABLE = (*PARSE_FAILURES, TRUNCATED)  # outcomes that say nothing of the task itself
 save_checkpoint = main_only(checkpoints.save_checkpoint)
 write_samples = main_only(log.write_samples)
 write_report = main_only(report_files.write_report)
@@ -129,6 +131,7 @@ def train(
             f"{cfg.env.name!r} with these env.args grades only whole episodes (tictactoe-game "
             "does with env.args.move_rewards=true); set algo.turn_reward_weight=0"
         )
+    preflight.check_env(cfg, probe)  # one task of each split played without the model
     seed_everything(cfg.seed)
     started = time.time()
     progress.note(
@@ -136,6 +139,7 @@ def train(
         f"{cfg.train.steps} steps → {out}{' (resumed)' if resume else ''}"
     )
     policy = load_model(cfg, progress)
+    preflight.check_reply_room(cfg, probe, policy.renderer)  # still nothing written
     dist.broadcast_parameters(policy.trainable_parameters())  # the replicas start equal
     # tictactoe-game's `snapshot` opponent: frozen copies of the model (loop/snapshot.py)
     snapshot = start_snapshots(policy, bool(getattr(probe, "plays_snapshot", False)))
@@ -251,12 +255,16 @@ def train(
             if errors:
                 write_samples(run_dir / "samples" / "env_errors.jsonl", errors, step)
             if loop.env_errors > cfg.env.error_budget:
-                logger.close()
+                write_report(run_dir, cfg, baseline, None, time.time() - started, peak_rss_gb())
+                logger.close(report_dir=run_dir)
+                kept = (checkpoints.list_checkpoints(run_dir) or [None])[-1]
                 raise LoopRLError(
                     f"{loop.env_errors} episodes ended in env_error (budget "
                     f"env.error_budget={cfg.env.error_budget}); tracebacks are in "
-                    f"{run_dir / 'samples' / 'env_errors.jsonl'}; the last checkpoint is kept"
-                )
+                    f"{run_dir / 'samples' / 'env_errors.jsonl'}; "
+                    + (f"the last checkpoint ({kept.name}) is kept" if kept else
+                       "no step had been checkpointed yet")
+                )  # fmt: skip
 
             # advantages were computed within each task group (env_error episodes take no part)
             batch = [(e, a) for e, a in zip(episodes, advantages) if a is not None]
@@ -293,6 +301,15 @@ def train(
             # members not at the rollout temperature)
             sampled = [e for e in episodes if not (e.expert or greedy_member(cfg, e))]
             summary = summarize(sampled)
+            unscorable = sum(e.outcome in UNSCORABLE for e in sampled) / max(len(sampled), 1)
+            if sampled and unscorable == 1.0:
+                top = max(summary["outcomes"], key=summary["outcomes"].get)
+                progress.note(
+                    f"warning: step {step}: every episode was truncated or unparsable (mostly "
+                    f"{top}): nothing to learn from"
+                    + (f"; raise rollout.max_new_tokens={cfg.rollout.max_new_tokens}"
+                       if top == TRUNCATED else "")
+                )  # fmt: skip
             generated = sum(e.response_len for e in episodes if not e.expert)  # greedy too
             metrics = {
                 "step": step,
@@ -306,6 +323,7 @@ def train(
                 "response_len": summary["response_len"],
                 "rollout/valid_tool_call_rate": summary["valid_tool_call_rate"],
                 "rollout/env_errors": len(errors),
+                "rollout/unscorable": unscorable,  # truncated or unparsable share
                 "rollout/token_mismatch": sum("token_mismatch" in e.info for e in sampled),
                 "rollout/retokenize_mismatch": sum(
                     "retokenize_mismatch" in e.info for e in sampled
@@ -337,6 +355,8 @@ def train(
             metrics.update(stats.get("router", {}))  # MoE models only
             for outcome, frac in summary["outcomes"].items():
                 metrics[f"outcomes/{outcome}"] = frac
+            for name, value in summary["scores"].items():  # the dataset env's scorers
+                metrics[f"scores/{name}"] = value
             logger.log(metrics)
             if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
                 write_samples(
@@ -382,6 +402,8 @@ def train(
         report = run_dir / "report.md"
         phase.done(f"{report.name}, {report.with_suffix('.html').name}, plots/")
     logger.close(report_dir=run_dir)
+    evals = {"baseline eval": baseline, "final eval": final}
+    warned = run_warnings(report_files.read_metrics(run_dir), evals)
     if hasattr(policy.engine, "close"):  # a vLLM server looprl started stops here
         policy.engine.close()
     return {
@@ -391,6 +413,7 @@ def train(
         "greedy": (baseline_greedy, final_greedy) if final_greedy is not None else None,
         "run_dir": str(run_dir),
         "report": str(report),
+        "warnings": warned,
     }
 
 

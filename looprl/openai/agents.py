@@ -29,7 +29,10 @@ outcome) or runs longer than `EPISODE_TIMEOUT_S` ends its episode as `env_error`
 explanation in `episode.error`: counted, shown in the samples, left out of the loss.
 After a refused call for a limit (`max_turns`, `rollout.max_episode_tokens`) the episode
 is `truncated`, whatever the agent does next; its reward is the agent's if it still
-returns a valid result, else 0 (clipped into `reward_range`).
+returns a valid result, else 0 (clipped into `reward_range`). A reply cut by
+`rollout.max_new_tokens` (a forced call then comes back with `tool_calls=None`) that makes
+the agent raise is `truncated` too, with the env's lowest reward: the policy's fault, not
+the environment's.
 """
 
 from __future__ import annotations
@@ -364,7 +367,15 @@ def _fill(episode: Episode, session: Any, result: AgentResult | None, reward_ran
     info["trajectory_calls"] = session.trajectory_calls
     if session.mismatch is not None:
         info["token_mismatch"] = session.mismatch
-    if episode.outcome == ENV_ERROR:
+    cut = [i for i, c in enumerate(session.calls) if c.finish_reason == "length"]
+    if episode.outcome == ENV_ERROR and cut:
+        # the agent failed on a reply the token limit cut (a forced call comes back with
+        # no tool_calls): the policy's fault, scored as the env's lowest reward
+        info["truncated"] = f"reply {cut[0] + 1} hit the token limit; the agent then raised"
+        info["agent_error"] = (episode.error or "")[-1000:]
+        episode.outcome, episode.error = TRUNCATED, None
+        episode.reward = float(reward_range[0])
+    elif episode.outcome == ENV_ERROR:
         episode.reward = 0.0
     elif session.truncated is not None:
         info["truncated"] = session.truncated

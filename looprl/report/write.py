@@ -20,6 +20,7 @@ from typing import Any
 
 from looprl.config import Config, load_config
 from looprl.errors import ConfigError
+from looprl.report.health import run_warnings
 from looprl.report.plots import finite, render_html, render_markdown
 from looprl.report.solved import hacking_flag, solved_text
 from looprl.report.stats import (
@@ -132,6 +133,7 @@ def write_report(
                 f"Stopped after step {last.get('step', 0)} of {cfg.train.steps}, before the "
                 f"final evaluation · {_time(wall_s, wall_label)} · {_rss(peak_rss)}.",
             ),
+            *[("warn", text) for text in run_warnings(rows, {"baseline eval": baseline})],
             ("p", "Resume with:"),
             ("code", f"looprl run {run_dir}/config.yaml --out {run_dir} --resume"),
             ("h2", f"Baseline (held-out, {baseline.get('n', '?')} episodes)"),
@@ -155,9 +157,11 @@ def write_report(
         sides.append(("after", final.get("outcomes") or {}))
         paired = paired_stats(baseline, final)
         greedy = [greedy_before, _load_eval(run_dir / "eval" / "final_greedy.json")]
+        evals = {"baseline eval": baseline, "final eval": final}
         blocks += [
             ("h1", f"looprl run: {cfg.env.name} · {cfg.model.name} · {cfg.algo.name}"),
             ("p", _headline(cfg, wall_s, wall_label, peak_rss)),
+            *[("warn", text) for text in run_warnings(rows, evals)],
             *_flags(baseline, final, greedy),
             ("h2", "Before / after"),
             (
@@ -400,6 +404,8 @@ def _side(record: dict) -> tuple[str, list[tuple[str, str]]]:
         if m.get("parse_failure"):
             text += f"{chr(10) if text else ''}[no valid call: {m['parse_failure']}]"
         lines.append((str(m.get("role")), _clip(text) or "(empty)"))
+    if record.get("info"):
+        lines.append(("info", _clip(json.dumps(record["info"], ensure_ascii=False))))
     if record.get("error"):
         lines.append(("error", _clip(str(record["error"]))))
     head = f"reward {fmt(record.get('reward'), '+.3f')} · {record.get('outcome')}"

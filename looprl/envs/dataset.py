@@ -1,0 +1,403 @@
+"""A data file as an environment (`dataset`): each row a task, scored by named scorers.
+
+    env:
+      name: dataset
+      args:
+        path: examples/bookings/train.jsonl   # .jsonl, .csv, .parquet, or a save_to_disk folder
+        eval_path: examples/bookings/eval.jsonl   # or eval_fraction: 0.2 of `path`
+        answer_form: tool_call                # text | tool_call | json
+        tools: [...]                          # or a `tools` column, one list per row
+        scorers: tool_call                    # see envs/scorers.py
+
+A row holds a `prompt` (text) or `messages` (a chat), optionally a `system` prompt, the
+`answer`, per-row `tools` and an `info` object that scorers receive; `columns` maps these
+names to the file's own. The answer forms:
+- `text`: the reply's text is scored (default scorer `normalized`);
+- `tool_call`: one forced call of the row's tools; the answer is `{name, arguments}` (or,
+  with one tool, its arguments alone); default scorer `tool_call` (per-field credit);
+- `json`: one JSON reply under `response_schema` (forced by the grammar); default scorer
+  `json_fields`.
+
+Reward: the weighted mean of the scores, in [0, 1]; a reply that cannot be scored (a parse
+failure) earns `failure_reward` (-1 by default: below any wrong answer). Outcomes: `correct`
+(every scorer gave 1), `partial`, `wrong`, and the parse failures. Each score, its label and
+the per-field credit are in the episode's `info`.
+
+The held-out split is `eval_path`, or a seeded `eval_fraction` of the rows; either way a
+train row whose prompt equals a held-out row's is dropped (so they never overlap). Rows
+with an answer are demonstrations (`sft.enabled`). Everything is read and checked once, when
+the first instance is made: a malformed row, a missing column, an answer that does not fit
+its tools or schema, or a scorer that raises on a row's own answer is one EnvError naming the
+file, the row and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import jsonschema
+
+from looprl.envs.common import check_choice, check_int, sample_items
+from looprl.envs.data_files import parse_cell, read_rows
+from looprl.envs.scorers import Score, Scorer, as_text, combine, make_scorers
+from looprl.errors import EnvError
+from looprl.types import PARSE_FAILURES, Message, Observation, StepResult, Task, ToolCall
+
+FORMS = ("text", "tool_call", "json")
+COLUMNS = ("prompt", "messages", "system", "answer", "tools", "info")
+DEFAULT_SCORER = {"text": "normalized", "tool_call": "tool_call", "json": "json_fields"}
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The checked rows of both splits (built once per distinct env.args)."""
+
+    train: tuple[Task, ...]
+    eval: tuple[Task, ...]
+    dropped: int  # train rows left out because their prompt is also a held-out one
+
+
+class Dataset:
+    """Tasks from a data file, scored by named scorers (module docstring)."""
+
+    name: ClassVar[str] = "dataset"
+    description: ClassVar[str] = (
+        "Your data file (JSONL, CSV, Parquet, datasets folder) scored by named scorers."
+    )
+    solved_outcomes: ClassVar[tuple[str, ...]] = ("correct",)
+    # `looprl envs check` without names skips an env that cannot run without arguments
+    needs_args: ClassVar[str] = "path=FILE (a data file of your own)"
+
+    def __init__(
+        self,
+        path: str | None = None,
+        eval_path: str | None = None,
+        eval_fraction: float = 0.1,
+        split_seed: int = 0,
+        columns: dict[str, str] | None = None,
+        answer_form: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str = "required",
+        response_schema: dict[str, Any] | None = None,
+        system_prompt: str | None = None,
+        scorers: Any = None,
+        failure_reward: float = -1.0,
+    ) -> None:
+        if not path:
+            raise EnvError("dataset: env.args.path is required (a .jsonl, .csv or .parquet file)")
+        if not isinstance(eval_fraction, int | float) or not 0 < eval_fraction < 1:
+            raise EnvError(f"eval_fraction={eval_fraction!r} is invalid: expected 0 < f < 1")
+        if not isinstance(failure_reward, int | float) or not -1e6 <= failure_reward <= 0:
+            raise EnvError(f"failure_reward={failure_reward!r} is invalid: expected a number <= 0")
+        unknown = set(columns or {}) - set(COLUMNS)
+        if unknown:
+            raise EnvError(f"columns: unknown names {sorted(unknown)}; known: {', '.join(COLUMNS)}")
+        form = answer_form or ("tool_call" if tools or _has_tools_column(columns) else "text")
+        self.form = check_choice("answer_form", form, FORMS)
+        if self.form == "json" and response_schema is not None:
+            _check_schema(response_schema, "response_schema")
+        if tools is not None:
+            _check_tools(tools, "tools")
+        self.tool_choice = tool_choice
+        self.response_schema = response_schema
+        self.failure_reward = float(failure_reward)
+        self.reward_range = (self.failure_reward, 1.0)
+        self.max_turns = 1
+        self.scorers = make_scorers(scorers if scorers is not None else DEFAULT_SCORER[self.form])
+        self.outcomes = _outcomes(self.form, self.scorers)
+        self.spec = {
+            "path": str(path), "eval_path": eval_path, "eval_fraction": float(eval_fraction),
+            "split_seed": check_int("split_seed", split_seed), "columns": columns or {},
+            "form": self.form, "tools": tools, "tool_choice": tool_choice,
+            "system_prompt": system_prompt, "scorers": scorers,
+            "response_schema": response_schema, "failure_reward": self.failure_reward,
+        }  # fmt: skip
+        key = json.dumps([self.spec, _stamps(path, eval_path)], sort_keys=True, default=str)
+        if key not in _CHECKED:  # read and check once per distinct args and file contents
+            if len(_CHECKED) >= 8:
+                _CHECKED.pop(next(iter(_CHECKED)))
+            _CHECKED[key] = _rows(self.spec, self)
+        self.rows = _CHECKED[key]
+        self._task: Task | None = None
+
+    # ------------------------------------------------------------------ protocol
+
+    def tasks(self, split: str, n: int | None = None, seed: int = 0) -> list[Task]:
+        """Eval: every held-out row, or a seeded sample of `n` of them (never more than
+        there are). Train: `n` rows, every row used before any is repeated."""
+        check_choice("dataset: split", split, ("train", "eval"))
+        pool = list(self.rows.train if split == "train" else self.rows.eval)
+        if split == "eval" and n is not None:
+            n = min(n, len(pool))
+        return sample_items(pool, n, seed)
+
+    def reset(self, task: Task) -> Observation:
+        self._task = task
+        data = task.data
+        messages = [Message(m["role"], m["content"]) for m in data["messages"]]
+        if self.form == "tool_call":
+            return Observation(messages, tools=data["tools"], tool_choice=self.tool_choice)
+        fmt = None
+        if self.form == "json":
+            schema = self.response_schema
+            fmt = {"type": "json_object"} if schema is None else {
+                "type": "json_schema", "json_schema": {"name": "answer", "schema": schema},
+            }  # fmt: skip
+        return Observation(messages, tools=[], tool_choice="none", response_format=fmt)
+
+    def step(self, message: Message) -> StepResult:
+        if self._task is None:
+            raise EnvError("dataset: step() called without an episode in progress")
+        task, self._task = self._task, None
+        response, failure = self.response(message, task)
+        if failure is not None:
+            info = {"failure": failure, "detail": message.parse_detail}
+            return StepResult([], done=True, reward=self.failure_reward, outcome=failure, info=info)
+        reward, outcome, info = self.score(response, task)
+        return StepResult([], done=True, reward=reward, outcome=outcome, info=info)
+
+    def demonstrations(self, task: Task) -> list[Message]:
+        """The row's answer as the assistant's reply (a call, JSON or text)."""
+        if "answer" not in task.data:
+            raise EnvError(f"dataset: task {task.id} has no answer, so it has no demonstration")
+        answer = task.data["answer"]
+        if self.form == "tool_call":
+            return [Message("assistant", tool_calls=[ToolCall(answer["name"],
+                                                              answer["arguments"])])]  # fmt: skip
+        if self.form == "json":  # as the grammar writes JSON: ", " and ": " separators
+            return [Message("assistant", json.dumps(answer, ensure_ascii=False))]
+        return [Message("assistant", as_text(answer))]
+
+    # ------------------------------------------------------------------ scoring
+
+    def response(self, message: Message, task: Task) -> tuple[Any, str | None]:
+        """What the scorers see in the reply, or the parse-failure label."""
+        if self.form == "tool_call":
+            if message.parse_failure is not None:
+                return None, message.parse_failure
+            if not message.tool_calls:
+                return None, "no_tool_call"
+            call = message.tool_calls[0]
+            return {"name": call.name, "arguments": call.arguments}, None
+        if self.form == "json":
+            try:
+                value = json.loads(_strip_fence(message.content))
+            except json.JSONDecodeError:
+                return None, "bad_json"
+            if self.response_schema is not None and not _valid(value, self.response_schema):
+                return None, "bad_arguments"
+            return value, None
+        return message.content, None
+
+    def score(self, response: Any, task: Task) -> tuple[float, str, dict[str, Any]]:
+        """(reward, outcome, info) of a response to `task`; raises what a scorer raises."""
+        row = {**task.data.get("info", {}), "task_id": task.id}
+        answer = task.data.get("answer")
+        scores: list[Score] = [s(response, answer, row) for s in self.scorers]
+        reward = combine(self.scorers, scores)
+        labels = {sc.label for sc in scores}
+        outcome = "correct" if labels == {"correct"} else "wrong" if reward == 0 else "partial"
+        info: dict[str, Any] = {
+            "scores": {s.name: sc.value for s, sc in zip(self.scorers, scores)},
+            "labels": {s.name: sc.label for s, sc in zip(self.scorers, scores)},
+        }
+        fields = {k: v for sc in scores for k, v in sc.fields.items()}
+        if fields:
+            info["fields"] = fields
+        return reward, outcome, info
+
+
+# ---------------------------------------------------------------------- reading and checks
+
+
+def _outcomes(form: str, scorers: list[Scorer]) -> tuple[str, ...]:
+    """The labels `step` can give: `partial` where scores can fall between 0 and 1 (several
+    scorers, per-field credit or a function of yours), parse failures where a reply can
+    fail to parse (a JSON reply: bad_json, or JSON that breaks the schema)."""
+    all_or_nothing = ("exact", "normalized", "numeric", "regex", "contains")
+    graded = len(scorers) > 1 or any(s.name not in all_or_nothing for s in scorers)
+    failures = {"text": (), "json": ("bad_json", "bad_arguments"), "tool_call": PARSE_FAILURES}
+    return ("correct", *(("partial",) if graded else ()), "wrong", *failures[form])
+
+
+def _has_tools_column(columns: dict[str, str] | None) -> bool:
+    return "tools" in (columns or {})
+
+
+_CHECKED: dict[str, Rows] = {}  # the checked rows of each distinct spec and file stamps
+
+
+def _stamps(*paths: str | None) -> list[Any]:
+    """Each file's size and modification time: a file changed on disk is read again."""
+    out: list[Any] = []
+    for p in paths:
+        stat = Path(p).stat() if p and Path(p).exists() else None
+        out.append(None if stat is None else [stat.st_size, stat.st_mtime_ns])
+    return out
+
+
+def _rows(spec: dict, env: Dataset) -> Rows:
+    """Read and check both splits (`env` gives the scorers, form and schema)."""
+    columns = {name: spec["columns"].get(name, name) for name in COLUMNS}
+    path = Path(spec["path"])
+    rows = [(path, n, row) for n, row in read_rows(path)]
+    if spec["eval_path"]:
+        eval_path = Path(spec["eval_path"])
+        eval_rows = [(eval_path, n, row) for n, row in read_rows(eval_path)]
+    else:
+        order = list(range(len(rows)))
+        random.Random(spec["split_seed"]).shuffle(order)
+        k = max(1, round(spec["eval_fraction"] * len(rows)))
+        if k >= len(rows):
+            raise EnvError(f"{path}: {len(rows)} rows leave none for training at eval_fraction "
+                           f"{spec['eval_fraction']}; add rows or pass eval_path")  # fmt: skip
+        held = set(order[:k])
+        eval_rows = [r for i, r in enumerate(rows) if i in held]
+        rows = [r for i, r in enumerate(rows) if i not in held]
+    held_out = [_task("eval", *r, columns, spec, env) for r in eval_rows]
+    seen = {_prompt_key(t) for t in held_out}
+    train = [_task("train", *r, columns, spec, env) for r in rows]
+    kept = [t for t in train if _prompt_key(t) not in seen]
+    if not kept:
+        raise EnvError(f"{path}: every train row's prompt is also a held-out one")
+    return Rows(tuple(kept), tuple(held_out), len(train) - len(kept))
+
+
+def _prompt_key(task: Task) -> str:
+    return json.dumps([task.data["messages"], task.data.get("tools")], sort_keys=True)
+
+
+def _task(split: str, path: Path, number: int, row: dict, columns: dict, spec: dict,
+          env: Dataset) -> Task:  # fmt: skip
+    """One row as a checked task; every problem names the file, the row and the field."""
+
+    def fail(field: str, what: str) -> EnvError:
+        return EnvError(f"{path}: row {number}: field {columns[field]!r}: {what}")
+
+    def cell(field: str, expect: Any) -> Any:
+        try:
+            return parse_cell(row[columns[field]], expect)
+        except (ValueError, json.JSONDecodeError) as err:
+            raise fail(field, str(err)) from None
+
+    present = {f for f in COLUMNS if row.get(columns[f]) not in (None, "")}
+    if "messages" in present:
+        messages = cell("messages", list)
+        for i, m in enumerate(messages):
+            if not (isinstance(m, dict) and m.get("role") in ROLES
+                    and isinstance(m.get("content"), str)):  # fmt: skip
+                raise fail("messages", f"message {i} needs a role in {ROLES} and text content")
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    elif "prompt" in present:
+        messages = [{"role": "user", "content": str(row[columns["prompt"]])}]
+    else:
+        raise EnvError(f"{path}: row {number} has neither a {columns['prompt']!r} nor a "
+                       f"{columns['messages']!r} column (set env.args.columns to map yours; "
+                       f"the row's columns: {', '.join(row) or 'none'})")  # fmt: skip
+    system = cell("system", str) if "system" in present else spec["system_prompt"]
+    if system and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system})
+    data: dict[str, Any] = {"row": number, "messages": messages}
+    if "info" in present:
+        data["info"] = cell("info", dict)
+    if spec["form"] == "tool_call":
+        tools = cell("tools", list) if "tools" in present else spec["tools"]
+        if not tools:
+            raise fail("tools", "answer_form tool_call needs tools (a column or env.args.tools)")
+        try:
+            _check_tools(tools, "tools")
+        except EnvError as err:
+            raise fail("tools", str(err)) from None
+        data["tools"] = tools
+    if "answer" in present:
+        data["answer"] = _answer(row[columns["answer"]], data, spec, fail, env)
+    elif any(s.needs_answer for s in env.scorers):
+        raise fail("answer", f"missing, and the scorer {env.scorers[0].name!r} needs it")
+    task = Task(id=f"{split}-{number}", data=data, seed=number)
+    if "answer" in data:  # a scorer that raises on the row's own answer fails here, not later
+        response = env.response(env.demonstrations(task)[0], task)[0]
+        try:
+            env.score(response, task)
+        except Exception as err:
+            raise fail("answer", f"scoring the row's own answer raised {type(err).__name__}: "
+                                 f"{err}") from None  # fmt: skip
+    return task
+
+
+def _answer(value: Any, data: dict, spec: dict, fail: Any, env: Dataset) -> Any:
+    """The answer in its form: a checked call, a checked JSON value, or text as given."""
+    form = spec["form"]
+    if form == "text":
+        return value
+    try:
+        value = parse_cell(value, (dict, list) if form == "json" else dict)
+    except (ValueError, json.JSONDecodeError) as err:
+        raise fail("answer", str(err)) from None
+    if form == "json":
+        if env.response_schema is not None and not _valid(value, env.response_schema):
+            raise fail("answer", "does not satisfy response_schema")
+        return value
+    tools = {t.get("function", t)["name"]: t.get("function", t) for t in data["tools"]}
+    if "name" in value and "arguments" in value:
+        name, arguments = value["name"], value["arguments"]
+    elif len(tools) == 1:
+        name, arguments = next(iter(tools)), value
+    else:
+        raise fail("answer", "with several tools, the answer is {name, arguments}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as err:
+            raise fail("answer", f"arguments are not JSON: {err.msg}") from None
+    if name not in tools:
+        raise fail("answer", f"calls {name!r}, which is not one of the tools: {', '.join(tools)}")
+    if not isinstance(arguments, dict):
+        raise fail("answer", "the call's arguments must be an object")
+    schema = tools[name].get("parameters") or {"type": "object"}
+    order = list(schema.get("properties") or {})  # the order a forced call writes them in
+    arguments = {**{k: arguments[k] for k in order if k in arguments}, **arguments}
+    error = next(jsonschema.Draft202012Validator(schema).iter_errors(arguments), None)
+    if error is not None:
+        where = "/".join(map(str, error.absolute_path)) or "arguments"
+        raise fail("answer", f"the call does not fit {name}'s schema at {where}: {error.message}")
+    return {"name": name, "arguments": arguments}
+
+
+def _check_tools(tools: Any, where: str) -> None:
+    if not isinstance(tools, list) or not tools:
+        raise EnvError(f"{where}: expected a non-empty list of tool schemas")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise EnvError(f"{where}[{i}]: a tool needs a function name")
+        _check_schema(fn.get("parameters") or {"type": "object"}, f"{where}[{i}] ({fn['name']})")
+
+
+def _check_schema(schema: Any, where: str) -> None:
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except Exception as err:
+        detail = getattr(err, "message", str(err))
+        raise EnvError(f"{where} is not a valid JSON schema: {detail}") from None
+
+
+def _valid(value: Any, schema: dict) -> bool:
+    return jsonschema.Draft202012Validator(schema).is_valid(value)
+
+
+def _strip_fence(text: str) -> str:
+    text = text.strip()
+    if text.startswith("```"):
+        text = text.split("\n", 1)[1] if "\n" in text else ""
+        text = text.rsplit("```", 1)[0]
+    return text
+
+
+ENVIRONMENTS: dict[str, type] = {"dataset": Dataset}
+
+__all__ = ["Dataset", "Scorer"]

@@ -1,0 +1,271 @@
+"""Scorers for the `dataset` environment: a reply against a row's answer, as a score in [0, 1].
+
+A scorer is named in `env.args.scorers`, alone or with a weight and arguments:
+
+    scorers: normalized                                   # one, weight 1
+    scorers: [{name: tool_call, weight: 2}, {name: regex, pattern: "\\d{4}"}]
+
+`score(response, answer, row) -> Score` where `response` is what the reply holds in the
+dataset's answer form (the text, the call `{"name", "arguments"}`, or the parsed JSON value)
+and `row` the task's whole row (its `info` included). The reward is the weighted mean of
+the scores; each score and its label are kept in the episode's `info`.
+
+- `exact`: 1 if the text equals the answer (outer whitespace aside);
+- `normalized`: 1 if they are equal once case, whitespace and punctuation are folded;
+- `numeric`: 1 if the last number in the reply is within `tolerance` (absolute, 1e-6)
+  or `relative` of the answer's;
+- `regex`: 1 if `pattern` (default: the answer itself) is found in the reply
+  (`fullmatch: true`: if it matches the whole reply);
+- `contains`: 1 if the normalized answer occurs in the normalized reply;
+- `json_fields`: per-field credit, F1 = 2C / (S + T) with C right of S submitted and T
+  expected fields (`all_fields: true`: 1 only if every field is right and none is extra);
+- `tool_call`: 0 for another tool's name, else `json_fields` over the arguments;
+- `module:function`: your own, `fn(response, answer, row)` returning a number in [0, 1]
+  or a bool.
+
+Labels: `correct` (score 1), `partial` (between), `wrong` (0).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import re
+import string
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from looprl.errors import EnvError
+
+_PUNCT = re.compile(f"[{re.escape(string.punctuation)}]")
+_NUMBER = re.compile(r"[-+]?(?:\d[\d,]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+@dataclass
+class Score:
+    value: float  # in [0, 1]
+    label: str  # correct | partial | wrong
+    fields: dict[str, bool] = field(default_factory=dict)  # per-field credit, where it applies
+
+
+def _labelled(value: float, fields: dict[str, bool] | None = None) -> Score:
+    label = "correct" if value >= 1.0 else "partial" if value > 0.0 else "wrong"
+    return Score(value, label, fields or {})
+
+
+def as_text(value: Any) -> str:
+    """A reply or answer as text: strings as they are, anything else as compact JSON."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+def normalize(text: str) -> str:
+    """Case, punctuation and runs of whitespace folded: "  The Answer: 42. " → "the answer 42"."""
+    return " ".join(_PUNCT.sub(" ", text.casefold()).split())
+
+
+def last_number(text: str) -> float | None:
+    """The last number written in `text` (thousands commas allowed), or None."""
+    found = _NUMBER.findall(text)
+    for token in reversed(found):
+        try:
+            return float(token.replace(",", ""))
+        except ValueError:
+            continue
+    return None
+
+
+def same_value(got: Any, want: Any) -> bool:
+    """One field: numbers numerically (to 1e-9), strings normalized, the rest by equality."""
+    if isinstance(want, bool) or isinstance(got, bool):
+        return got == want
+    if isinstance(want, int | float) and isinstance(got, int | float):
+        return math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-9)
+    if isinstance(want, str) and isinstance(got, str):
+        return normalize(got) == normalize(want)
+    return got == want
+
+
+# ---------------------------------------------------------------------------- built-ins
+
+
+def exact(response: Any, answer: Any, row: dict) -> Score:
+    return _labelled(float(as_text(response).strip() == as_text(answer).strip()))
+
+
+def normalized(response: Any, answer: Any, row: dict) -> Score:
+    return _labelled(float(normalize(as_text(response)) == normalize(as_text(answer))))
+
+
+def contains(response: Any, answer: Any, row: dict) -> Score:
+    want = normalize(as_text(answer))
+    return _labelled(float(bool(want) and want in normalize(as_text(response))))
+
+
+def make_numeric(tolerance: float = 1e-6, relative: float = 0.0) -> Callable:
+    def numeric(response: Any, answer: Any, row: dict) -> Score:
+        want = answer if isinstance(answer, int | float) else last_number(as_text(answer))
+        got = response if isinstance(response, int | float) else last_number(as_text(response))
+        if want is None or got is None:
+            return _labelled(0.0)
+        return _labelled(float(math.isclose(got, want, rel_tol=relative, abs_tol=tolerance)))
+
+    return numeric
+
+
+def make_regex(pattern: str | None = None, fullmatch: bool = False) -> Callable:
+    compiled = _compile(pattern) if pattern is not None else None
+
+    def regex(response: Any, answer: Any, row: dict) -> Score:
+        rx = compiled if compiled is not None else _compile(as_text(answer))
+        text = as_text(response).strip()
+        return _labelled(float(bool(rx.fullmatch(text) if fullmatch else rx.search(text))))
+
+    return regex
+
+
+def _compile(pattern: str) -> re.Pattern:
+    try:
+        return re.compile(pattern)
+    except re.error as err:
+        raise EnvError(f"regex pattern {pattern!r} does not compile: {err}") from None
+
+
+def field_credit(got: Any, want: Any, all_fields: bool) -> Score:
+    """F1 over the expected fields of `want` (a dict): 2C / (S + T); `all_fields`: 0 or 1."""
+    if not isinstance(want, dict):
+        raise EnvError(f"a per-field scorer needs the answer as an object, got {as_text(want)!r}")
+    if not isinstance(got, dict):
+        return _labelled(0.0, dict.fromkeys(want, False))
+    right = {key: key in got and same_value(got[key], value) for key, value in want.items()}
+    submitted = sum(1 for value in got.values() if value not in (None, ""))
+    n_right = sum(right.values())
+    if all_fields:
+        value = float(n_right == len(want) and submitted == len(want))
+    else:
+        value = 2 * n_right / (submitted + len(want)) if (submitted + len(want)) else 1.0
+    return _labelled(value, right)
+
+
+def make_json_fields(all_fields: bool = False) -> Callable:
+    def json_fields(response: Any, answer: Any, row: dict) -> Score:
+        return field_credit(response, answer, all_fields)
+
+    return json_fields
+
+
+def make_tool_call(all_fields: bool = False) -> Callable:
+    def tool_call(response: Any, answer: Any, row: dict) -> Score:
+        if not isinstance(answer, dict) or "name" not in answer:
+            raise EnvError("the tool_call scorer needs the answer as {name, arguments}")
+        want = answer.get("arguments") or {}
+        if not isinstance(response, dict) or response.get("name") != answer["name"]:
+            return _labelled(0.0, dict.fromkeys(want, False))
+        if not want:
+            return _labelled(float(not response.get("arguments")))
+        return field_credit(response.get("arguments"), want, all_fields)
+
+    return tool_call
+
+
+_BUILTINS: dict[str, Callable[..., Callable]] = {
+    "exact": lambda: exact,
+    "normalized": lambda: normalized,
+    "contains": lambda: contains,
+    "numeric": make_numeric,
+    "regex": make_regex,
+    "json_fields": make_json_fields,
+    "tool_call": make_tool_call,
+}
+SCORER_NAMES = tuple(_BUILTINS)
+# scorers that compare against a row's answer (a user's function may not need one)
+NEEDS_ANSWER = SCORER_NAMES
+
+
+# ------------------------------------------------------------------------- from config
+
+
+@dataclass
+class Scorer:
+    name: str
+    weight: float
+    fn: Callable[[Any, Any, dict], Any]
+
+    def __call__(self, response: Any, answer: Any, row: dict) -> Score:
+        out = self.fn(response, answer, row)
+        if isinstance(out, Score):
+            value, result = out.value, out
+        else:
+            value = float(out) if isinstance(out, bool | int | float) else math.nan
+            result = None
+        if not (isinstance(value, int | float) and 0.0 <= value <= 1.0):
+            raise EnvError(
+                f"scorer {self.name!r} returned {out!r}; a scorer returns a number in [0, 1] "
+                "or a bool"
+            )
+        return result if result is not None else _labelled(float(value))
+
+    @property
+    def needs_answer(self) -> bool:
+        return self.name in NEEDS_ANSWER
+
+
+def make_scorers(spec: Any) -> list[Scorer]:
+    """The scorers `env.args.scorers` names: a name, a {name, weight, ...} mapping, or a
+    list of either. Unknown names, bad weights and bad arguments are clear EnvErrors."""
+    items = spec if isinstance(spec, list) else [spec]
+    if not items:
+        raise EnvError("scorers is empty: name at least one (e.g. scorers: normalized)")
+    out = []
+    for i, item in enumerate(items):
+        where = f"scorers[{i}]" if isinstance(spec, list) else "scorers"
+        args = dict(item) if isinstance(item, dict) else {"name": item}
+        name = args.pop("name", None)
+        weight = args.pop("weight", 1.0)
+        if not isinstance(name, str) or not name:
+            raise EnvError(f"{where}: expected a scorer name or {{name: ..., weight: ...}}")
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
+            raise EnvError(f"{where} ({name}): weight={weight!r} must be a number above 0")
+        out.append(Scorer(name, float(weight), _scorer_fn(name, args, where)))
+    return out
+
+
+def _scorer_fn(name: str, args: dict[str, Any], where: str) -> Callable:
+    if name in _BUILTINS:
+        try:
+            return _BUILTINS[name](**args)
+        except TypeError as err:
+            raise EnvError(f"{where} ({name}): bad arguments {args}: {err}") from None
+    if ":" in name:
+        if args:
+            raise EnvError(f"{where} ({name}): a function scorer takes no arguments, got {args}")
+        return _import_function(name, where)
+    raise EnvError(
+        f"{where}: unknown scorer {name!r}; known: {', '.join(SCORER_NAMES)} "
+        "(or 'package.module:function' for your own)"
+    )
+
+
+def _import_function(spec: str, where: str) -> Callable:
+    module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like `python -m`: modules next to you import
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise EnvError(f"{where}: cannot import scorer module {module_name!r}: {err}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise EnvError(f"{where}: module {module_name!r} has no function {attr!r}")
+    return fn
+
+
+def combine(scorers: list[Scorer], scores: list[Score]) -> float:
+    """The weighted mean of the scores, in [0, 1]."""
+    total = sum(s.weight for s in scorers)
+    return sum(s.weight * sc.value for s, sc in zip(scorers, scores)) / total

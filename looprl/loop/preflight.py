@@ -1,0 +1,122 @@
+"""What is checked before a run (or `looprl eval`) loads the model or writes anything.
+
+`check_env` plays the environment without the model: one task of each split is drawn and
+reset, its tool schemas and `response_format` must compile into the grammar a forced reply
+is sampled under, and its demonstrations (if it has any) must play to the end with every
+reward inside `reward_range`. `check_reply_room`, once the tokenizer is there, measures
+the demonstrations' replies in tokens: a `rollout.max_new_tokens` below the longest would
+cut every such reply (the run would train on `truncated` episodes only), so it is refused
+with the number needed. Each failure is one ConfigError (exit 2), raised before the run
+folder is touched.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from looprl.config import Config
+from looprl.engine import JsonConstraint, ToolConstraint
+from looprl.engine.grammar import build_grammar
+from looprl.engine.requests import check_tools, json_constraint
+from looprl.envs import demonstrations, make_env
+from looprl.errors import ConfigError
+from looprl.loop.rollout import check_reward
+from looprl.types import Observation, Task
+
+SPLITS = ("train", "eval")
+ROOM_SAMPLE = 32  # demonstrations measured per split for check_reply_room
+
+
+def check_env(cfg: Config, probe: Any) -> None:
+    """Raise ConfigError naming the env, the split, the task and what failed."""
+    from looprl.openai.agents import is_agent_env
+
+    name = cfg.env.name
+    for split in SPLITS:
+        task = _first_task(probe, name, split, cfg.seed)
+        if is_agent_env(probe):
+            continue  # an agent's calls are checked as it makes them
+        where = f"environment {name!r}, {split} task {task.id!r}"
+        env = make_env(name, cfg.env.args)
+        obs = _call(where, "reset", env.reset, task)
+        _check_schemas(where, obs)
+        if callable(getattr(probe, "demonstrations", None)):
+            _check_demonstrations(where, make_env(name, cfg.env.args), task)
+
+
+def _first_task(probe: Any, name: str, split: str, seed: int) -> Task:
+    tasks = _call(f"environment {name!r}", f"tasks({split!r}, n=1)", probe.tasks, split, 1, seed)
+    if not tasks:
+        raise ConfigError(f"environment {name!r} has no {split} tasks")
+    return tasks[0]
+
+
+def _call(where: str, what: str, fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise ConfigError(f"{where}: {what} raised {type(err).__name__}: {err}") from None
+
+
+def _check_schemas(where: str, obs: Observation) -> None:
+    """The tools and response format as a request would send them, compiled into the
+    grammar (in the hermes syntax: the schema, not the syntax, is what fails)."""
+    try:
+        tools = check_tools(obs.tools, obs.tool_choice)
+        constraint: Any = json_constraint(obs.response_format, tools, obs.tool_choice, "hermes")
+        if constraint is None and tools and obs.tool_choice not in ("auto", "none"):
+            constraint = ToolConstraint(tools, obs.tool_choice, "hermes")
+        if isinstance(constraint, ToolConstraint | JsonConstraint):
+            build_grammar(constraint)
+    except Exception as err:
+        detail = str(err).split("\n")[0]
+        raise ConfigError(
+            f"{where}: its tool schemas or response_format cannot be forced: {detail}"
+        ) from None
+
+
+def _check_demonstrations(where: str, env: Any, task: Task) -> None:
+    demos = _call(where, "demonstrations", demonstrations, env, task)
+    if not demos:
+        return
+    _call(where, "reset", env.reset, task)
+    for i, demo in enumerate(demos):
+        result = _call(where, f"step with demonstration {i + 1}", env.step, demo)
+        _call(where, f"the reward of demonstration {i + 1}", check_reward, env, result.reward)
+        if result.done:
+            return
+
+
+def check_reply_room(cfg: Config, probe: Any, renderer: Any) -> None:
+    """Refuse a `rollout.max_new_tokens` below the longest demonstrated reply (thinking
+    aside: a demonstration has none), measured on up to ROOM_SAMPLE tasks of each split."""
+    if not callable(getattr(probe, "demonstrations", None)):
+        return
+    longest, task_id = 0, None
+    for split in SPLITS:
+        try:
+            tasks = probe.tasks(split, n=ROOM_SAMPLE, seed=cfg.seed)
+        except Exception:
+            continue  # check_env has reported a broken split already
+        for task in tasks:
+            try:
+                demos = demonstrations(make_env(cfg.env.name, cfg.env.args), task) or []
+            except Exception:
+                continue  # a task without a demonstration (e.g. a row without an answer)
+            for demo in demos:
+                size = len(renderer.assistant_ids(demo))
+                if size > longest:
+                    longest, task_id = size, task.id
+    limit = cfg.rollout.max_new_tokens
+    if longest and cfg.rollout.think != "off":
+        longest += cfg.rollout.think_max_tokens  # the thinking a reply may start with
+    if longest > limit:
+        needed = int(math.ceil(longest * 1.25 / 8) * 8)  # a margin for longer sampled values
+        raise ConfigError(
+            f"rollout.max_new_tokens={limit} is below the {longest} tokens of a demonstrated "
+            f"reply (task {task_id}): every such reply would be cut and scored `truncated`. "
+            f"Set rollout.max_new_tokens={needed} (or more)"
+        )
