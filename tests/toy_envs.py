@@ -158,3 +158,46 @@ class SayPassword(PickSeven):
     name = "say-password"
     description = "Say the password (an answer sampling alone never finds)."
     prompt, tool, argument, answer = "Say the password.", SAY_TOOL, "word", "looprl"
+
+
+class ResetFails(PickSeven):
+    """Raises in `reset`: the run's preflight must stop before the model loads."""
+
+    def reset(self, task: Task) -> Observation:
+        raise RuntimeError("simulated reset bug")
+
+
+class LoudPickSeven(PickSeven):
+    """Rewards -100 for a miss although it declares reward_range (-1, 1): an env bug the
+    rollout turns into env_error, naming the value. Its demonstration scores in range."""
+
+    def step(self, message: Message) -> StepResult:
+        result = super().step(message)
+        if result.outcome != "hit":
+            return StepResult([], done=True, reward=-100.0, outcome="miss")
+        return result
+
+
+class StepFails(PickSeven):
+    """Raises in every `step` but not for its demonstration: passes the preflight, then
+    every eval episode is an env_error."""
+
+    def demonstrations(self, task: Task) -> list[Message]:
+        return []
+
+    def step(self, message: Message) -> StepResult:
+        raise RuntimeError("simulated step bug")
+
+
+# scorers for the dataset env's `module:function` (tests/test_dataset_env.py)
+def half_scorer(response, answer, row) -> float:
+    return 0.5
+
+
+def raising_scorer(response, answer, row) -> float:
+    raise ValueError(f"no verdict on {answer!r}")
+
+
+def length_scorer(response, answer, row) -> float:
+    """1 when the reply is as long as the row's `info.length` says."""
+    return float(len(response) == row["length"])

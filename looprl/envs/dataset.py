@@ -132,8 +132,8 @@ class Dataset:
         there are). Train: `n` rows, every row used before any is repeated."""
         check_choice("dataset: split", split, ("train", "eval"))
         pool = list(self.rows.train if split == "train" else self.rows.eval)
-        if split == "eval" and n is not None:
-            n = min(n, len(pool))
+        if split == "eval" and n is not None and n >= len(pool):
+            n = None  # all of them, in the file's order
         return sample_items(pool, n, seed)
 
     def reset(self, task: Task) -> Observation:

@@ -137,6 +137,8 @@ def run_episodes(
             for lv in active:
                 if len(lv.episode.token_ids) >= max_episode_tokens:
                     lv.episode.outcome = TRUNCATED
+                    if not lv.episode.turns:  # the prompt alone fills the episode's tokens
+                        lv.episode.reward = lowest_reward(lv.env)
                     ended(lv)
             active = [lv for lv in active if lv.episode.outcome != TRUNCATED]
             room = [max_episode_tokens - len(lv.episode.token_ids) for lv in active]

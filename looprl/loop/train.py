@@ -337,6 +337,7 @@ def train(
                 "train/lr": optimizer.param_groups[0]["lr"],
                 **played.metrics,  # train/zero_std_groups, kept_groups, ...; curriculum/*
                 "train/skipped_steps": stats["skipped"],
+                "train/updates": stats["updated"],  # optimizer updates made this step
                 "train/ratio_max": stats["ratio_max"],
                 "train/micro_batch_tokens": loop.update.micro_batch_tokens,
                 "perf/step_s": time.time() - t0,

@@ -13,11 +13,11 @@ TRUNCATED = "truncated"
 def run_warnings(rows: list[dict[str, Any]], evals: dict[str, dict | None]) -> list[str]:
     """One sentence per problem found in the steps (`rows`) and the named evals."""
     out = []
-    if rows and all(r.get("train/loss") is None for r in rows):
+    if rows and not any(_updated(r) for r in rows):
         out.append(
             f"the run trained on nothing: none of its {len(rows)} steps updated the policy "
-            "(train/loss is empty on every step: every group's rewards were equal, or every "
-            "episode was truncated, unparsable or an env_error)"
+            "(train/updates is 0 on every step: every group's rewards were equal, or every "
+            "episode was truncated before it wrote a token, or an env_error)"
         )
     dead = [r["step"] for r in rows if r.get("rollout/unscorable") == 1.0]
     if dead:
@@ -34,3 +34,11 @@ def run_warnings(rows: list[dict[str, Any]], evals: dict[str, dict | None]) -> l
                 "truncated, scored as the environment's lowest reward)"
             )
     return out
+
+
+def _updated(row: dict[str, Any]) -> bool:
+    """Whether a step made an optimizer update (`train/updates`; a run logged before that
+    metric existed: a loss was computed)."""
+    if "train/updates" in row:
+        return bool(row["train/updates"])
+    return row.get("train/loss") is not None
