@@ -305,8 +305,8 @@ def test_an_eval_of_only_env_errors_fails_loudly(runner, tmp_path):
 
 def test_a_run_that_trained_on_nothing_says_so(runner, tmp_path):
     out = tmp_path / "run"
-    res = runner.invoke(app, ["run", str(dataset_config(tmp_path)), *TINY, "--set",
-                              "rollout.max_new_tokens=40", "--set", "rollout.max_episode_tokens=120",
+    limits = ["--set", "rollout.max_new_tokens=40", "--set", "rollout.max_episode_tokens=120"]
+    res = runner.invoke(app, ["run", str(dataset_config(tmp_path)), *TINY, *limits,
                               "--out", str(out)])  # fmt: skip
     assert res.exit_code == 0, res.output
     assert "the run trained on nothing" in res.stderr

@@ -41,4 +41,4 @@ def _updated(row: dict[str, Any]) -> bool:
     metric existed: a loss was computed)."""
     if "train/updates" in row:
         return bool(row["train/updates"])
-    return row.get("train/loss") is not None
+    return "train/loss" not in row or row["train/loss"] is not None
