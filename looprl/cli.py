@@ -93,6 +93,7 @@ def run(
         Path(result["report"]),
         result["after_sft"],
         greedy=result.get("greedy"),
+        references=result.get("references"),
     ):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
 
@@ -128,13 +129,36 @@ def eval_cmd(
         Path | None, typer.Option(help="A checkpoint folder of a run to evaluate.")
     ] = None,
     out: Annotated[Path | None, typer.Option(help="Write the EvalResult JSON here.")] = None,
+    endpoint: Annotated[
+        str | None,
+        typer.Option(help="An OpenAI-compatible base URL to evaluate instead of a local model."),
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="The endpoint's model name (with --endpoint).")
+    ] = None,
+    api_key_env: Annotated[
+        str, typer.Option(help="Environment variable holding the endpoint's API key.")
+    ] = "OPENAI_API_KEY",
+    concurrency: Annotated[
+        int, typer.Option(help="Requests in flight at once (with --endpoint).", min=1)
+    ] = 4,
 ) -> None:
-    """Evaluate a model (or a run's checkpoint) on the env's held-out tasks."""
+    """Evaluate a model (or a run's checkpoint, or an API endpoint) on the env's held-out
+    tasks."""
     from looprl.config import load_config
-    from looprl.loop.evaluate import run_eval
 
     cfg = load_config(config, set_)
-    result = run_eval(cfg, checkpoint=checkpoint, out=out)
+    if endpoint is not None or model is not None:
+        from looprl.loop.remote import run_remote_eval
+
+        if endpoint is None or model is None or out is None or checkpoint is not None:
+            fail("an endpoint eval takes --endpoint URL, --model NAME and --out FILE.json "
+                 "(its episodes go beside it), and no --checkpoint")  # fmt: skip
+        result = run_remote_eval(cfg, endpoint, model, out, api_key_env, concurrency)
+    else:
+        from looprl.loop.evaluate import run_eval
+
+        result = run_eval(cfg, checkpoint=checkpoint, out=out)
     console.print_json(json.dumps(result))
 
 

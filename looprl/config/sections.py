@@ -315,6 +315,11 @@ class EvalConfig(Section):
     samples_per_task: int = Field(
         4, ge=1, description="Episodes per eval task (the same seeds before and after)."
     )
+    references: list[str] = Field(
+        default_factory=list,
+        description="EvalResult files of reference models (`looprl eval --endpoint ... --out "
+        "F.json`) shown in the report beside before/after, paired against the trained model.",
+    )
     seed: int = Field(1234, description="Seed of the eval task sample and sampling.")
     greedy: bool = Field(
         True,

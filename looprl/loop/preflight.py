@@ -12,7 +12,9 @@ folder is touched.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 from looprl.config import Config
@@ -33,6 +35,7 @@ def check_env(cfg: Config, probe: Any) -> None:
     from looprl.openai.agents import is_agent_env
 
     name = cfg.env.name
+    check_references(cfg, probe)
     for split in SPLITS:
         task = _first_task(probe, name, split, cfg.seed)
         if is_agent_env(probe):
@@ -120,3 +123,28 @@ def check_reply_room(cfg: Config, probe: Any, renderer: Any) -> None:
             f"reply (task {task_id}): every such reply would be cut and scored `truncated`. "
             f"Set rollout.max_new_tokens={needed} (or more)"
         )
+
+
+def check_references(cfg: Config, probe: Any) -> None:
+    """Each of eval.references is an EvalResult of this env's held-out episodes, the very
+    ones this run's sampled eval will play (same task ids in the same order)."""
+    if not cfg.eval.references:
+        return
+    tasks = probe.tasks("eval", n=cfg.eval.tasks, seed=cfg.eval.seed)
+    ids = [t.id for t in tasks for _ in range(cfg.eval.samples_per_task)]
+    for path in cfg.eval.references:
+        try:
+            ref = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"eval.references: cannot read {path}: {err}") from None
+        if not isinstance(ref, dict) or ref.get("env") != cfg.env.name:
+            got = ref.get("env") if isinstance(ref, dict) else None
+            raise ConfigError(f"eval.references: {path} is an eval of {got!r}, not of "
+                              f"{cfg.env.name!r}")  # fmt: skip
+        if ref.get("task_ids") != ids:
+            raise ConfigError(
+                f"eval.references: {path} did not play this run's held-out episodes (eval.tasks"
+                f"={cfg.eval.tasks}, eval.samples_per_task={cfg.eval.samples_per_task}, eval.seed"
+                f"={cfg.eval.seed}, env.args); make it with the run's config: looprl eval "
+                f"CONFIG --endpoint URL --model NAME --out {path}"
+            )

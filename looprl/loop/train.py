@@ -415,6 +415,7 @@ def train(
         "run_dir": str(run_dir),
         "report": str(report),
         "warnings": warned,
+        "references": [r for _, r in report_files.load_references(cfg.eval.references) if r],
     }
 
 

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -259,6 +260,14 @@ def resolve(name: str) -> tuple[str, dict[str, Any]]:
         return str(_gguf_dir(Path(name[5:]).expanduser())), {}
     if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().exists():
         raise ModelError(f"model folder not found: {name}")
+    if "/" not in name and not Path(name).exists():
+        # a mistyped alias: said at once, offline, not after minutes of hub retries
+        close = difflib.get_close_matches(name, ALIASES, n=1, cutoff=0.6)
+        if close:
+            raise ModelError(
+                f"unknown model {name!r}: did you mean {close[0]!r}? (model.name takes a hub "
+                f"id, a local folder, 'gguf:PATH', or one of: {', '.join(ALIASES)})"
+            )
     return name, {}
 
 

@@ -18,6 +18,7 @@ def headline(
     report: Path,
     after_sft: dict | None = None,
     greedy: tuple[dict | None, dict] | None = None,
+    references: list[dict] | None = None,
 ) -> list[str]:
     """Reward before → (after SFT →) after, the paired difference, then with `greedy`
     (its baseline and final EvalResults) the same for T = 0, and the paths."""
@@ -37,6 +38,10 @@ def headline(
             f"greedy (T = 0), {after.get('n', '?')} episodes: before {reward_with_ci(before)}"
             f" → after {reward_with_ci(after)}{change}"
         )
+    for ref in references or []:
+        paired = paired_stats(ref, final)
+        change = "" if isinstance(paired, str) else f", trained − reference {_short(paired)}"
+        lines.append(f"reference {ref.get('model')}: {reward_with_ci(ref)}{change}")
     return [*lines, f"report: {report}, {report.with_suffix('.html')}"]
 
 

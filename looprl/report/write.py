@@ -173,6 +173,7 @@ def write_report(
             ("p", _paired_text(paired)),
             *[("p", text) for text in [solved_text(baseline, final)] if text],
             *_greedy_blocks(*greedy, _load_eval(run_dir / "eval" / "after_sft_greedy.json")),
+            *_reference_blocks(cfg.eval.references, baseline, final),
         ]
         png = plot_before_after(
             before,
@@ -248,6 +249,40 @@ def _greedy_blocks(before: dict | None, after: dict | None, mid: dict | None = N
     ]
     text = solved_text(before, after)
     return blocks + ([("p", text)] if text else [])
+
+
+def load_references(paths: list[str]) -> list[tuple[str, dict | None]]:
+    """(path, EvalResult or None when it cannot be read) for each of eval.references."""
+    return [(p, _load_eval(Path(p))) for p in paths]
+
+
+def reference_name(result: dict) -> str:
+    return str(result.get("model") or "reference")
+
+
+def _reference_blocks(paths: list[str], baseline: dict, final: dict) -> list[tuple]:
+    """The reference models (`eval.references`) beside before and after, each paired
+    against the trained model on the same episodes."""
+    if not paths:
+        return []
+    refs = load_references(paths)
+    readable = [r for _, r in refs if r is not None]
+    blocks: list[tuple] = [
+        ("h2", "Reference models"),
+        ("p", "The same held-out episodes (tasks, order and eval settings) played by each "
+              "reference model through its endpoint (`looprl eval --endpoint`)."),
+    ]  # fmt: skip
+    if readable:
+        headers = ["metric", "before", "after", *(reference_name(r) for r in readable)]
+        blocks.append(("table", headers, _summary_rows([baseline, final, *readable])))
+    for path, ref in refs:
+        if ref is None:
+            blocks.append(("warn", f"reference {path} could not be read"))
+            continue
+        paired = paired_stats(ref, final)
+        text = _paired_text(paired).replace("after − before", f"trained − {reference_name(ref)}")
+        blocks.append(("p", text))
+    return blocks
 
 
 def _summary_rows(sides: list[dict]) -> list[list[str]]:
