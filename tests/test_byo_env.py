@@ -33,7 +33,7 @@ def test_example_runs_from_its_folder(tmp_path):
     cmd = [sys.executable, "-m", "looprl.cli", "run", "--out", str(out),
            "--set", f"env.name={EXAMPLE}", "--set", "model.name=tiny-random",
            "--set", "train.steps=1", "--set", "rollout.tasks_per_step=2",
-           "--set", "rollout.group_size=2", "--set", "rollout.max_new_tokens=24",
+           "--set", "rollout.group_size=2", "--set", "rollout.max_new_tokens=40",
            "--set", "eval.tasks=2", "--set", "eval.samples_per_task=1"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -61,7 +61,8 @@ class PickSeven:
 
 
 class FlakyPickSeven(PickSeven):
-    """Raises inside `step` for every 10th task: an environment bug, not model output."""
+    """Raises inside `step` for every 10th task (seeds 9, 19, ...; not the first task of a
+    split, which a run's preflight plays): an environment bug, not model output."""
 
     def __init__(self, every: int = 10) -> None:
         super().__init__()
@@ -73,7 +74,7 @@ class FlakyPickSeven(PickSeven):
         return super().reset(task)
 
     def step(self, message: Message) -> StepResult:
-        if self._task is not None and self._task.seed % self.every == 0:
+        if self._task is not None and (self._task.seed + 1) % self.every == 0:
             raise RuntimeError("simulated environment bug")
         return super().step(message)
 

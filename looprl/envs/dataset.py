@@ -162,9 +162,10 @@ class Dataset:
         return StepResult([], done=True, reward=reward, outcome=outcome, info=info)
 
     def demonstrations(self, task: Task) -> list[Message]:
-        """The row's answer as the assistant's reply (a call, JSON or text)."""
+        """The row's answer as the assistant's reply (a call, JSON or text); none for a
+        row without an answer."""
         if "answer" not in task.data:
-            raise EnvError(f"dataset: task {task.id} has no answer, so it has no demonstration")
+            return []
         answer = task.data["answer"]
         if self.form == "tool_call":
             return [Message("assistant", tool_calls=[ToolCall(answer["name"],
@@ -194,18 +195,26 @@ class Dataset:
             return value, None
         return message.content, None
 
-    def score(self, response: Any, task: Task) -> tuple[float, str, dict[str, Any]]:
-        """(reward, outcome, info) of a response to `task`; raises what a scorer raises."""
-        row = {**task.data.get("info", {}), "task_id": task.id}
+    def score(
+        self, response: Any, task: Task, scorers: list[Scorer] | None = None
+    ) -> tuple[float, str, dict[str, Any]]:
+        """(reward, outcome, info) of a response to `task` by `scorers` (default: all);
+        raises what a scorer raises."""
+        scorers = self.scorers if scorers is None else scorers
+        shown = [m["content"] for m in task.data["messages"] if m["role"] != "system"]
+        row = {**task.data.get("info", {}), "task_id": task.id, "prompt_text": "\n\n".join(shown)}
         answer = task.data.get("answer")
-        scores: list[Score] = [s(response, answer, row) for s in self.scorers]
-        reward = combine(self.scorers, scores)
+        scores: list[Score] = [s(response, answer, row) for s in scorers]
+        reward = combine(scorers, scores)
         labels = {sc.label for sc in scores}
         outcome = "correct" if labels == {"correct"} else "wrong" if reward == 0 else "partial"
         info: dict[str, Any] = {
-            "scores": {s.name: sc.value for s, sc in zip(self.scorers, scores)},
-            "labels": {s.name: sc.label for s, sc in zip(self.scorers, scores)},
+            "scores": {s.name: sc.value for s, sc in zip(scorers, scores)},
+            "labels": {s.name: sc.label for s, sc in zip(scorers, scores)},
         }
+        judged = [s.fn.last for s in scorers if s.remote and getattr(s.fn, "last", None)]
+        if judged:  # the verdicts' reasons, seconds and calls (summed in the metrics)
+            info["judge"] = judged[0] if len(judged) == 1 else judged
         fields = {k: v for sc in scores for k, v in sc.fields.items()}
         if fields:
             info["fields"] = fields
@@ -321,8 +330,10 @@ def _task(split: str, path: Path, number: int, row: dict, columns: dict, spec: d
     task = Task(id=f"{split}-{number}", data=data, seed=number)
     if "answer" in data:  # a scorer that raises on the row's own answer fails here, not later
         response = env.response(env.demonstrations(task)[0], task)[0]
+        local = [s for s in env.scorers if not s.remote]  # a judge is not asked per row here
         try:
-            env.score(response, task)
+            if local:
+                env.score(response, task, local)
         except Exception as err:
             raise fail("answer", f"scoring the row's own answer raised {type(err).__name__}: "
                                  f"{err}") from None  # fmt: skip

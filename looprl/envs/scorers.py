@@ -20,6 +20,7 @@ the scores; each score and its label are kept in the episode's `info`.
 - `json_fields`: per-field credit, F1 = 2C / (S + T) with C right of S submitted and T
   expected fields (`all_fields: true`: 1 only if every field is right and none is extra);
 - `tool_call`: 0 for another tool's name, else `json_fields` over the arguments;
+- `judge`: a model grades the reply against a `rubric` (envs/judge.py);
 - `module:function`: your own, `fn(response, answer, row)` returning a number in [0, 1]
   or a bool.
 
@@ -214,6 +215,11 @@ class Scorer:
     def needs_answer(self) -> bool:
         return self.name in NEEDS_ANSWER
 
+    @property
+    def remote(self) -> bool:
+        """Whether it asks a model (the judge): not run on every row up front."""
+        return bool(getattr(self.fn, "remote", False))
+
 
 def make_scorers(spec: Any) -> list[Scorer]:
     """The scorers `env.args.scorers` names: a name, a {name, weight, ...} mapping, or a
@@ -241,12 +247,19 @@ def _scorer_fn(name: str, args: dict[str, Any], where: str) -> Callable:
             return _BUILTINS[name](**args)
         except TypeError as err:
             raise EnvError(f"{where} ({name}): bad arguments {args}: {err}") from None
+    if name == "judge":
+        from looprl.envs.judge import Judge
+
+        try:
+            return Judge(**args)
+        except TypeError as err:
+            raise EnvError(f"{where} (judge): bad arguments {args}: {err}") from None
     if ":" in name:
         if args:
             raise EnvError(f"{where} ({name}): a function scorer takes no arguments, got {args}")
         return _import_function(name, where)
     raise EnvError(
-        f"{where}: unknown scorer {name!r}; known: {', '.join(SCORER_NAMES)} "
+        f"{where}: unknown scorer {name!r}; known: {', '.join(SCORER_NAMES)}, judge "
         "(or 'package.module:function' for your own)"
     )
 

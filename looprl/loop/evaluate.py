@@ -77,7 +77,21 @@ def summarize(episodes: list[Episode]) -> dict[str, Any]:
         "outcomes": {k: v / n for k, v in sorted(counts.items())},
         "env_errors": counts.get(ENV_ERROR, 0),
         "scores": score_means(scored),
+        "judge": judge_cost(episodes),
     }
+
+
+def judge_cost(episodes: list[Episode]) -> dict[str, float]:
+    """Judge requests made and seconds spent scoring (the `judge` scorer's info)."""
+    calls, seconds = 0, 0.0
+    for e in episodes:
+        found = e.info.get("judge")
+        for verdict in found if isinstance(found, list) else [found] if found else []:
+            calls += int(verdict.get("calls", 0))
+            seconds += float(verdict.get("seconds", 0.0))
+    return (
+        {"calls": calls, "seconds": seconds} if any(e.info.get("judge") for e in episodes) else {}
+    )
 
 
 def score_means(episodes: list[Episode]) -> dict[str, float]:
@@ -119,6 +133,7 @@ def eval_result(
         "temperature": temperature,
         "solved_outcomes": list(solved),
         **({"scores": stats["scores"]} if stats["scores"] else {}),
+        **({"judge": stats["judge"]} if stats["judge"] else {}),
     }
 
 

@@ -45,7 +45,12 @@ def check_env(cfg: Config, probe: Any) -> None:
         obs = _call(where, "reset", env.reset, task)
         _check_schemas(where, obs)
         if callable(getattr(probe, "demonstrations", None)):
-            _check_demonstrations(where, make_env(name, cfg.env.args), task)
+            shown = _check_demonstrations(where, make_env(name, cfg.env.args), task)
+            if split == "train" and cfg.sft.enabled and not shown:
+                raise ConfigError(
+                    f"sft.enabled needs demonstrations, and {where} has none (a data "
+                    "file's rows need an answer); set sft.enabled=false"
+                )
 
 
 def _first_task(probe: Any, name: str, split: str, seed: int) -> Task:
@@ -81,16 +86,18 @@ def _check_schemas(where: str, obs: Observation) -> None:
         ) from None
 
 
-def _check_demonstrations(where: str, env: Any, task: Task) -> None:
+def _check_demonstrations(where: str, env: Any, task: Task) -> bool:
+    """Play the task's demonstrations, if it has any; whether it had."""
     demos = _call(where, "demonstrations", demonstrations, env, task)
     if not demos:
-        return
+        return False
     _call(where, "reset", env.reset, task)
     for i, demo in enumerate(demos):
         result = _call(where, f"step with demonstration {i + 1}", env.step, demo)
         _call(where, f"the reward of demonstration {i + 1}", check_reward, env, result.reward)
         if result.done:
-            return
+            break
+    return True
 
 
 def check_reply_room(cfg: Config, probe: Any, renderer: Any) -> None:

@@ -21,6 +21,7 @@ The held-out eval runs twice before and after: at the eval temperature, and gree
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from functools import partial
@@ -32,6 +33,7 @@ import torch
 
 from looprl.config import Config, to_yaml
 from looprl.envs import gives_turn_rewards, make_env
+from looprl.envs.judge import RUN_DIR_VARIABLE as JUDGE_CACHE_VARIABLE
 from looprl.errors import ConfigError, EngineError, LoopRLError
 from looprl.loop import checkpoint as checkpoints
 from looprl.loop import dist as ranks
@@ -41,6 +43,7 @@ from looprl.loop.dist import Dist, main_only
 from looprl.loop.evaluate import (
     evaluate,
     greedy_eval_tasks,
+    judge_cost,
     kept_tasks,
     load_model,
     player,
@@ -147,6 +150,7 @@ def train(
     run_dir = out
     main_only(prepare_run_dir)(out, force=force, resume=resume)
     main_only(write_config)(run_dir, cfg)
+    os.environ[JUDGE_CACHE_VARIABLE] = str(run_dir)  # the judge's verdicts are cached there
     dist.barrier()  # and every rank reads the folder only once rank 0 has prepared it
     play = player(cfg, policy, probe)
 
@@ -358,6 +362,8 @@ def train(
                 metrics[f"outcomes/{outcome}"] = frac
             for name, value in summary["scores"].items():  # the dataset env's scorers
                 metrics[f"scores/{name}"] = value
+            for name, value in judge_cost(episodes).items():  # judge/calls, judge/seconds
+                metrics[f"judge/{name}"] = value
             logger.log(metrics)
             if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
                 write_samples(
