@@ -2,7 +2,7 @@
 
     scorers:
       - name: judge
-        rubric: "1 if the reply answers the question politely and correctly, else 0 ..."
+        rubric: "10 if the reply answers the question politely and correctly, 0 if ..."
         endpoint: http://127.0.0.1:8000/v1     # any OpenAI-compatible server (`looprl serve`)
         model: judge                          # the endpoint's model name
         api_key_env: OPENAI_API_KEY           # where the key is (a local server takes any)
@@ -11,8 +11,8 @@ Pointwise: the judge sees the rubric, the task's prompt, the row's answer when i
 and the reply, and returns `{"reason": "...", "score": 0..10}` under a JSON schema (an
 integer scale, which judges keep more consistently than a fraction; the score is it / 10).
 A verdict is cached by its content (model, rubric, prompt, answer, reply): in memory, and
-in the run folder's `judge_cache.jsonl` during `looprl run` (a resumed run re-asks nothing). A request that fails or a verdict that does not parse is
-retried with backoff (`retries`, 1 s, 2 s, 4 s, ...); a judge that keeps failing raises,
+in the run folder's `judge_cache.jsonl` during `looprl run` (a resumed run re-asks
+nothing). A request that fails or a verdict that does not parse is retried with backoff (`retries`, 1 s, 2 s, 4 s, ...); a judge that keeps failing raises,
 so the episode is an `env_error`: counted against `env.error_budget`, left out of the
 loss, never a silent 0. Each verdict's reason, time and cache use are in the episode's
 `info` (`judge`), and the run's metrics sum the calls and seconds.
