@@ -14,8 +14,9 @@ A verdict is cached by its content (model, rubric, prompt, answer, reply): in me
 in the run folder's `judge_cache.jsonl` during `looprl run` (a resumed run re-asks
 nothing). A request that fails or a verdict that does not parse is retried with backoff
 (`retries`, 1 s, 2 s, 4 s, ...); a judge that keeps failing raises, so the episode is an
-`env_error`: counted against `env.error_budget`, left out of the loss, never a silent 0. Each verdict's reason, time and cache use are in the episode's
-`info` (`judge`), and the run's metrics sum the calls and seconds.
+`env_error`: counted against `env.error_budget`, left out of the loss, never a silent 0.
+Each verdict's reason, time and cache use are in the episode's `info` (`judge`), and the
+run's metrics sum the calls and seconds (`judge/calls`, `judge/seconds`).
 """
 
 from __future__ import annotations
