@@ -100,6 +100,24 @@ class EnvConfig(Section):
     error_budget: int = Field(
         20, ge=0, description="Episodes that may end in env_error before the run stops."
     )
+    mix: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Several environments by weight, [{name, args, weight, label}]: the "
+        "same as name: mix with args.members (per-env metrics and report rows).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mix_is_a_mix_env(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not data.get("mix"):
+            return data
+        members, args = data["mix"], {"members": data["mix"]}
+        if data.get("name", "mix") != "mix" or data.get("args", args) != args:
+            raise ValueError(
+                f"env.mix and env.name={data.get('name')!r} / env.args both name the "
+                "environment; give env.mix alone"
+            )
+        return {**data, "name": "mix", "args": {"members": members}}
 
 
 class RolloutConfig(Section):

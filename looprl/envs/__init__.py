@@ -24,7 +24,7 @@ __all__ = [
 ]
 
 
-_BUILTIN_MODULES = ("tictactoe", "extraction", "workflow", "instructions", "dataset")
+_BUILTIN_MODULES = ("tictactoe", "extraction", "workflow", "instructions", "dataset", "mix")
 
 
 def _builtins() -> dict[str, type]:

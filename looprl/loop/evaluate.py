@@ -81,6 +81,14 @@ def summarize(episodes: list[Episode]) -> dict[str, Any]:
     }
 
 
+def by_member(episodes: list[Episode]) -> dict[str, list[Episode]]:
+    """A mix's episodes by member: the label its task ids start with (`LABEL/...`)."""
+    out: dict[str, list[Episode]] = {}
+    for e in episodes:
+        out.setdefault(e.task.id.split("/", 1)[0], []).append(e)
+    return dict(sorted(out.items()))
+
+
 def judge_cost(episodes: list[Episode]) -> dict[str, float]:
     """Judge requests made and seconds spent scoring (the `judge` scorer's info)."""
     calls, seconds = 0, 0.0

@@ -41,6 +41,7 @@ from looprl.loop import log, preflight, sft
 from looprl.loop.decisions import decision_batch, decision_surprisal, grammar_cache
 from looprl.loop.dist import Dist, main_only
 from looprl.loop.evaluate import (
+    by_member,
     evaluate,
     greedy_eval_tasks,
     judge_cost,
@@ -364,6 +365,9 @@ def train(
                 metrics[f"scores/{name}"] = value
             for name, value in judge_cost(episodes).items():  # judge/calls, judge/seconds
                 metrics[f"judge/{name}"] = value
+            if cfg.env.name == "mix":  # each member's own reward (task ids LABEL/...)
+                for label, members in by_member(sampled).items():
+                    metrics[f"mix/{label}/rewards_mean"] = summarize(members)["reward_mean"]
             logger.log(metrics)
             if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
                 write_samples(

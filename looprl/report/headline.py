@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from looprl.report.stats import Paired, paired_stats, reward_with_ci
+from looprl.report.stats import Paired, member_results, paired_stats, reward_with_ci
 
 
 def headline(
@@ -38,6 +38,13 @@ def headline(
             f"greedy (T = 0), {after.get('n', '?')} episodes: before {reward_with_ci(before)}"
             f" → after {reward_with_ci(after)}{change}"
         )
+    if final.get("env") == "mix":  # each member of the mixture on its own episodes
+        before = member_results(baseline)
+        for label, after in member_results(final).items():
+            paired = paired_stats(before[label], after) if label in before else "no baseline"
+            change = "" if isinstance(paired, str) else f", paired {_short(paired)}"
+            lines.append(f"  {label}: {reward_with_ci(before.get(label, {}))} → "
+                         f"{reward_with_ci(after)}{change}")  # fmt: skip
     for ref in references or []:
         paired = paired_stats(ref, final)
         change = "" if isinstance(paired, str) else f", trained − reference {_short(paired)}"

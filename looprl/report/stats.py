@@ -90,3 +90,21 @@ def reward_with_ci(result: dict) -> str:
     """'+0.123 [+0.045, +0.201]': an EvalResult's reward mean and its 95% CI."""
     mean, lo, hi = mean_ci(result)
     return f"{fmt(mean, '+.3f')} [{fmt(lo, '+.3f')}, {fmt(hi, '+.3f')}]"
+
+
+def member_results(result: dict) -> dict[str, dict]:
+    """A mix's EvalResult split by member (task ids `LABEL/...`): each member's rewards,
+    task ids and outcomes, with its mean and normal 95% interval."""
+    labels = [str(t).split("/", 1)[0] for t in result.get("task_ids") or []]
+    out: dict[str, dict] = {}
+    for label in dict.fromkeys(labels):
+        keep = [i for i, x in enumerate(labels) if x == label]
+        rewards = [finite((result.get("rewards") or [])[i]) for i in keep]
+        n = len(rewards)
+        mean = sum(rewards) / n
+        sd = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1)) if n > 1 else 0.0
+        half = 1.96 * sd / math.sqrt(n)
+        out[label] = {"rewards": rewards, "n": n, "reward_mean": mean,
+                      "reward_ci95": [mean - half, mean + half],
+                      "task_ids": [result["task_ids"][i] for i in keep]}  # fmt: skip
+    return out

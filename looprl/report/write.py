@@ -29,6 +29,7 @@ from looprl.report.stats import (
     Paired,
     fmt,
     mean_ci,
+    member_results,
     paired_stats,
     reward_with_ci,
 )
@@ -174,6 +175,7 @@ def write_report(
             *[("p", text) for text in [solved_text(baseline, final)] if text],
             *_greedy_blocks(*greedy, _load_eval(run_dir / "eval" / "after_sft_greedy.json")),
             *_reference_blocks(cfg.eval.references, baseline, final),
+            *_member_blocks(baseline, final),
         ]
         png = plot_before_after(
             before,
@@ -283,6 +285,27 @@ def _reference_blocks(paths: list[str], baseline: dict, final: dict) -> list[tup
         text = _paired_text(paired).replace("after − before", f"trained − {reference_name(ref)}")
         blocks.append(("p", text))
     return blocks
+
+
+def _member_blocks(baseline: dict, final: dict) -> list[tuple]:
+    """Each member of a mix (`env.mix`) before and after, paired on its own episodes."""
+    if baseline.get("env") != "mix":
+        return []
+    before, after = member_results(baseline), member_results(final)
+    rows = []
+    for label, side in before.items():
+        other = after.get(label, {})
+        paired = paired_stats(side, other) if other else "not in the final eval"
+        change = paired if isinstance(paired, str) else (
+            f"{paired.mean:+.3f} [{paired.lo:+.3f}, {paired.hi:+.3f}]")  # fmt: skip
+        rows.append([label, str(side["n"]), reward_with_ci(side),
+                     reward_with_ci(other) if other else "-", change])  # fmt: skip
+    return [
+        ("h2", "By environment"),
+        ("p", "Each member of the mixture on its own held-out episodes; the paired difference "
+              "(after − before) with its bootstrap 95% CI."),
+        ("table", ["environment", "episodes", "before", "after", "paired difference"], rows),
+    ]  # fmt: skip
 
 
 def _summary_rows(sides: list[dict]) -> list[list[str]]:
