@@ -31,6 +31,9 @@ console = Console()
 err_console = Console(stderr=True, soft_wrap=True)
 
 ConfigArg = Annotated[Path | None, typer.Argument(help="YAML config file (optional).")]
+EnvConfigOpt = Annotated[
+    Path | None, typer.Option("--config", help="A run config: its env.name and env.args.")
+]
 SetOpt = Annotated[
     list[str] | None,
     typer.Option("--set", "-s", help="Override a config field: section.field=value (repeatable)."),
@@ -343,20 +346,24 @@ def envs_list(ctx: typer.Context) -> None:
 @envs_app.command("show")
 @guarded
 def envs_show(
-    name: Annotated[str, typer.Argument(help="Environment name.")],
+    name: Annotated[
+        str | None, typer.Argument(help="Environment name (default: the --config's).")
+    ] = None,
     seed: Annotated[int, typer.Option(help="Pick the task with this seed.")] = 0,
     split: Annotated[str, typer.Option(help="train or eval.")] = "train",
     model: Annotated[str, typer.Option(help="Whose tokenizer renders it.")] = "smollm2-135m",
     arg: Annotated[
         list[str] | None, typer.Option("--arg", help="Env argument key=value (repeatable).")
     ] = None,
+    config: EnvConfigOpt = None,
 ) -> None:
     """Print one task exactly as the model sees it: rendered prompt and tool schemas."""
     from looprl.chat import ChatRenderer
     from looprl.envs import make_env
     from looprl.model.load import load_tokenizer
 
-    env = make_env(name, _env_args(arg))
+    name, args = _env_spec(name, arg, config)
+    env = make_env(name, args)
     if not callable(getattr(env, "reset", None)):
         raise EnvError(f"{name} is an agent environment: its prompts are written by its agent")
     task = env.tasks(split, n=1, seed=seed)[0]
@@ -388,18 +395,22 @@ def envs_check(
     arg: Annotated[
         list[str] | None, typer.Option("--arg", help="Env argument key=value (repeatable).")
     ] = None,
+    config: EnvConfigOpt = None,
 ) -> None:
     """Test an environment with random, expert and perturbed-expert agents (no model)."""
     from looprl.envs import env_class, list_envs
     from looprl.envs.check import check_env
 
     failed = []
+    if config is not None and not names:
+        names = [_env_spec(None, None, config)[0]]
     for name in names or list(list_envs()):
         needs = getattr(env_class(name), "needs_args", None)
         if not names and needs and not arg:
             console.print(f"looprl envs check {name}: skipped (it needs --arg {needs})")
             continue
-        report = check_env(name, _env_args(arg), n=tasks, seed=seed, max_step_ms=max_step_ms)
+        name, args = _env_spec(name, arg, config)
+        report = check_env(name, args, n=tasks, seed=seed, max_step_ms=max_step_ms)
         table = Table("check", "", "detail", title=f"looprl envs check {name}")
         for c in report.checks:
             table.add_row(c.name, "[green]ok[/]" if c.ok else "[bold red]FAIL[/]", c.detail)
@@ -417,6 +428,22 @@ def envs_check(
             failed.append(name)
     if failed:
         fail(f"checks failed for: {', '.join(failed)}", code=1)
+
+
+def _env_spec(name: str | None, items: list[str] | None, config: Path | None) -> tuple[str, dict]:
+    """The env name and args: a run config's env section (when given, and when `name` is
+    its env or none), with --arg values over them."""
+    args = _env_args(items)
+    if config is None:
+        if name is None:
+            fail("name an environment, or give a run config with --config")
+        return name, args
+    from looprl.config import load_config
+
+    env = load_config(config, None).env
+    if name is None or name == env.name:
+        return env.name, {**env.args, **args}
+    return name, args
 
 
 def _env_args(items: list[str] | None) -> dict:

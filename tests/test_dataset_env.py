@@ -311,3 +311,15 @@ def test_a_run_that_trained_on_nothing_says_so(runner, tmp_path):
     assert res.exit_code == 0, res.output
     assert "the run trained on nothing" in res.stderr
     assert "the run trained on nothing" in (out / "report.md").read_text()
+
+
+def test_envs_show_and_check_take_a_run_config(runner):
+    config = str(BOOKINGS / "run.yaml")
+    shown = runner.invoke(app, ["envs", "show", "--config", config, "--split", "eval"])
+    assert shown.exit_code == 0, shown.output
+    assert "dataset · task eval-" in shown.stdout and "book_meeting" in shown.stdout
+    checked = runner.invoke(app, ["envs", "check", "--config", config, "--tasks", "32"])
+    assert checked.exit_code == 0, checked.output
+    assert "looprl envs check dataset" in checked.stdout and "FAIL" not in checked.stdout
+    bare = runner.invoke(app, ["envs", "show"])
+    assert bare.exit_code == 2 and "give a run config with --config" in bare.stderr
