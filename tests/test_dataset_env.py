@@ -91,7 +91,7 @@ def test_each_scorer(spec, response, answer, value):
         ({"name": "exact", "weight": 0}, "weight=0 must be a number above 0"),
         ({"name": "numeric", "tolerence": 1}, "bad arguments"),
         ({"name": "regex", "pattern": "(unclosed"}, "does not compile"),
-        ("tests.toy_envs:no_such", "has no function 'no_such'"),
+        ("tests.toy_envs:no_such", "has no attribute 'no_such'"),
         ("no_such_module:f", "cannot import scorer module"),
     ],
 )

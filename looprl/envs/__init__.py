@@ -5,12 +5,11 @@ entry-point group."""
 from __future__ import annotations
 
 import importlib
-import os
-import sys
 from importlib.metadata import entry_points
 from typing import Any
 
 from looprl.envs.base import Environment, demonstrations, gives_turn_rewards, solved_outcomes
+from looprl.envs.common import import_attribute
 from looprl.errors import EnvError
 
 __all__ = [
@@ -77,16 +76,7 @@ def make_env(name: str, args: dict[str, Any] | None = None) -> Any:
 
 
 def _import_class(spec: str) -> type:
-    module_name, _, attr = spec.partition(":")
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # like `python -m`: modules next to you import
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise EnvError(f"cannot import environment module {module_name!r}: {err}") from None
-    cls = getattr(module, attr, None)
-    if cls is None:
-        raise EnvError(f"module {module_name!r} has no attribute {attr!r}")
+    cls = import_attribute(spec, "environment")
     # An agent environment (looprl.openai.agents) has `run_agent` instead of `reset` and `step`.
     needed = ("tasks", "run_agent") if hasattr(cls, "run_agent") else ("tasks", "reset", "step")
     missing = [m for m in needed if not callable(getattr(cls, m, None))]

@@ -3,8 +3,11 @@ picking the tool call to act on."""
 
 from __future__ import annotations
 
+import importlib
 import math
+import os
 import random
+import sys
 from typing import Any
 
 from looprl.errors import EnvError
@@ -62,3 +65,20 @@ def first_call(message: Message, tool_name: str) -> tuple[ToolCall | None, str |
         return None, "no_tool_call"
     call = message.tool_calls[0]
     return (call, None) if call.name == tool_name else (None, "unknown_tool")
+
+
+def import_attribute(spec: str, what: str) -> Any:
+    """The object `package.module:name` names (modules next to you import, as with
+    `python -m`), or a clear EnvError saying which part is missing; `what` names the
+    module's role in the messages ("environment", "scorer")."""
+    module_name, _, attr = spec.partition(":")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise EnvError(f"cannot import {what} module {module_name!r}: {err}") from None
+    found = getattr(module, attr, None)
+    if found is None:
+        raise EnvError(f"module {module_name!r} has no attribute {attr!r}")
+    return found

@@ -29,17 +29,15 @@ Labels: `correct` (score 1), `partial` (between), `wrong` (0).
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
-import os
 import re
 import string
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from looprl.envs.common import import_attribute
 from looprl.errors import EnvError
 
 _PUNCT = re.compile(f"[{re.escape(string.punctuation)}]")
@@ -265,16 +263,12 @@ def _scorer_fn(name: str, args: dict[str, Any], where: str) -> Callable:
 
 
 def _import_function(spec: str, where: str) -> Callable:
-    module_name, _, attr = spec.partition(":")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # like `python -m`: modules next to you import
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise EnvError(f"{where}: cannot import scorer module {module_name!r}: {err}") from None
-    fn = getattr(module, attr, None)
+        fn = import_attribute(spec, "scorer")
+    except EnvError as err:
+        raise EnvError(f"{where}: {err}") from None
     if not callable(fn):
-        raise EnvError(f"{where}: module {module_name!r} has no function {attr!r}")
+        raise EnvError(f"{where}: {spec} is not a function")
     return fn
 
 
