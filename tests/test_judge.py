@@ -114,3 +114,44 @@ def test_a_judged_run_trains_and_logs_its_calls(url, tmp_path: Path):
     assert verdicts and all(isinstance(v["score"], int | float) for v in verdicts)
     final = json.loads((out / "eval" / "final.json").read_text())
     assert final["judge"]["seconds"] >= 0 and "judge" in final["scores"]
+
+
+def test_a_group_judge_scores_a_task_s_replies_together(url):
+    (judge,) = make_scorers(judge_spec(url, mode="group"))
+    assert judge.group and judge.remote
+    values = judge.fn.rank("Greet Ana.", None, ["Hi Ana", "Hello", "Dear Ana, hello!"])
+    assert len(values) == 3 and all(v in [i / 10 for i in range(11)] for v in values)
+    assert judge.fn.rank("Greet Ana.", None, ["Hi Ana", "Hello", "Dear Ana, hello!"]) == values
+    assert judge.fn.last["cached"]
+    with pytest.raises(EnvError, match="mode='ranked'"):
+        make_scorers(judge_spec(url, mode="ranked"))
+
+
+def test_a_group_judged_run_fills_every_score(url, tmp_path: Path):
+    rows = [{"prompt": f"Greet person number {i}."} for i in range(8)]
+    data = tmp_path / "greet.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    schema = {
+        "type": "object",
+        "properties": {"greeting": {"type": "string", "maxLength": 8}},
+        "required": ["greeting"],
+        "additionalProperties": False,
+    }
+    scorers = [judge_spec(url, mode="group", weight=3), "tests.toy_envs:half_scorer"]
+    config = {"env": {"name": "dataset", "args": {
+                  "path": str(data), "eval_fraction": 0.25, "answer_form": "json",
+                  "response_schema": schema, "scorers": scorers}},
+              "model": {"name": "tiny-random"}, "train": {"steps": 1},
+              "rollout": {"tasks_per_step": 2, "group_size": 3, "max_new_tokens": 48},
+              "eval": {"tasks": 2, "samples_per_task": 2, "greedy": False}}  # fmt: skip
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    out = tmp_path / "run"
+    res = CliRunner().invoke(app, ["run", str(tmp_path / "run.yaml"), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    step = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert step["judge/calls"] >= 2  # one request a group: 2 tasks
+    records = [json.loads(x) for x in (out / "samples" / "final.jsonl").read_text().splitlines()]
+    assert len(records) == 4
+    for r in records:
+        assert "pending_group" not in r["info"] and r["info"]["labels"]["judge"] != "pending"
+        assert r["reward"] == pytest.approx((3 * r["info"]["scores"]["judge"] + 0.5) / 4)

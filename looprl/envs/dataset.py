@@ -45,7 +45,15 @@ from looprl.envs.common import check_choice, check_int, sample_items
 from looprl.envs.data_files import parse_cell, read_rows
 from looprl.envs.scorers import Score, Scorer, as_text, combine, make_scorers
 from looprl.errors import EnvError
-from looprl.types import PARSE_FAILURES, Message, Observation, StepResult, Task, ToolCall
+from looprl.types import (
+    ENV_ERROR,
+    PARSE_FAILURES,
+    Message,
+    Observation,
+    StepResult,
+    Task,
+    ToolCall,
+)
 
 FORMS = ("text", "tool_call", "json")
 COLUMNS = ("prompt", "messages", "system", "answer", "tools", "info")
@@ -176,6 +184,40 @@ class Dataset:
 
     # ------------------------------------------------------------------ scoring
 
+    def score_groups(self, episodes: list[Any]) -> None:
+        """Fill in a group judge's scores: each task's pending episodes (its group) are
+        judged together, then their reward and outcome recomputed. A judge that keeps
+        failing makes that group's episodes `env_error` (dropped and counted)."""
+        group_scorers = [s for s in self.scorers if s.group]
+        groups: dict[str, list[Any]] = {}
+        for e in episodes:
+            if e.info.get("pending_group") and e.outcome != ENV_ERROR:
+                groups.setdefault(e.task.id, []).append(e)
+        for members in groups.values():
+            task = members[0].task
+            replies = [[m for m in e.messages if m.role == "assistant"][-1] for e in members]
+            responses = [self.response(reply, task)[0] for reply in replies]
+            prompt = "\n\n".join(m["content"] for m in task.data["messages"]
+                                  if m["role"] != "system")  # fmt: skip
+            try:
+                for scorer in group_scorers:
+                    values = scorer.fn.rank(prompt, task.data.get("answer"), responses)
+                    for i, (e, value) in enumerate(zip(members, values)):
+                        e.info["scores"][scorer.name] = value
+                        e.info["labels"][scorer.name] = _label(value)
+                        e.info["judge"] = {**scorer.fn.last, "calls": scorer.fn.last["calls"]
+                                           if i == 0 else 0, "seconds": scorer.fn.last["seconds"]
+                                           if i == 0 else 0.0}  # fmt: skip
+            except Exception as err:
+                for e in members:
+                    e.outcome, e.reward, e.error = ENV_ERROR, 0.0, f"group judge: {err}"
+                continue
+            for e in members:
+                scores = [Score(e.info["scores"][s.name], e.info["labels"][s.name])
+                          for s in self.scorers]  # fmt: skip
+                e.reward, e.outcome = _verdict(self.scorers, scores)
+                del e.info["pending_group"]
+
     def response(self, message: Message, task: Task) -> tuple[Any, str | None]:
         """What the scorers see in the reply, or the parse-failure label."""
         if self.form == "tool_call":
@@ -204,14 +246,18 @@ class Dataset:
         shown = [m["content"] for m in task.data["messages"] if m["role"] != "system"]
         row = {**task.data.get("info", {}), "task_id": task.id, "prompt_text": "\n\n".join(shown)}
         answer = task.data.get("answer")
-        scores: list[Score] = [s(response, answer, row) for s in scorers]
-        reward = combine(scorers, scores)
-        labels = {sc.label for sc in scores}
-        outcome = "correct" if labels == {"correct"} else "wrong" if reward == 0 else "partial"
+        # a group judge scores the task's replies together, after the group is played
+        # (score_groups): until then its score is 0 and the episode is marked pending
+        scores: list[Score] = [
+            Score(0.0, "pending") if s.group else s(response, answer, row) for s in scorers
+        ]
+        reward, outcome = _verdict(scorers, scores)
         info: dict[str, Any] = {
             "scores": {s.name: sc.value for s, sc in zip(scorers, scores)},
             "labels": {s.name: sc.label for s, sc in zip(scorers, scores)},
         }
+        if any(s.group for s in scorers):
+            info["pending_group"] = True
         judged = [s.fn.last for s in scorers if s.remote and getattr(s.fn, "last", None)]
         if judged:  # the verdicts' reasons, seconds and calls (summed in the metrics)
             info["judge"] = judged[0] if len(judged) == 1 else judged
@@ -222,6 +268,17 @@ class Dataset:
 
 
 # ---------------------------------------------------------------------- reading and checks
+
+
+def _label(value: float) -> str:
+    return "correct" if value >= 1.0 else "partial" if value > 0.0 else "wrong"
+
+
+def _verdict(scorers: list[Scorer], scores: list[Score]) -> tuple[float, str]:
+    """The weighted mean of the scores, and the outcome: correct when every score is 1."""
+    reward = combine(scorers, scores)
+    labels = {sc.label for sc in scores}
+    return reward, "correct" if labels == {"correct"} else "wrong" if reward == 0 else "partial"
 
 
 def _outcomes(form: str, scorers: list[Scorer]) -> tuple[str, ...]:
@@ -325,8 +382,8 @@ def _task(split: str, path: Path, number: int, row: dict, columns: dict, spec: d
         data["tools"] = tools
     if "answer" in present:
         data["answer"] = _answer(row[columns["answer"]], data, spec, fail, env)
-    elif any(s.needs_answer for s in env.scorers):
-        raise fail("answer", f"missing, and the scorer {env.scorers[0].name!r} needs it")
+    elif needing := [s.name for s in env.scorers if s.needs_answer]:
+        raise fail("answer", f"missing, and the scorer {needing[0]!r} needs it")
     task = Task(id=f"{split}-{number}", data=data, seed=number)
     if "answer" in data:  # a scorer that raises on the row's own answer fails here, not later
         response = env.response(env.demonstrations(task)[0], task)[0]

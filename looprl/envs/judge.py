@@ -106,12 +106,18 @@ class Judge:
         if answer is not None:
             user += f"Reference answer:\n{as_text(answer)}\n\n"
         user += f"Reply to grade:\n{as_text(response)}"
+        return self._request(
+            INSTRUCTIONS, user, VERDICT, lambda v: isinstance(v.get("score"), int | float)
+        )
+
+    def _request(self, system: str, user: str, schema: dict, valid: Any) -> dict[str, Any]:
+        """The verdict (a JSON object `valid` accepts, with `calls`), retried with backoff."""
         request = {
             "model": self.model, "max_tokens": self.max_tokens, "temperature": 0.0,
-            "messages": [{"role": "system", "content": INSTRUCTIONS},
+            "messages": [{"role": "system", "content": system},
                          {"role": "user", "content": user}],
             "response_format": {"type": "json_schema",
-                                "json_schema": {"name": "verdict", "schema": VERDICT}},
+                                "json_schema": {"name": "verdict", "schema": schema}},
         }  # fmt: skip
         problem = ""
         for attempt in range(self.retries + 1):
@@ -120,10 +126,8 @@ class Judge:
             try:
                 reply = self.client().chat.completions.create(**request)
                 verdict = json.loads(reply.choices[0].message.content or "")
-                if not isinstance(verdict, dict) or not isinstance(
-                    verdict.get("score"), int | float
-                ):
-                    raise ValueError(f"no numeric score in {verdict!r:.120}")
+                if not isinstance(verdict, dict) or not valid(verdict):
+                    raise ValueError(f"not a verdict of the schema: {verdict!r:.120}")
                 return {**verdict, "calls": attempt + 1}
             except Exception as err:  # the endpoint's errors and unparsable verdicts alike
                 problem = f"{type(err).__name__}: {str(err)[:300]}"
@@ -147,6 +151,60 @@ class Judge:
                     base_url=self.endpoint, api_key=key, max_retries=0, timeout=self.timeout_s
                 )
             return _clients[self.endpoint, key]
+
+
+class GroupJudge(Judge):
+    """A group-relative judge (`mode: group`): the replies to one task, sampled together,
+    are shown to the judge at once and scored against each other (each 0..10 under a JSON
+    schema of exactly that many scores), as ART's RULER does. Scored by the loop after a
+    group is played (`Dataset.score_groups`), not episode by episode."""
+
+    group = True
+
+    def __call__(self, response: Any, answer: Any, row: dict) -> Score:
+        raise EnvError("a group judge scores whole groups (Dataset.score_groups)")
+
+    def rank(self, prompt: str, answer: Any, replies: list[Any]) -> list[float]:
+        """Each reply's score in [0, 1], judged side by side; cached by content."""
+        key = hashlib.sha256(
+            json.dumps(
+                [self.model, self.rubric, prompt, answer, [as_text(r) for r in replies]],
+                sort_keys=True,
+                default=str,
+            ).encode()  # fmt: skip
+        ).hexdigest()
+        started = time.perf_counter()
+        verdict, cached = _cached(key), True
+        if verdict is None:
+            verdict, cached = self._ask_group(prompt, answer, replies), False
+            _remember(key, verdict)
+        self.last = {"reason": verdict.get("reason", ""), "cached": cached,
+                     "seconds": time.perf_counter() - started,
+                     "calls": 0 if cached else verdict["calls"]}  # fmt: skip
+        return [min(1.0, max(0.0, float(s) / 10)) for s in verdict["scores"]]
+
+    def _ask_group(self, prompt: str, answer: Any, replies: list[Any]) -> dict[str, Any]:
+        n = len(replies)
+        user = f"Rubric:\n{self.rubric}\n\nTask:\n{prompt}\n\n"
+        if answer is not None:
+            user += f"Reference answer:\n{as_text(answer)}\n\n"
+        user += "\n\n".join(f"Reply {i + 1}:\n{as_text(r)}" for i, r in enumerate(replies))
+        schema = {
+            "type": "object",
+            "properties": {
+                "reason": {"type": "string", "maxLength": 300},
+                "scores": {"type": "array", "items": {"enum": list(range(11))},
+                           "minItems": n, "maxItems": n},
+            },
+            "required": ["reason", "scores"], "additionalProperties": False,
+        }  # fmt: skip
+        instructions = (
+            f"You grade {n} replies to the same task against each other. Follow the rubric "
+            'exactly. Answer with a JSON object: {"reason": "<one sentence>", "scores": '
+            f"[<{n} integers from 0 to 10, one per reply, in order>]}}. Better replies get "
+            "higher scores; use the whole scale."
+        )
+        return self._request(instructions, user, schema, lambda v: len(v.get("scores", [])) == n)
 
 
 def _cache_file() -> Path | None:

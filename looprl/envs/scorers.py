@@ -214,6 +214,11 @@ class Scorer:
         return self.name in NEEDS_ANSWER
 
     @property
+    def group(self) -> bool:
+        """Whether it scores a task's replies together (a group judge)."""
+        return bool(getattr(self.fn, "group", False))
+
+    @property
     def remote(self) -> bool:
         """Whether it asks a model (the judge): not run on every row up front."""
         return bool(getattr(self.fn, "remote", False))
@@ -246,10 +251,13 @@ def _scorer_fn(name: str, args: dict[str, Any], where: str) -> Callable:
         except TypeError as err:
             raise EnvError(f"{where} ({name}): bad arguments {args}: {err}") from None
     if name == "judge":
-        from looprl.envs.judge import Judge
+        from looprl.envs.judge import GroupJudge, Judge
 
+        mode = args.pop("mode", "pointwise")
+        if mode not in ("pointwise", "group"):
+            raise EnvError(f"{where} (judge): mode={mode!r}; expected pointwise or group")
         try:
-            return Judge(**args)
+            return (GroupJudge if mode == "group" else Judge)(**args)
         except TypeError as err:
             raise EnvError(f"{where} (judge): bad arguments {args}: {err}") from None
     if ":" in name:

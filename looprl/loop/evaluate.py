@@ -267,7 +267,18 @@ def player(cfg: Config, policy: Policy, probe: Any) -> Any:
         return partial(run_agents, **common)
     opened = cfg.rollout.think == "tagged" and policy.renderer.opens_thinking
     thinking = Thinking(cfg.rollout.think, cfg.rollout.think_max_tokens, opened)
-    return partial(run_episodes, **common, thinking=thinking)
+    play = partial(run_episodes, **common, thinking=thinking)
+    score_groups = getattr(probe, "score_groups", None)
+    if not callable(score_groups):
+        return play
+
+    def play_and_score_groups(tasks: list, **kwargs: Any) -> list[Episode]:
+        """A group judge's scores come once the groups are played (the dataset env)."""
+        episodes = play(tasks, **kwargs)
+        score_groups(episodes)
+        return episodes
+
+    return play_and_score_groups
 
 
 def run_eval(

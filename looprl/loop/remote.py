@@ -59,6 +59,9 @@ def run_remote_eval(
             f"{cfg.env.name} is an agent environment: point its agent at the endpoint "
             "itself; looprl eval --endpoint plays environments with reset and step"
         )
+    if any(getattr(s, "group", False) for s in getattr(probe, "scorers", [])):
+        raise ConfigError("looprl eval --endpoint scores episode by episode: a judge with "
+                          "mode: group is not supported there; use mode: pointwise")  # fmt: skip
     client = _client(endpoint, api_key_env)
     tasks = probe.tasks("eval", n=cfg.eval.tasks, seed=cfg.eval.seed)
     repeated = [t for t in tasks for _ in range(cfg.eval.samples_per_task)]
