@@ -36,6 +36,11 @@ def check_env(cfg: Config, probe: Any) -> None:
 
     name = cfg.env.name
     check_references(cfg, probe)
+    if cfg.algo.expert_samples and any(getattr(s, "group", False)
+                                       for s in getattr(probe, "scorers", [])):  # fmt: skip
+        raise ConfigError("algo.expert_samples puts the demonstration in each group unjudged, "
+                          "and a judge with mode: group scores only what was sampled; set "
+                          "algo.expert_samples=0 or use mode: pointwise")  # fmt: skip
     for split in SPLITS:
         task = _first_task(probe, name, split, cfg.seed)
         if is_agent_env(probe):
