@@ -29,6 +29,10 @@ BAD_RUNS = [
     (["--set", "model.name=./no/such/model"], ["model folder not found"]),
     (["--set", "model.name=gguf:/no/such/file.gguf"], ["GGUF file not found"]),
     (["--set", "model.name=nobody/no-such-model-xyz"], ["cannot load model", "tiny-random"]),
+    (
+        ["--set", "model.name=smollm2-135"],
+        ["unknown model 'smollm2-135'", "did you mean 'smollm2-135m'"],
+    ),
     (["--set", "model.tool_prompt=native"], ["ignores tools", "fallback"]),
     (["--set", "rollout.group_size=-2"], ["rollout.group_size = -2"]),
     (["--set", "train.steps=-1"], ["train.steps = -1"]),

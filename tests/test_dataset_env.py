@@ -251,6 +251,8 @@ def test_a_data_file_trains_and_reports_its_scores(runner, tmp_path):
     assert all("scores" in r["info"] for r in scored)
     truncated = [r for r in records if r["outcome"] == "truncated"]
     assert all(r["reward"] == -1.0 and "token limit" in r["info"]["truncated"] for r in truncated)
+    if truncated:  # the eval's console line counts them
+        assert f"{len(truncated)} truncated at the token limit" in res.output
     assert (out / "report.md").exists()
 
 
@@ -301,6 +303,18 @@ def test_an_eval_of_only_env_errors_fails_loudly(runner, tmp_path):
     assert res.exit_code == 2, res.output
     assert "the baseline eval measured nothing: all 2 episodes ended in env_error" in res.stderr
     assert "simulated step bug" in res.stderr
+
+
+def test_an_agent_failing_on_a_cut_call_is_truncated_not_an_env_error(runner, tmp_path):
+    out = tmp_path / "eval.json"
+    res = runner.invoke(app, ["eval", "--set", "model.name=tiny-random", "--set",
+                              "env.name=tests.toy_envs:CarelessAgent", "--set", "eval.tasks=2",
+                              "--set", "eval.samples_per_task=1", "--set",
+                              "rollout.max_new_tokens=3", "--out", str(out)])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    result = json.loads(out.read_text())
+    assert result["episode_outcomes"] == ["truncated", "truncated"]
+    assert result["rewards"] == [-1.0, -1.0]  # the env's lowest reward
 
 
 def test_a_run_that_trained_on_nothing_says_so(runner, tmp_path):

@@ -69,6 +69,27 @@ def test_random_values_follow_the_schema():
         assert all(isinstance(v, float) for v in value.get("c", []))
 
 
+def test_random_strings_follow_pattern_format_and_lengths():
+    import jsonschema
+
+    rng = random.Random(1)
+    schemas = [
+        {"type": "string", "pattern": r"^2027-[01][0-9]-[0-3][0-9]$"},
+        {"type": "string", "pattern": r"^([01]\d|2[0-3]):[0-5]\d$"},
+        {"type": "string", "pattern": r"^(red|green|blue)-\w{2,4}$"},
+        {"type": "string", "pattern": r"^[^aeiou]{3}$"},
+        {"type": "string", "format": "email"},
+        {"type": "string", "format": "date"},
+        {"type": "string", "minLength": 5, "maxLength": 7},
+        {"type": "integer", "exclusiveMinimum": 10, "exclusiveMaximum": 13},
+        {"type": "array", "items": {"const": 1}, "minItems": 2, "maxItems": 2},
+    ]
+    checker = jsonschema.FormatChecker()
+    for schema in schemas:
+        for _ in range(20):
+            jsonschema.validate(random_value(schema, rng), schema, format_checker=checker)
+
+
 def test_cli_exit_codes():
     runner = CliRunner()
     ok = runner.invoke(app, ["envs", "check", "tictactoe-move"])

@@ -202,3 +202,21 @@ def raising_scorer(response, answer, row) -> float:
 def length_scorer(response, answer, row) -> float:
     """1 when the reply is as long as the row's `info.length` says."""
     return float(len(response) == row["length"])
+
+
+class CarelessAgent(PickSevenAgent):
+    """Reads `tool_calls[0]` without a check: a forced call cut by the token limit makes it
+    raise (TypeError on None), which is the policy's `truncated`, not an env error."""
+
+    outcomes = ("hit", "miss")
+
+    async def run_agent(self, client, task: Task) -> AgentResult:
+        response = await client.chat.completions.create(
+            model="policy",
+            messages=[{"role": "user", "content": "Pick a number from 1 to 9."}],
+            tools=[PICK_TOOL],
+            tool_choice="required",
+        )
+        call = response.choices[0].message.tool_calls[0]
+        hit = json.loads(call.function.arguments).get("n") == 7
+        return AgentResult(1.0, "hit") if hit else AgentResult(0.0, "miss")

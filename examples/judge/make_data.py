@@ -21,8 +21,13 @@ def main() -> None:
     rows = []
     for name in NAMES:
         for problem in rng.sample(PROBLEMS, 3):
-            rows.append({"prompt": f"Customer {name} writes: \"Hello, {problem}.\" Reply to "
-                                   f"{name} in one sentence.", "info": {"name": name}})
+            rows.append(
+                {
+                    "prompt": f'Customer {name} writes: "Hello, {problem}." Reply to '
+                    f"{name} in one sentence.",
+                    "info": {"name": name},
+                }
+            )
     with (Path(__file__).parent / "replies.jsonl").open("w") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
 

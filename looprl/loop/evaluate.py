@@ -25,7 +25,7 @@ from looprl.loop.policy import Policy, attach_rollout_engine, check_rollout_engi
 from looprl.loop.progress import DONE, Progress
 from looprl.loop.rollout import run_episodes
 from looprl.report.stats import reward_with_ci
-from looprl.types import ENV_ERROR, Episode
+from looprl.types import ENV_ERROR, TRUNCATED, Episode
 
 
 def mean_ci95(values: list[float]) -> tuple[float, float, float]:
@@ -193,9 +193,11 @@ def evaluate(
         result = eval_result(
             episodes, cfg.env.name, cfg.model.name, cfg.eval.seed, temperature, solved
         )
+        cut = result["episode_outcomes"].count(TRUNCATED)
         phase.done(
             f"reward {reward_with_ci(result)} · valid calls "
             f"{result['valid_tool_call_rate']:.0%} · {result['n']} episodes"
+            + (f" · {cut} truncated at the token limit" if cut else "")
         )
     if run_dir is not None:
         main_only(write_eval)(run_dir, name, result, episodes)
