@@ -318,7 +318,7 @@ def run_dir(tmp_path_factory) -> Path:
     cfg = config_from_dict(
         {
             "model": {"name": "tiny-random", "device": "cpu"},
-            "rollout": {"tasks_per_step": 1, "group_size": 2, "max_new_tokens": 16},
+            "rollout": {"tasks_per_step": 1, "group_size": 2, "max_new_tokens": 40},
             "train": {"steps": 1},
             "eval": {"tasks": 1, "samples_per_task": 1},
             "logging": {"tensorboard": False},

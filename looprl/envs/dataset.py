@@ -43,7 +43,8 @@ import jsonschema
 
 from looprl.envs.common import check_choice, check_int, sample_items
 from looprl.envs.data_files import parse_cell, read_rows
-from looprl.envs.scorers import Score, Scorer, as_text, combine, make_scorers
+from looprl.envs.score_types import Score, as_text, labelled
+from looprl.envs.scorers import Scorer, combine, make_scorers
 from looprl.errors import EnvError
 from looprl.types import (
     ENV_ERROR,
@@ -204,7 +205,7 @@ class Dataset:
                     values = scorer.fn.rank(prompt, task.data.get("answer"), responses)
                     for i, (e, value) in enumerate(zip(members, values)):
                         e.info["scores"][scorer.name] = value
-                        e.info["labels"][scorer.name] = _label(value)
+                        e.info["labels"][scorer.name] = labelled(value).label
                         e.info["judge"] = {**scorer.fn.last, "calls": scorer.fn.last["calls"]
                                            if i == 0 else 0, "seconds": scorer.fn.last["seconds"]
                                            if i == 0 else 0.0}  # fmt: skip
@@ -268,10 +269,6 @@ class Dataset:
 
 
 # ---------------------------------------------------------------------- reading and checks
-
-
-def _label(value: float) -> str:
-    return "correct" if value >= 1.0 else "partial" if value > 0.0 else "wrong"
 
 
 def _verdict(scorers: list[Scorer], scores: list[Score]) -> tuple[float, str]:

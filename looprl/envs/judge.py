@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from looprl.envs.scorers import Score, as_text
+from looprl.envs.score_types import Score, as_text
 from looprl.errors import EnvError
 
 RUN_DIR_VARIABLE = "LOOPRL_RUN_DIR"  # set by `looprl run`: where the verdicts are cached

@@ -29,38 +29,19 @@ Labels: `correct` (score 1), `partial` (between), `wrong` (0).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import string
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from looprl.envs.common import import_attribute
+from looprl.envs.score_types import Score, as_text, labelled
 from looprl.errors import EnvError
 
 _PUNCT = re.compile(f"[{re.escape(string.punctuation)}]")
 _NUMBER = re.compile(r"[-+]?(?:\d[\d,]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
-
-
-@dataclass
-class Score:
-    value: float  # in [0, 1]
-    label: str  # correct | partial | wrong
-    fields: dict[str, bool] = field(default_factory=dict)  # per-field credit, where it applies
-
-
-def _labelled(value: float, fields: dict[str, bool] | None = None) -> Score:
-    label = "correct" if value >= 1.0 else "partial" if value > 0.0 else "wrong"
-    return Score(value, label, fields or {})
-
-
-def as_text(value: Any) -> str:
-    """A reply or answer as text: strings as they are, anything else as compact JSON."""
-    if isinstance(value, str):
-        return value
-    return json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
 def normalize(text: str) -> str:
@@ -94,16 +75,16 @@ def same_value(got: Any, want: Any) -> bool:
 
 
 def exact(response: Any, answer: Any, row: dict) -> Score:
-    return _labelled(float(as_text(response).strip() == as_text(answer).strip()))
+    return labelled(float(as_text(response).strip() == as_text(answer).strip()))
 
 
 def normalized(response: Any, answer: Any, row: dict) -> Score:
-    return _labelled(float(normalize(as_text(response)) == normalize(as_text(answer))))
+    return labelled(float(normalize(as_text(response)) == normalize(as_text(answer))))
 
 
 def contains(response: Any, answer: Any, row: dict) -> Score:
     want = normalize(as_text(answer))
-    return _labelled(float(bool(want) and want in normalize(as_text(response))))
+    return labelled(float(bool(want) and want in normalize(as_text(response))))
 
 
 def make_numeric(tolerance: float = 1e-6, relative: float = 0.0) -> Callable:
@@ -111,8 +92,8 @@ def make_numeric(tolerance: float = 1e-6, relative: float = 0.0) -> Callable:
         want = answer if isinstance(answer, int | float) else last_number(as_text(answer))
         got = response if isinstance(response, int | float) else last_number(as_text(response))
         if want is None or got is None:
-            return _labelled(0.0)
-        return _labelled(float(math.isclose(got, want, rel_tol=relative, abs_tol=tolerance)))
+            return labelled(0.0)
+        return labelled(float(math.isclose(got, want, rel_tol=relative, abs_tol=tolerance)))
 
     return numeric
 
@@ -123,7 +104,7 @@ def make_regex(pattern: str | None = None, fullmatch: bool = False) -> Callable:
     def regex(response: Any, answer: Any, row: dict) -> Score:
         rx = compiled if compiled is not None else _compile(as_text(answer))
         text = as_text(response).strip()
-        return _labelled(float(bool(rx.fullmatch(text) if fullmatch else rx.search(text))))
+        return labelled(float(bool(rx.fullmatch(text) if fullmatch else rx.search(text))))
 
     return regex
 
@@ -140,7 +121,7 @@ def field_credit(got: Any, want: Any, all_fields: bool) -> Score:
     if not isinstance(want, dict):
         raise EnvError(f"a per-field scorer needs the answer as an object, got {as_text(want)!r}")
     if not isinstance(got, dict):
-        return _labelled(0.0, dict.fromkeys(want, False))
+        return labelled(0.0, dict.fromkeys(want, False))
     right = {key: key in got and same_value(got[key], value) for key, value in want.items()}
     submitted = sum(1 for value in got.values() if value not in (None, ""))
     n_right = sum(right.values())
@@ -148,7 +129,7 @@ def field_credit(got: Any, want: Any, all_fields: bool) -> Score:
         value = float(n_right == len(want) and submitted == len(want))
     else:
         value = 2 * n_right / (submitted + len(want)) if (submitted + len(want)) else 1.0
-    return _labelled(value, right)
+    return labelled(value, right)
 
 
 def make_json_fields(all_fields: bool = False) -> Callable:
@@ -164,9 +145,9 @@ def make_tool_call(all_fields: bool = False) -> Callable:
             raise EnvError("the tool_call scorer needs the answer as {name, arguments}")
         want = answer.get("arguments") or {}
         if not isinstance(response, dict) or response.get("name") != answer["name"]:
-            return _labelled(0.0, dict.fromkeys(want, False))
+            return labelled(0.0, dict.fromkeys(want, False))
         if not want:
-            return _labelled(float(not response.get("arguments")))
+            return labelled(float(not response.get("arguments")))
         return field_credit(response.get("arguments"), want, all_fields)
 
     return tool_call
@@ -207,7 +188,7 @@ class Scorer:
                 f"scorer {self.name!r} returned {out!r}; a scorer returns a number in [0, 1] "
                 "or a bool"
             )
-        return result if result is not None else _labelled(float(value))
+        return result if result is not None else labelled(float(value))
 
     @property
     def needs_answer(self) -> bool:

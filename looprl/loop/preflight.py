@@ -49,7 +49,9 @@ def check_env(cfg: Config, probe: Any) -> None:
         env = make_env(name, cfg.env.args)
         obs = _call(where, "reset", env.reset, task)
         _check_schemas(where, obs)
-        if callable(getattr(probe, "demonstrations", None)):
+        # a snapshot opponent exists only once the model is loaded: its games wait for it
+        plays_snapshot = bool(getattr(probe, "plays_snapshot", False))
+        if callable(getattr(probe, "demonstrations", None)) and not plays_snapshot:
             shown = _check_demonstrations(where, make_env(name, cfg.env.args), task)
             if split == "train" and cfg.sft.enabled and not shown:
                 raise ConfigError(
