@@ -83,28 +83,30 @@ def test_a_judged_data_file_is_not_judged_row_by_row_up_front(tmp_path):
         env.step(Message("assistant", "Hi"))
 
 
-def test_a_judged_run_trains_and_logs_its_calls(url, tmp_path: Path):
+def judged_run(tmp_path: Path, scorers: list, group_size: int, samples: int) -> Path:
+    """`looprl run` on greetings to write, judged by `scorers`; returns the run folder. The
+    reply is a short JSON object (forced by its schema), which always ends within the token
+    limit, so the judge is asked about every episode."""
     rows = [{"prompt": f"Greet person number {i}."} for i in range(8)]
     data = tmp_path / "greet.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    # a short JSON reply (forced by its schema) always ends within the token limit, so
-    # the judge is asked about every episode
-    schema = {
-        "type": "object",
-        "properties": {"greeting": {"type": "string", "maxLength": 8}},
-        "required": ["greeting"],
-        "additionalProperties": False,
-    }
-    config = {"env": {"name": "dataset", "args": {"path": str(data), "eval_fraction": 0.25,
-                                                  "answer_form": "json", "response_schema": schema,
-                                                  "scorers": [judge_spec(url)]}},
+    schema = {"type": "object", "properties": {"greeting": {"type": "string", "maxLength": 8}},
+              "required": ["greeting"], "additionalProperties": False}  # fmt: skip
+    config = {"env": {"name": "dataset", "args": {
+                  "path": str(data), "eval_fraction": 0.25, "answer_form": "json",
+                  "response_schema": schema, "scorers": scorers}},
               "model": {"name": "tiny-random"}, "train": {"steps": 1},
-              "rollout": {"tasks_per_step": 2, "group_size": 2, "max_new_tokens": 48},
-              "eval": {"tasks": 2, "samples_per_task": 1, "greedy": False}}  # fmt: skip
+              "rollout": {"tasks_per_step": 2, "group_size": group_size, "max_new_tokens": 48},
+              "eval": {"tasks": 2, "samples_per_task": samples, "greedy": False}}  # fmt: skip
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     out = tmp_path / "run"
     res = CliRunner().invoke(app, ["run", str(tmp_path / "run.yaml"), "--out", str(out)])
     assert res.exit_code == 0, res.output
+    return out
+
+
+def test_a_judged_run_trains_and_logs_its_calls(url, tmp_path: Path):
+    out = judged_run(tmp_path, [judge_spec(url)], group_size=2, samples=1)
     step = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert step.get("outcomes/truncated", 0.0) == 0.0
     assert step["judge/calls"] >= 1 and step["judge/seconds"] > 0
@@ -128,26 +130,8 @@ def test_a_group_judge_scores_a_task_s_replies_together(url):
 
 
 def test_a_group_judged_run_fills_every_score(url, tmp_path: Path):
-    rows = [{"prompt": f"Greet person number {i}."} for i in range(8)]
-    data = tmp_path / "greet.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    schema = {
-        "type": "object",
-        "properties": {"greeting": {"type": "string", "maxLength": 8}},
-        "required": ["greeting"],
-        "additionalProperties": False,
-    }
     scorers = [judge_spec(url, mode="group", weight=3), "tests.toy_envs:half_scorer"]
-    config = {"env": {"name": "dataset", "args": {
-                  "path": str(data), "eval_fraction": 0.25, "answer_form": "json",
-                  "response_schema": schema, "scorers": scorers}},
-              "model": {"name": "tiny-random"}, "train": {"steps": 1},
-              "rollout": {"tasks_per_step": 2, "group_size": 3, "max_new_tokens": 48},
-              "eval": {"tasks": 2, "samples_per_task": 2, "greedy": False}}  # fmt: skip
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
-    out = tmp_path / "run"
-    res = CliRunner().invoke(app, ["run", str(tmp_path / "run.yaml"), "--out", str(out)])
-    assert res.exit_code == 0, res.output
+    out = judged_run(tmp_path, scorers, group_size=3, samples=2)
     step = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert step["judge/calls"] >= 2  # one request a group: 2 tasks
     records = [json.loads(x) for x in (out / "samples" / "final.jsonl").read_text().splitlines()]

@@ -82,24 +82,27 @@ class Judge:
 
     def __call__(self, response: Any, answer: Any, row: dict) -> Score:
         prompt = row.get("prompt_text", "")
+        verdict = self.verdict([prompt, answer, as_text(response)],
+                               lambda: self._ask(prompt, answer, response))  # fmt: skip
+        score = min(1.0, max(0.0, float(verdict["score"]) / 10))
+        label = "correct" if score >= 1.0 else "partial" if score > 0.0 else "wrong"
+        return Score(score, label)
+
+    def verdict(self, content: list[Any], ask: Any) -> dict[str, Any]:
+        """The cached verdict on `content` (with the model and rubric), else `ask()`'s,
+        remembered; `last` says how it was had."""
         key = hashlib.sha256(
-            json.dumps(
-                [self.model, self.rubric, prompt, answer, as_text(response)],
-                sort_keys=True,
-                default=str,
-            ).encode()  # fmt: skip
+            json.dumps([self.model, self.rubric, *content], sort_keys=True, default=str).encode()
         ).hexdigest()
         started = time.perf_counter()
         verdict, cached = _cached(key), True
         if verdict is None:
-            verdict, cached = self._ask(prompt, answer, response), False
+            verdict, cached = ask(), False
             _remember(key, verdict)
-        score = min(1.0, max(0.0, float(verdict["score"]) / 10))
         self.last = {"reason": verdict.get("reason", ""), "cached": cached,
-                     "seconds": time.perf_counter() - started, "calls": verdict["calls"] if
-                     not cached else 0}  # fmt: skip
-        label = "correct" if score >= 1.0 else "partial" if score > 0.0 else "wrong"
-        return Score(score, label)
+                     "seconds": time.perf_counter() - started,
+                     "calls": 0 if cached else verdict["calls"]}  # fmt: skip
+        return verdict
 
     def _ask(self, prompt: str, answer: Any, response: Any) -> dict[str, Any]:
         user = f"Rubric:\n{self.rubric}\n\nTask:\n{prompt}\n\n"
@@ -166,21 +169,8 @@ class GroupJudge(Judge):
 
     def rank(self, prompt: str, answer: Any, replies: list[Any]) -> list[float]:
         """Each reply's score in [0, 1], judged side by side; cached by content."""
-        key = hashlib.sha256(
-            json.dumps(
-                [self.model, self.rubric, prompt, answer, [as_text(r) for r in replies]],
-                sort_keys=True,
-                default=str,
-            ).encode()  # fmt: skip
-        ).hexdigest()
-        started = time.perf_counter()
-        verdict, cached = _cached(key), True
-        if verdict is None:
-            verdict, cached = self._ask_group(prompt, answer, replies), False
-            _remember(key, verdict)
-        self.last = {"reason": verdict.get("reason", ""), "cached": cached,
-                     "seconds": time.perf_counter() - started,
-                     "calls": 0 if cached else verdict["calls"]}  # fmt: skip
+        verdict = self.verdict([prompt, answer, [as_text(r) for r in replies]],
+                               lambda: self._ask_group(prompt, answer, replies))  # fmt: skip
         return [min(1.0, max(0.0, float(s) / 10)) for s in verdict["scores"]]
 
     def _ask_group(self, prompt: str, answer: Any, replies: list[Any]) -> dict[str, Any]:
