@@ -71,6 +71,7 @@ from looprl.loop.snapshot import start_snapshots
 from looprl.loop.trackers import check_trackers
 from looprl.loop.update import UpdateState, update_policy
 from looprl.report import write as report_files
+from looprl.report.comparisons import load_references
 from looprl.report.health import run_warnings
 from looprl.types import ENV_ERROR, PARSE_FAILURES, TRUNCATED
 
@@ -425,7 +426,7 @@ def train(
         "run_dir": str(run_dir),
         "report": str(report),
         "warnings": warned,
-        "references": [r for _, r in report_files.load_references(cfg.eval.references) if r],
+        "references": [r for _, r in load_references(cfg.eval.references) if r],
     }
 
 

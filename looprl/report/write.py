@@ -20,6 +20,7 @@ from typing import Any
 
 from looprl.config import Config, load_config
 from looprl.errors import ConfigError
+from looprl.report.comparisons import member_blocks, reference_blocks
 from looprl.report.health import run_warnings
 from looprl.report.plots import finite, render_html, render_markdown
 from looprl.report.solved import hacking_flag, solved_text
@@ -29,7 +30,6 @@ from looprl.report.stats import (
     Paired,
     fmt,
     mean_ci,
-    member_results,
     paired_stats,
     reward_with_ci,
 )
@@ -174,8 +174,8 @@ def write_report(
             ("p", _paired_text(paired)),
             *[("p", text) for text in [solved_text(baseline, final)] if text],
             *_greedy_blocks(*greedy, _load_eval(run_dir / "eval" / "after_sft_greedy.json")),
-            *_reference_blocks(cfg.eval.references, baseline, final),
-            *_member_blocks(baseline, final),
+            *reference_blocks(cfg.eval.references, baseline, final, _summary_rows, _paired_text),
+            *member_blocks(baseline, final),
         ]
         png = plot_before_after(
             before,
@@ -251,61 +251,6 @@ def _greedy_blocks(before: dict | None, after: dict | None, mid: dict | None = N
     ]
     text = solved_text(before, after)
     return blocks + ([("p", text)] if text else [])
-
-
-def load_references(paths: list[str]) -> list[tuple[str, dict | None]]:
-    """(path, EvalResult or None when it cannot be read) for each of eval.references."""
-    return [(p, _load_eval(Path(p))) for p in paths]
-
-
-def reference_name(result: dict) -> str:
-    return str(result.get("model") or "reference")
-
-
-def _reference_blocks(paths: list[str], baseline: dict, final: dict) -> list[tuple]:
-    """The reference models (`eval.references`) beside before and after, each paired
-    against the trained model on the same episodes."""
-    if not paths:
-        return []
-    refs = load_references(paths)
-    readable = [r for _, r in refs if r is not None]
-    blocks: list[tuple] = [
-        ("h2", "Reference models"),
-        ("p", "The same held-out episodes (tasks, order and eval settings) played by each "
-              "reference model through its endpoint (`looprl eval --endpoint`)."),
-    ]  # fmt: skip
-    if readable:
-        headers = ["metric", "before", "after", *(reference_name(r) for r in readable)]
-        blocks.append(("table", headers, _summary_rows([baseline, final, *readable])))
-    for path, ref in refs:
-        if ref is None:
-            blocks.append(("warn", f"reference {path} could not be read"))
-            continue
-        paired = paired_stats(ref, final)
-        text = _paired_text(paired).replace("after − before", f"trained − {reference_name(ref)}")
-        blocks.append(("p", text))
-    return blocks
-
-
-def _member_blocks(baseline: dict, final: dict) -> list[tuple]:
-    """Each member of a mix (`env.mix`) before and after, paired on its own episodes."""
-    if baseline.get("env") != "mix":
-        return []
-    before, after = member_results(baseline), member_results(final)
-    rows = []
-    for label, side in before.items():
-        other = after.get(label, {})
-        paired = paired_stats(side, other) if other else "not in the final eval"
-        change = paired if isinstance(paired, str) else (
-            f"{paired.mean:+.3f} [{paired.lo:+.3f}, {paired.hi:+.3f}]")  # fmt: skip
-        rows.append([label, str(side["n"]), reward_with_ci(side),
-                     reward_with_ci(other) if other else "-", change])  # fmt: skip
-    return [
-        ("h2", "By environment"),
-        ("p", "Each member of the mixture on its own held-out episodes; the paired difference "
-              "(after − before) with its bootstrap 95% CI."),
-        ("table", ["environment", "episodes", "before", "after", "paired difference"], rows),
-    ]  # fmt: skip
 
 
 def _summary_rows(sides: list[dict]) -> list[list[str]]:

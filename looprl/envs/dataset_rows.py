@@ -1,0 +1,204 @@
+"""The `dataset` env's rows: read from the data files once per distinct configuration and
+file contents, split into train and held-out tasks, and checked row by row (each problem
+names the file, the row and the field). `env` is the `Dataset` being built: its form,
+schema, scorers, `response` and `score` check each row's own answer."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+
+from looprl.envs.data_files import parse_cell, read_rows
+from looprl.errors import EnvError
+from looprl.types import Task
+
+COLUMNS = ("prompt", "messages", "system", "answer", "tools", "info")
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The checked rows of both splits (built once per distinct env.args)."""
+
+    train: tuple[Task, ...]
+    eval: tuple[Task, ...]
+    dropped: int  # train rows left out because their prompt is also a held-out one
+
+
+_CHECKED: dict[str, Rows] = {}  # the checked rows of each distinct spec and file stamps
+
+
+def _stamps(*paths: str | None) -> list[Any]:
+    """Each file's size and modification time: a file changed on disk is read again."""
+    out: list[Any] = []
+    for p in paths:
+        stat = Path(p).stat() if p and Path(p).exists() else None
+        out.append(None if stat is None else [stat.st_size, stat.st_mtime_ns])
+    return out
+
+
+def _rows(spec: dict, env: Any) -> Rows:
+    """Read and check both splits (`env` gives the scorers, form and schema)."""
+    columns = {name: spec["columns"].get(name, name) for name in COLUMNS}
+    path = Path(spec["path"])
+    rows = [(path, n, row) for n, row in read_rows(path)]
+    if spec["eval_path"]:
+        eval_path = Path(spec["eval_path"])
+        eval_rows = [(eval_path, n, row) for n, row in read_rows(eval_path)]
+    else:
+        order = list(range(len(rows)))
+        random.Random(spec["split_seed"]).shuffle(order)
+        k = max(1, round(spec["eval_fraction"] * len(rows)))
+        if k >= len(rows):
+            raise EnvError(f"{path}: {len(rows)} rows leave none for training at eval_fraction "
+                           f"{spec['eval_fraction']}; add rows or pass eval_path")  # fmt: skip
+        held = set(order[:k])
+        eval_rows = [r for i, r in enumerate(rows) if i in held]
+        rows = [r for i, r in enumerate(rows) if i not in held]
+    held_out = [_task("eval", *r, columns, spec, env) for r in eval_rows]
+    seen = {_prompt_key(t) for t in held_out}
+    train = [_task("train", *r, columns, spec, env) for r in rows]
+    kept = [t for t in train if _prompt_key(t) not in seen]
+    if not kept:
+        raise EnvError(f"{path}: every train row's prompt is also a held-out one")
+    return Rows(tuple(kept), tuple(held_out), len(train) - len(kept))
+
+
+def _prompt_key(task: Task) -> str:
+    return json.dumps([task.data["messages"], task.data.get("tools")], sort_keys=True)
+
+
+def _task(split: str, path: Path, number: int, row: dict, columns: dict, spec: dict,
+          env: Any) -> Task:  # fmt: skip
+    """One row as a checked task; every problem names the file, the row and the field."""
+
+    def fail(field: str, what: str) -> EnvError:
+        return EnvError(f"{path}: row {number}: field {columns[field]!r}: {what}")
+
+    def cell(field: str, expect: Any) -> Any:
+        try:
+            return parse_cell(row[columns[field]], expect)
+        except (ValueError, json.JSONDecodeError) as err:
+            raise fail(field, str(err)) from None
+
+    present = {f for f in COLUMNS if row.get(columns[f]) not in (None, "")}
+    if "messages" in present:
+        messages = cell("messages", list)
+        for i, m in enumerate(messages):
+            if not (isinstance(m, dict) and m.get("role") in ROLES
+                    and isinstance(m.get("content"), str)):  # fmt: skip
+                raise fail("messages", f"message {i} needs a role in {ROLES} and text content")
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    elif "prompt" in present:
+        messages = [{"role": "user", "content": str(row[columns["prompt"]])}]
+    else:
+        raise EnvError(f"{path}: row {number} has neither a {columns['prompt']!r} nor a "
+                       f"{columns['messages']!r} column (set env.args.columns to map yours; "
+                       f"the row's columns: {', '.join(row) or 'none'})")  # fmt: skip
+    system = cell("system", str) if "system" in present else spec["system_prompt"]
+    if system and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system})
+    data: dict[str, Any] = {"row": number, "messages": messages}
+    if "info" in present:
+        data["info"] = cell("info", dict)
+    if spec["form"] == "tool_call":
+        tools = cell("tools", list) if "tools" in present else spec["tools"]
+        if not tools:
+            raise fail("tools", "answer_form tool_call needs tools (a column or env.args.tools)")
+        try:
+            check_tools(tools, "tools")
+        except EnvError as err:
+            raise fail("tools", str(err)) from None
+        data["tools"] = tools
+    if "answer" in present:
+        data["answer"] = _answer(row[columns["answer"]], data, spec, fail, env)
+    elif needing := [s.name for s in env.scorers if s.needs_answer]:
+        raise fail("answer", f"missing, and the scorer {needing[0]!r} needs it")
+    task = Task(id=f"{split}-{number}", data=data, seed=number)
+    if "answer" in data:  # a scorer that raises on the row's own answer fails here, not later
+        response = env.response(env.demonstrations(task)[0], task)[0]
+        local = [s for s in env.scorers if not s.remote]  # a judge is not asked per row here
+        try:
+            if local:
+                env.score(response, task, local)
+        except Exception as err:
+            raise fail("answer", f"scoring the row's own answer raised {type(err).__name__}: "
+                                 f"{err}") from None  # fmt: skip
+    return task
+
+
+def _answer(value: Any, data: dict, spec: dict, fail: Any, env: Any) -> Any:
+    """The answer in its form: a checked call, a checked JSON value, or text as given."""
+    form = spec["form"]
+    if form == "text":
+        return value
+    try:
+        value = parse_cell(value, (dict, list) if form == "json" else dict)
+    except (ValueError, json.JSONDecodeError) as err:
+        raise fail("answer", str(err)) from None
+    if form == "json":
+        if env.response_schema is not None and not valid(value, env.response_schema):
+            raise fail("answer", "does not satisfy response_schema")
+        return value
+    tools = {t.get("function", t)["name"]: t.get("function", t) for t in data["tools"]}
+    if "name" in value and "arguments" in value:
+        name, arguments = value["name"], value["arguments"]
+    elif len(tools) == 1:
+        name, arguments = next(iter(tools)), value
+    else:
+        raise fail("answer", "with several tools, the answer is {name, arguments}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as err:
+            raise fail("answer", f"arguments are not JSON: {err.msg}") from None
+    if name not in tools:
+        raise fail("answer", f"calls {name!r}, which is not one of the tools: {', '.join(tools)}")
+    if not isinstance(arguments, dict):
+        raise fail("answer", "the call's arguments must be an object")
+    schema = tools[name].get("parameters") or {"type": "object"}
+    order = list(schema.get("properties") or {})  # the order a forced call writes them in
+    arguments = {**{k: arguments[k] for k in order if k in arguments}, **arguments}
+    error = next(jsonschema.Draft202012Validator(schema).iter_errors(arguments), None)
+    if error is not None:
+        where = "/".join(map(str, error.absolute_path)) or "arguments"
+        raise fail("answer", f"the call does not fit {name}'s schema at {where}: {error.message}")
+    return {"name": name, "arguments": arguments}
+
+
+def check_tools(tools: Any, where: str) -> None:
+    if not isinstance(tools, list) or not tools:
+        raise EnvError(f"{where}: expected a non-empty list of tool schemas")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise EnvError(f"{where}[{i}]: a tool needs a function name")
+        check_schema(fn.get("parameters") or {"type": "object"}, f"{where}[{i}] ({fn['name']})")
+
+
+def check_schema(schema: Any, where: str) -> None:
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except Exception as err:
+        detail = getattr(err, "message", str(err))
+        raise EnvError(f"{where} is not a valid JSON schema: {detail}") from None
+
+
+def valid(value: Any, schema: dict) -> bool:
+    return jsonschema.Draft202012Validator(schema).is_valid(value)
+
+
+def checked_rows(spec: dict, env: Any) -> Rows:
+    """The rows of `spec`, read and checked once per distinct spec and file contents."""
+    key = json.dumps([spec, _stamps(spec["path"], spec["eval_path"])], sort_keys=True,
+                     default=str)  # fmt: skip
+    if key not in _CHECKED:
+        if len(_CHECKED) >= 8:
+            _CHECKED.pop(next(iter(_CHECKED)))
+        _CHECKED[key] = _rows(spec, env)
+    return _CHECKED[key]
