@@ -37,6 +37,7 @@ def test_an_endpoint_is_evaluated_and_resumed(url, tmp_path):
     assert res.exit_code == 0, res.output
     result = json.loads(out.read_text())
     assert result["endpoint"] == url and result["model"] == "tiny-random" and result["n"] == 6
+    assert result["response_len"] > 0  # the endpoint's own token counts
     assert set(result["episode_outcomes"]) <= {"hit", "miss", "truncated", "bad_json",
                                                "bad_arguments", "no_tool_call"}  # fmt: skip
     assert len(result["task_ids"]) == 6 and result["task_ids"][0] == result["task_ids"][1]

@@ -95,6 +95,11 @@ def run_remote_eval(
         result = eval_result(ordered, cfg.env.name, model, cfg.eval.seed,
                              cfg.eval.temperature, solved)  # fmt: skip
         result["endpoint"] = endpoint
+        # the endpoint's own token counts: its episodes hold no token ids
+        scored = [e for e in ordered if e.outcome != "env_error"]
+        result["response_len"] = sum(e.info.get("completion_tokens", 0) for e in scored) / max(
+            len(scored), 1
+        )
         phase.done(f"reward {result['reward_mean']:+.3f} · {result['n']} episodes")
     check_some_scored(ordered, "reference eval", None, "reference")
     out.write_text(json.dumps(result, indent=2))
@@ -147,30 +152,39 @@ def play_remote(task: Task, cfg: Config, client: Any, model: str, seed: int) -> 
     history = list(obs.messages)
     episode.messages = history
     episode.outcome = TRUNCATED  # unless the env ends it within max_turns
+    generated: list[int] = []  # the endpoint's completion tokens a turn (its usage)
+    _play_turns(env, episode, history, obs, cfg, client, model, seed, generated)
+    episode.info["completion_tokens"] = sum(generated)
+    return episode
+
+
+def _play_turns(env: Any, episode: Episode, history: list[Message], obs: Any, cfg: Config,
+                client: Any, model: str, seed: int, generated: list[int]) -> None:  # fmt: skip
     for turn in range(env.max_turns):
-        reply, cut = _ask(client, model, history, obs, cfg, seed + 7919 * turn)
+        reply, cut, tokens = _ask(client, model, history, obs, cfg, seed + 7919 * turn)
+        generated.append(tokens)
         history.append(reply)
         if cut and not (reply.tool_calls and not reply.parse_failure):
             episode.outcome, episode.reward = TRUNCATED, lowest_reward(env)
             episode.info = {"truncated": "the endpoint's reply hit rollout.max_new_tokens"}
-            return episode
+            return
         try:
             result = env.step(reply)
             check_reward(env, result.reward)
         except Exception as err:
             mark_env_error(episode, err)
-            return episode
+            return
         episode.reward, episode.info = float(result.reward), dict(result.info)
         history.extend(result.messages)
         if result.done:
             episode.outcome = result.outcome or "done"
-            return episode
-    return episode
+            return
 
 
 def _ask(client: Any, model: str, history: list[Message], obs: Any, cfg: Config,
-         seed: int) -> tuple[Message, bool]:  # fmt: skip
-    """The endpoint's reply as a parsed assistant message, and whether it was cut."""
+         seed: int) -> tuple[Message, bool, int]:  # fmt: skip
+    """The endpoint's reply as a parsed assistant message, whether it was cut, and its
+    completion tokens (0 when the endpoint reports no usage)."""
     import openai
 
     request: dict[str, Any] = {
@@ -192,7 +206,8 @@ def _ask(client: Any, model: str, history: list[Message], obs: Any, cfg: Config,
     except openai.OpenAIError as err:
         raise EndpointError(f"the endpoint refused or failed a request: {err}") from None
     choice = response.choices[0]
-    return _parsed(choice.message, obs), choice.finish_reason == "length"
+    tokens = getattr(getattr(response, "usage", None), "completion_tokens", None) or 0
+    return _parsed(choice.message, obs), choice.finish_reason == "length", int(tokens)
 
 
 def _wire(message: Message) -> dict[str, Any]:
