@@ -101,7 +101,8 @@ def _split_think(text: str) -> tuple[str, str | None]:
     return "".join(visible), (joined or None)
 
 
-def _strip_fence(text: str) -> str:
+def strip_fence(text: str) -> str:
+    """`text` without a Markdown code fence around it (```json ... ```)."""
     s = text.strip()
     if s.startswith("```"):
         s = _FENCE_OPEN.sub("", s, count=1).rstrip()
@@ -145,7 +146,7 @@ def _tag_blocks(text: str, open_tag: str, close_tag: str) -> tuple[list[tuple[st
 def _json_block(body: str, closed: bool) -> list[_Raw]:
     where = "<tool_call> body" if closed else "unclosed <tool_call>"
     try:
-        obj = json.loads(_strip_fence(body))
+        obj = json.loads(strip_fence(body))
     except (ValueError, RecursionError) as exc:
         return [_decode_error(where, exc)]
     if isinstance(obj, list) and obj:
@@ -155,7 +156,7 @@ def _json_block(body: str, closed: bool) -> list[_Raw]:
 
 def _scan_json(text: str) -> tuple[list[_Raw], str]:
     """Bare JSON calls: the whole text as one JSON value, else `{"name": ...}` objects in it."""
-    whole = _strip_fence(text)
+    whole = strip_fence(text)
     if whole[:1] in ("{", "["):
         try:
             obj = json.loads(whole)

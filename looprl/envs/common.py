@@ -82,3 +82,19 @@ def import_attribute(spec: str, what: str) -> Any:
     if found is None:
         raise EnvError(f"module {module_name!r} has no attribute {attr!r}")
     return found
+
+
+def lowest_reward(env: Any) -> float:
+    """The bottom of the env's `reward_range` (0 when it declares none)."""
+    return float(getattr(env, "reward_range", (0.0, 0.0))[0])
+
+
+def check_reward(env: Any, reward: Any) -> None:
+    """An env's reward outside its declared `reward_range` (or not a finite number) is a
+    bug in the env: raised here, so the episode is `env_error` with the value named."""
+    low, high = getattr(env, "reward_range", (-math.inf, math.inf))
+    if not (isinstance(reward, int | float) and math.isfinite(reward) and low <= reward <= high):
+        raise EnvError(
+            f"{type(env).__name__}.step returned reward={reward!r}, outside its "
+            f"reward_range [{low}, {high}]"
+        )

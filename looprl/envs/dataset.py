@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar
 
+from looprl.chat.parsers import strip_fence
 from looprl.envs.common import check_choice, check_int, sample_items
 from looprl.envs.dataset_rows import COLUMNS, check_schema, check_tools, checked_rows, valid
 from looprl.envs.score_types import Score, as_text, labelled
@@ -209,7 +210,7 @@ class Dataset:
             return {"name": call.name, "arguments": call.arguments}, None
         if self.form == "json":
             try:
-                value = json.loads(_strip_fence(message.content))
+                value = json.loads(strip_fence(message.content))
             except json.JSONDecodeError:
                 return None, "bad_json"
             if self.response_schema is not None and not valid(value, self.response_schema):
@@ -269,14 +270,6 @@ def _outcomes(form: str, scorers: list[Scorer]) -> tuple[str, ...]:
 
 def _has_tools_column(columns: dict[str, str] | None) -> bool:
     return "tools" in (columns or {})
-
-
-def _strip_fence(text: str) -> str:
-    text = text.strip()
-    if text.startswith("```"):
-        text = text.split("\n", 1)[1] if "\n" in text else ""
-        text = text.rsplit("```", 1)[0]
-    return text
 
 
 ENVIRONMENTS: dict[str, type] = {"dataset": Dataset}

@@ -32,7 +32,6 @@ from typing import Any
 from looprl.envs.score_types import Score, as_text
 from looprl.errors import EnvError
 
-RUN_DIR_VARIABLE = "LOOPRL_RUN_DIR"  # set by `looprl run`: where the verdicts are cached
 VERDICT = {
     "type": "object",
     # a bounded reason: a verdict always fits the judge's max_tokens
@@ -50,6 +49,7 @@ INSTRUCTIONS = (
 )
 
 _cache: dict[str, dict[str, Any]] = {}
+_cache_dir: Path | None = None  # the run folder during `looprl run` (cache_verdicts_in)
 _loaded: set[Path] = set()  # cache files read into _cache
 _clients: dict[tuple[str, str], Any] = {}
 _lock = threading.Lock()
@@ -197,9 +197,15 @@ class GroupJudge(Judge):
         return self._request(instructions, user, schema, lambda v: len(v.get("scores", [])) == n)
 
 
+def cache_verdicts_in(run_dir: Path | None) -> None:
+    """Keep verdicts in `run_dir`/judge_cache.jsonl from now on (None: in memory only);
+    `looprl run` sets its run folder, and unsets it when it ends."""
+    global _cache_dir
+    _cache_dir = run_dir
+
+
 def _cache_file() -> Path | None:
-    run_dir = os.environ.get(RUN_DIR_VARIABLE)
-    return Path(run_dir) / "judge_cache.jsonl" if run_dir else None
+    return _cache_dir / "judge_cache.jsonl" if _cache_dir is not None else None
 
 
 def _cached(key: str) -> dict[str, Any] | None:

@@ -22,7 +22,7 @@ import random
 from typing import Any, ClassVar
 
 from looprl.envs.base import demonstrations, solved_outcomes
-from looprl.envs.common import check_choice
+from looprl.envs.common import check_choice, check_reward
 from looprl.errors import EnvError
 from looprl.types import Message, Observation, StepResult, Task
 
@@ -112,13 +112,7 @@ class Mix:
             raise EnvError("mix: step() called without an episode in progress")
         index, env = self._live
         result = env.step(message)
-        low, high = env.reward_range
-        reward = result.reward
-        if not (
-            isinstance(reward, int | float) and math.isfinite(reward) and low <= reward <= high
-        ):
-            raise EnvError(f"mix member {self.labels[index]!r} returned reward={reward!r}, "
-                           f"outside its reward_range [{low}, {high}]")  # fmt: skip
+        check_reward(env, result.reward)  # the member's own range, not the mixture's
         result.info = {**result.info, "mix_env": self.labels[index]}
         if result.done:
             self._live = None

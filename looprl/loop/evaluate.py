@@ -91,15 +91,14 @@ def by_member(episodes: list[Episode]) -> dict[str, list[Episode]]:
 
 def judge_cost(episodes: list[Episode]) -> dict[str, float]:
     """Judge requests made and seconds spent scoring (the `judge` scorer's info)."""
-    calls, seconds = 0, 0.0
+    verdicts = []
     for e in episodes:
         found = e.info.get("judge")
-        for verdict in found if isinstance(found, list) else [found] if found else []:
-            calls += int(verdict.get("calls", 0))
-            seconds += float(verdict.get("seconds", 0.0))
-    return (
-        {"calls": calls, "seconds": seconds} if any(e.info.get("judge") for e in episodes) else {}
-    )
+        verdicts += found if isinstance(found, list) else [found] if found else []
+    if not verdicts:
+        return {}
+    return {"calls": sum(int(v.get("calls", 0)) for v in verdicts),
+            "seconds": sum(float(v.get("seconds", 0.0)) for v in verdicts)}  # fmt: skip
 
 
 def score_means(episodes: list[Episode]) -> dict[str, float]:

@@ -18,12 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from looprl.config import Config
-from looprl.engine import JsonConstraint, ToolConstraint
 from looprl.engine.grammar import build_grammar
-from looprl.engine.requests import check_tools, json_constraint
+from looprl.engine.requests import check_tools, generation_request
 from looprl.envs import demonstrations, make_env
+from looprl.envs.common import check_reward
 from looprl.errors import ConfigError
-from looprl.loop.rollout import check_reward
 from looprl.types import Observation, Task
 
 SPLITS = ("train", "eval")
@@ -81,11 +80,10 @@ def _check_schemas(where: str, obs: Observation) -> None:
     grammar (in the hermes syntax: the schema, not the syntax, is what fails)."""
     try:
         tools = check_tools(obs.tools, obs.tool_choice)
-        constraint: Any = json_constraint(obs.response_format, tools, obs.tool_choice, "hermes")
-        if constraint is None and tools and obs.tool_choice not in ("auto", "none"):
-            constraint = ToolConstraint(tools, obs.tool_choice, "hermes")
-        if isinstance(constraint, ToolConstraint | JsonConstraint):
-            build_grammar(constraint)
+        request = generation_request([], tools, obs.tool_choice, "hermes",
+                                     response_format=obs.response_format)  # fmt: skip
+        if request.constraint is not None:
+            build_grammar(request.constraint)
     except Exception as err:
         detail = str(err).split("\n")[0]
         raise ConfigError(

@@ -26,11 +26,12 @@ from typing import Any
 from looprl.chat.parsers import validate_arguments
 from looprl.config import Config
 from looprl.envs import make_env, solved_outcomes
+from looprl.envs.common import check_reward, lowest_reward
 from looprl.errors import ConfigError, LoopRLError
 from looprl.loop.evaluate import check_some_scored, eval_result
 from looprl.loop.log import episode_record
 from looprl.loop.progress import Progress
-from looprl.loop.rollout import check_reward, lowest_reward, mark_env_error
+from looprl.loop.rollout import mark_env_error
 from looprl.types import TRUNCATED, Episode, Message, Task, ToolCall
 
 

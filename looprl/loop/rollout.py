@@ -15,7 +15,6 @@ same conversation says where (`info["retokenize_mismatch"]`, counted per step as
 
 from __future__ import annotations
 
-import math
 import traceback
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -26,7 +25,7 @@ from typing import Any
 from looprl.chat import ChatRenderer
 from looprl.engine import GenerationRequest, RolloutEngine, SamplingParams, Thinking
 from looprl.engine.requests import generation_request
-from looprl.errors import EnvError
+from looprl.envs.common import check_reward, lowest_reward
 from looprl.types import ENV_ERROR, TRUNCATED, Episode, Message, Observation, Task, Turn
 
 
@@ -170,22 +169,6 @@ def run_episodes(
         if mismatch is not None:
             lv.episode.info["retokenize_mismatch"] = mismatch
     return [lv.episode for lv in lives]
-
-
-def lowest_reward(env: Any) -> float:
-    """The bottom of the env's `reward_range` (0 when it declares none)."""
-    return float(getattr(env, "reward_range", (0.0, 0.0))[0])
-
-
-def check_reward(env: Any, reward: Any) -> None:
-    """An env's reward outside its declared `reward_range` (or not a finite number) is a
-    bug in the env: raised here, so the episode is `env_error` with the value named."""
-    low, high = getattr(env, "reward_range", (-math.inf, math.inf))
-    if not (isinstance(reward, int | float) and math.isfinite(reward) and low <= reward <= high):
-        raise EnvError(
-            f"{type(env).__name__}.step returned reward={reward!r}, outside its "
-            f"reward_range [{low}, {high}]"
-        )
 
 
 class _Ended:

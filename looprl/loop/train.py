@@ -21,7 +21,6 @@ The held-out eval runs twice before and after: at the eval temperature, and gree
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from functools import partial
@@ -33,7 +32,7 @@ import torch
 
 from looprl.config import Config, to_yaml
 from looprl.envs import gives_turn_rewards, make_env
-from looprl.envs.judge import RUN_DIR_VARIABLE as JUDGE_CACHE_VARIABLE
+from looprl.envs.judge import cache_verdicts_in
 from looprl.errors import ConfigError, EngineError, LoopRLError
 from looprl.loop import checkpoint as checkpoints
 from looprl.loop import dist as ranks
@@ -105,6 +104,8 @@ def run_training(
     except BaseException as err:
         ranks.report_failure(err)
         raise
+    finally:
+        cache_verdicts_in(None)  # a later run or eval in this process keeps its own
     ranks.stop()
     return result
 
@@ -152,7 +153,7 @@ def train(
     run_dir = out
     main_only(prepare_run_dir)(out, force=force, resume=resume)
     main_only(write_config)(run_dir, cfg)
-    os.environ[JUDGE_CACHE_VARIABLE] = str(run_dir)  # the judge's verdicts are cached there
+    cache_verdicts_in(run_dir)  # a judge's verdicts are kept there (a resume re-asks nothing)
     dist.barrier()  # and every rank reads the folder only once rank 0 has prepared it
     play = player(cfg, policy, probe)
 
