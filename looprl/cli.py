@@ -405,6 +405,9 @@ def envs_check(
     if config is not None and not names:
         names = [_env_spec(None, None, config)[0]]
     for name in names or list(list_envs()):
+        if not names and "<" in name:  # an adapter: its target is the user's to name
+            console.print(f"looprl envs check {name}: skipped (name the target: {name})")
+            continue
         needs = getattr(env_class(name), "needs_args", None)
         if not names and needs and not arg:
             console.print(f"looprl envs check {name}: skipped (it needs --arg {needs})")

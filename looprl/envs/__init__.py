@@ -1,6 +1,7 @@
-"""Environment registry: built-ins by name, user classes by `package.module:Class`
-(imported only when named explicitly), and installed plugins through the `looprl.envs`
-entry-point group."""
+"""Environment registry: built-ins by name, the ecosystem adapters by `prefix:target`
+(`reasoning-gym:<dataset>`, `verifiers:<module[:Class]>`), user classes by
+`package.module:Class` (imported only when named explicitly), and installed plugins through
+the `looprl.envs` entry-point group."""
 
 from __future__ import annotations
 
@@ -23,7 +24,15 @@ __all__ = [
 ]
 
 
-_BUILTIN_MODULES = ("tictactoe", "extraction", "workflow", "instructions", "dataset", "mix")
+_BUILTIN_MODULES = (
+    "tictactoe", "extraction", "workflow", "instructions", "dataset", "mix", "mcp_env",
+)  # fmt: skip
+# `prefix:target` names: an adapter class whose `bind(target)` gives the environment class
+# (envs/common.py `Adapter`); its third-party library is imported only when it is used
+_ADAPTERS = {
+    "reasoning-gym": "reasoning_gym_env:ReasoningGym",
+    "verifiers": "verifiers_env:Verifiers",
+}
 
 
 def _builtins() -> dict[str, type]:
@@ -40,6 +49,9 @@ def _plugins() -> dict[str, Any]:
 def list_envs() -> dict[str, str]:
     """Name → one-line description of every built-in and installed environment."""
     out = {name: cls.description for name, cls in _builtins().items()}
+    for prefix in _ADAPTERS:
+        cls = _adapter(prefix)
+        out[f"{prefix}:{cls.target_help}"] = cls.description
     for name, ep in _plugins().items():
         try:
             out.setdefault(name, getattr(ep.load(), "description", ""))
@@ -56,12 +68,20 @@ def env_class(name: str) -> type:
     plugins = _plugins()
     if name in plugins:
         return plugins[name].load()
+    prefix, _, target = name.partition(":")
+    if prefix in _ADAPTERS:
+        return _adapter(prefix).bind(target)
     if ":" in name:
         return _import_class(name)
     known = ", ".join(sorted(set(builtins) | set(plugins)))
     raise EnvError(
         f"unknown environment {name!r}; known: {known} (or 'package.module:Class' for your own)"
     )
+
+
+def _adapter(prefix: str) -> Any:
+    module, _, attr = _ADAPTERS[prefix].partition(":")
+    return getattr(importlib.import_module(f"looprl.envs.{module}"), attr)
 
 
 def make_env(name: str, args: dict[str, Any] | None = None) -> Any:

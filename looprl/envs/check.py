@@ -214,7 +214,8 @@ def _next_message(
     mistake: tuple[int, int] | None,
 ) -> Message:
     """The expert's next message (popped from `demos`), or, on the turn of `mistake`, its
-    kind: 0 skips the expert's message, 1 nudges it, 2 plays a random call instead."""
+    kind: 0 skips the expert's message (a lone text reply, which cannot be skipped, gets a
+    stray character instead), 1 nudges it, 2 plays a random call instead."""
     wants_call = bool(obs.tools) and obs.tool_choice != "none"
     if demos and (mistake is None or turn != mistake[0]):
         return demos.pop(0)
@@ -222,6 +223,10 @@ def _next_message(
         if mistake[1] == 0 and len(demos) > 1:
             demos.pop(0)  # a forgotten step
             return demos.pop(0)
+        if mistake[1] == 0 and not demos[0].tool_calls and demos[0].content:
+            text = demos.pop(0).content
+            i = rng.randrange(len(text) + 1)
+            return Message("assistant", text[:i] + rng.choice(string.ascii_letters) + text[i:])
         if mistake[1] == 1:
             return near_miss(demos.pop(0), rng, obs.tools)
         demos.pop(0)

@@ -8,7 +8,7 @@ import math
 import os
 import random
 import sys
-from typing import Any
+from typing import Any, ClassVar
 
 from looprl.errors import EnvError
 from looprl.types import PARSE_FAILURES, Message, ToolCall
@@ -98,3 +98,23 @@ def check_reward(env: Any, reward: Any) -> None:
             f"{type(env).__name__}.step returned reward={reward!r}, outside its "
             f"reward_range [{low}, {high}]"
         )
+
+
+class Adapter:
+    """The base of an ecosystem adapter named `prefix:target` (`reasoning-gym:leg_counting`,
+    `verifiers:my_tasks:Taskset`): the registry calls `bind(target)`, which gives a subclass
+    whose `name` is the whole name and whose `target` the part after the prefix; the
+    adapter's `__init__` reads `self.target`."""
+
+    prefix: ClassVar[str] = ""
+    target: ClassVar[str] = ""
+    target_help: ClassVar[str] = "<target>"  # how `looprl envs` shows the target
+    name: ClassVar[str] = ""
+
+    @classmethod
+    def bind(cls, target: str) -> type:
+        if not target.strip():
+            raise EnvError(f"{cls.prefix}: name what to run after the colon, as in "
+                           f"'{cls.prefix}:{cls.target_help}'")  # fmt: skip
+        attrs = {"target": target.strip(), "name": f"{cls.prefix}:{target.strip()}"}
+        return type(cls.__name__, (cls,), attrs)
