@@ -47,7 +47,7 @@ import uuid
 from pathlib import Path
 from typing import Any, ClassVar
 
-from looprl.envs.common import Adapter, check_int, sample_items
+from looprl.envs.common import Adapter, check_choice, check_int, sample_items
 from looprl.errors import EnvError
 from looprl.types import PARSE_FAILURES, Message, Observation, StepResult, Task
 
@@ -214,6 +214,7 @@ class Verifiers(Adapter):
         eval_fraction: float = 0.1,
         split_seed: int = 0,
         max_turns: int = 10,
+        tool_choice: str = "auto",
         failure_reward: float | None = None,
         timeout_s: float = 120.0,
         start_timeout_s: float = 600.0,
@@ -225,6 +226,9 @@ class Verifiers(Adapter):
                 raise EnvError(f"{name}={value!r} is invalid: expected seconds > 0")
         if config is not None and not isinstance(config, dict):
             raise EnvError(f"config={config!r} is invalid: expected the taskset's fields")
+        # "required": every turn calls a tool (a taskset that answers through a tool); the
+        # episode then ends at max_turns, scored as it stands
+        self.tool_choice = check_choice("tool_choice", tool_choice, ("auto", "required"))
         self.python = find_python(python)
         self.spec = {"config": config or {}, "eval_fraction": float(eval_fraction),
                      "split_seed": check_int("split_seed", split_seed)}  # fmt: skip
@@ -269,7 +273,7 @@ class Verifiers(Adapter):
         self._history = [Message(m["role"], m["content"]) for m in opened["messages"]]
         self._tools: list[dict[str, Any]] = opened["tools"]
         self._turns = 0
-        choice = "auto" if self._tools else "none"
+        choice = self.tool_choice if self._tools else "none"
         return Observation(list(self._history), tools=self._tools, tool_choice=choice)
 
     def step(self, message: Message) -> StepResult:

@@ -3,6 +3,8 @@ key's value with `lookup(key)` and answers with it. Rewards: the final answer (w
 and whether the tool was used (weight 0.5), and a penalty per extra call (weight -0.1).
 Used by tests/test_verifiers_env.py."""
 
+from typing import Literal
+
 import verifiers.v1 as vf
 
 TABLE = {
@@ -25,7 +27,7 @@ class TableTools(vf.Toolset[vf.ToolsetConfig, CallState]):
     TOOL_PREFIX = None  # the tool is `lookup`, not `table_tools_lookup`
 
     @vf.tool
-    def lookup(self, key: str) -> str:
+    def lookup(self, key: Literal[tuple(TABLE)]) -> str:  # an enum in the tool's schema
         """The value stored under `key` in the table."""
         self.state.calls += 1
         return TABLE.get(key, f"no key {key!r}")
