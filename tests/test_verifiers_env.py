@@ -60,6 +60,7 @@ def test_a_single_turn_taskset_scores_each_reward_function_with_its_weight():
     assert (near.outcome, near.reward, near.info["scores"]["format"]) == ("partial", 1.0, 0.0)
     env.reset(task)
     assert env.step(reply("no idea")).outcome == "wrong"
+    assert env.demonstrations(task) == [Message("assistant", str(a + b))]  # the data's answer
 
 
 def test_the_splits_are_seeded_and_never_overlap():

@@ -4,7 +4,7 @@
       name: verifiers:my_tasks            # a module exporting a vf.Taskset (or my_tasks:Class)
       args:
         config: {num_tasks: 200}          # the taskset's config fields
-        eval_fraction: 0.1                # the held-out share (a classic env's eval set wins)
+        eval_fraction: 0.1                # the seeded held-out share (split_seed)
 
 verifiers pins `openai<3`, which cannot share looprl's environment, so it runs in a worker
 process of its own Python (`.venv-verifiers`, `make setup-verifiers`; or `python:`), one
@@ -300,6 +300,13 @@ class Verifiers(Adapter):
                                    name=call.name))  # fmt: skip
         self._history += answers
         return StepResult(answers, done=False)
+
+    def demonstrations(self, task: Task) -> list[Message]:
+        """The task's `answer` as the reply, where its data has one and it has no tools (a
+        tool episode's calls are not in the data)."""
+        if self.has_tools or "answer" not in task.data:
+            return []
+        return [Message("assistant", task.data["answer"])]
 
     # ------------------------------------------------------------------ scoring
 

@@ -1,5 +1,5 @@
-"""What the worker's two loaders (vf_v1, vf_classic) share: the refusal they raise for a
-feature looprl cannot honour, and the seeded held-out split."""
+"""What the worker's parts share: the refusal raised for a feature looprl cannot honour,
+and the seeded held-out split."""
 
 from __future__ import annotations
 

@@ -170,7 +170,13 @@ class V1Tasks:
 
     def describe(self, index: int) -> dict[str, Any]:
         data = self.tasks[index].data
-        return {"index": index, "name": data.id or data.name, "prompt": _text(data.prompt)}
+        answer = getattr(data, "answer", None)  # a field many tasksets' data carries
+        return {
+            "index": index,
+            "name": data.id or data.name,
+            "prompt": _text(data.prompt),
+            **({"answer": str(answer)} if isinstance(answer, str | int | float) else {}),
+        }
 
     def has_tools(self) -> bool:
         task = self.tasks[0]

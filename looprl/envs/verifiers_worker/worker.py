@@ -43,14 +43,18 @@ HUB_MARKERS = ("OfflineModeIsEnabled", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", 
 
 
 def load(target: str, config: dict[str, Any]) -> Any:
-    """The loader for the installed verifiers: the v1 API (0.4 and later) or the classic
-    one (0.1: `vf.Environment`)."""
-    try:
-        import verifiers.v1  # noqa: F401
-    except ImportError:
-        from vf_classic import ClassicEnvironment
+    """The loader for the installed verifiers: its v1 API (0.4 and later). The classic API
+    (0.1: `vf.Environment`, whose package also has an older, different `verifiers.v1`) is
+    refused by version."""
+    import verifiers
 
-        return ClassicEnvironment(target, config)
+    version = getattr(verifiers, "__version__", "0")
+    major_minor = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    if major_minor < (0, 4):
+        raise Unsupported(
+            f"verifiers {version} has the classic API (vf.Environment), which "
+            "looprl does not run; install verifiers>=0.4 (make setup-verifiers)"
+        )
     from vf_v1 import V1Tasks
 
     return V1Tasks(target, config)
