@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
 
-.PHONY: setup setup-gemma setup-vllm demo test lint format clean bench
+.PHONY: setup setup-gemma setup-vllm setup-verifiers demo test lint format clean bench
 
 setup: $(STAMP)
 
@@ -43,6 +43,20 @@ $(VLLM_STAMP):
 	  $(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec; \
 	fi
 	touch $(VLLM_STAMP)
+
+# env.name=verifiers:<module>: verifiers in an environment of its own (it pins openai<3 and
+# mcp==2.0.0, where looprl's dev tools need openai>=3); looprl talks to a worker process
+# there (looprl/envs/verifiers_worker). No torch: about 590 MB, under a minute.
+VF_VENV  := .venv-verifiers
+VF_STAMP := $(VF_VENV)/.installed
+
+setup-verifiers: $(VF_STAMP)
+
+$(VF_STAMP):
+	test -x $(VF_VENV)/bin/python || $(PY) -m venv $(VF_VENV)
+	$(VF_VENV)/bin/pip install --upgrade pip
+	$(VF_VENV)/bin/pip install verifiers==0.4.0
+	touch $(VF_STAMP)
 
 demo: setup
 	$(BIN)/looprl run examples/demo.yaml --out runs/demo --force
@@ -113,4 +127,4 @@ bench: setup $(BENCH_STAMP)
 	$(BIN)/python bench/step.py $(BENCH_STEP)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VF_VENV) .pytest_cache .ruff_cache
