@@ -284,13 +284,13 @@ class Pool:
                 self.open.discard(self.idle.pop())
             conn = self.idle.pop() if self.idle else None
         conn = conn or self._new()
-        if reset and self.isolation == "reset" and self.reset_tool:
-            try:
-                self._reset(conn, timeout)
-            except ServerFailure:
-                self.discard(conn)
-                conn = self._new()
-                self._reset(conn, timeout)
+        if not (reset and self.isolation == "reset" and self.reset_tool):
+            return conn
+        try:
+            self._reset(conn, timeout)
+        except ServerFailure:  # it died while idle: one new server
+            conn = self._new()
+            self._reset(conn, timeout)
         return conn
 
     def checkin(self, conn: Connection) -> None:
@@ -323,9 +323,18 @@ class Pool:
         return conn
 
     def _reset(self, conn: Connection, timeout: float) -> None:
-        result = conn.call(lambda s: s.call_tool(self.reset_tool, {}), timeout)
+        """Call the reset tool; a connection it fails on is given back (or dropped)."""
+        try:
+            result = conn.call(lambda s: s.call_tool(self.reset_tool, {}), timeout)
+        except ServerFailure:
+            self.discard(conn)
+            raise
+        except Exception:
+            self.checkin(conn)
+            raise
         wire = result.model_dump(by_alias=True, exclude_none=True)
         if wire.get("isError"):
+            self.checkin(conn)
             raise EnvError(f"MCP server {self.spec!r}: the reset tool {self.reset_tool!r} "
                            f"failed: {result_text(wire)}")  # fmt: skip
 

@@ -231,17 +231,20 @@ class McpTools:
                 outcome: str | None = None) -> StepResult:  # fmt: skip
         data = ep.task.data
         scores: dict[str, float] = {}
-        if "answer" in data:
-            shown = [m["content"] for m in data["messages"] if m["role"] != "system"]
-            row = {**data.get("info", {}), "task_id": ep.task.id, "prompt_text": "\n\n".join(shown)}
-            scores["answer"] = answer_score(self.scorers, answer, data["answer"], row)
-        if "expected_calls" in data:
-            scores["calls"] = calls_credit(ep.calls, data["expected_calls"])
-        if "score_tool" in data:
-            wire = self._run(ep, data["score_tool"], {"answer": answer,
-                                                       "info": data.get("info", {})})  # fmt: skip
-            scores["score_tool"] = tool_score(wire, data["score_tool"])
-        self._end_episode()
+        try:
+            if "answer" in data:
+                shown = [m["content"] for m in data["messages"] if m["role"] != "system"]
+                row = {**data.get("info", {}), "task_id": ep.task.id,
+                       "prompt_text": "\n\n".join(shown)}  # fmt: skip
+                scores["answer"] = answer_score(self.scorers, answer, data["answer"], row)
+            if "expected_calls" in data:
+                scores["calls"] = calls_credit(ep.calls, data["expected_calls"])
+            if "score_tool" in data:
+                arguments = {"answer": answer, "info": data.get("info", {})}
+                wire = self._run(ep, data["score_tool"], arguments)
+                scores["score_tool"] = tool_score(wire, data["score_tool"])
+        finally:
+            self._end_episode()
         reward = sum(scores.values()) / len(scores)
         if outcome is None:
             outcome = "correct" if reward >= 1.0 else "wrong" if reward <= 0.0 else "partial"
