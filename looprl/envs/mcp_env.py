@@ -132,9 +132,10 @@ class McpTools:
             "system_prompt": system_prompt, "scorers": scorers, "max_turns": self.max_turns,
             "hidden": [reset_tool] if self.isolation == "reset" else [], "allow": tools,
         }  # fmt: skip
-        self.rows = checked_tasks(self.spec, listing, self.scorers)
+        # the checked tasks of both splits, and the tools the model sees (OpenAI format)
+        self.train, self.held_out, self.tools = checked_tasks(self.spec, listing, self.scorers)
         graded = any("expected_calls" in t.data or "score_tool" in t.data
-                     for t in self.rows[0] + self.rows[1])  # fmt: skip
+                     for t in self.train + self.held_out)  # fmt: skip
         graded = graded or len(self.scorers) > 1 or any(s.name not in ALL_OR_NOTHING
                                                         for s in self.scorers)  # fmt: skip
         self.outcomes = ("correct", *(("partial",) if graded else ()), "wrong", "turn_limit",
@@ -147,7 +148,7 @@ class McpTools:
         """Eval: every held-out row, or a seeded sample of `n`. Train: `n` rows, every row
         used before any is repeated."""
         check_choice("mcp: split", split, ("train", "eval"))
-        pool = list(self.rows[0] if split == "train" else self.rows[1])
+        pool = list(self.train if split == "train" else self.held_out)
         if split == "eval" and n is not None and n >= len(pool):
             n = None
         return sample_items(pool, n, seed)
@@ -190,10 +191,6 @@ class McpTools:
                                                 for j, c in enumerate(calls[i: i + per])])
                for i in range(0, len(calls), per)]  # fmt: skip
         return [*out, Message("assistant", as_text(task.data.get("answer", "")))]
-
-    @property
-    def tools(self) -> list[dict[str, Any]]:
-        return self.rows[2]
 
     # ------------------------------------------------------------------ calls and scores
 
