@@ -11,9 +11,9 @@
 
 The dataset's generator makes the tasks: the held-out tasks are items 0..eval_size-1 of the
 generator seeded `seed`, the train tasks items 0..train_size-1 of the generator seeded
-`seed + eval_size` (so no (seed, index) pair is shared), and any train item whose question equals a held-out
-question is skipped for the next index, so the splits never overlap even in a small
-problem space. Everything is procedural: nothing is downloaded.
+`seed + eval_size` (so no (seed, index) pair is shared), and any train item whose question
+equals a held-out question is skipped for the next index, so the splits never overlap even
+in a small problem space. Everything is procedural: nothing is downloaded.
 
 The reward is the dataset's own `score_answer` (in [0, 1]; some datasets give partial
 credit); a reply with no answer (no `<answer>` tags, a malformed call) earns
@@ -210,7 +210,8 @@ def _generator(name: str, config: str, seed: int, size: int) -> Any:
         close = difflib.get_close_matches(name, list(datasets), n=3)
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         raise EnvError(
-            f"reasoning-gym has no dataset {name!r}{hint}; its datasets: {', '.join(sorted(datasets))}"
+            f"reasoning-gym has no dataset {name!r}{hint}; its datasets: "
+            f"{', '.join(sorted(datasets))}"
         )
     kwargs = json.loads(config)
     config_cls = datasets[name][1]
@@ -219,7 +220,8 @@ def _generator(name: str, config: str, seed: int, size: int) -> Any:
     if unknown:
         raise EnvError(
             f"reasoning-gym:{name}: unknown env.args {unknown}; the adapter's own: answer, "
-            f"eval_size, train_size, seed, system_prompt, failure_reward; the dataset's: {', '.join(fields)}"
+            f"eval_size, train_size, seed, system_prompt, failure_reward; the dataset's: "
+            f"{', '.join(fields)}"
         )
     try:
         return _rg().create_dataset(name, **kwargs, seed=seed, size=size)
