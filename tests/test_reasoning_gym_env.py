@@ -111,3 +111,14 @@ def test_a_dataset_trains_through_the_cli(runner, tmp_path):
     show = runner.invoke(app, ["envs", "show", NAME, "--arg", "min_terms=2", "--arg",
                                "max_terms=2"])  # fmt: skip
     assert show.exit_code == 0 and "State the final answer" in show.output, show.output
+
+
+def test_partial_credit_can_be_turned_off():
+    # the base scorer gives a reply containing the answer len(answer)/len(reply)
+    loose, strict = make_env(NAME, SMALL), make_env(NAME, {**SMALL, "partial_credit": False})
+    task = next(t for t in loose.tasks("eval") if len(t.data["answer"]) == 1)
+    for env, reward in ((loose, 0.5), (strict, 0.0)):
+        env.reset(task)
+        result = env.step(call(f"1{task.data['answer']}"))
+        assert result.reward == reward and result.outcome in env.outcomes
+    assert "partial" not in strict.outcomes

@@ -16,10 +16,12 @@ equals a held-out question is skipped for the next index, so the splits never ov
 in a small problem space. Everything is procedural: nothing is downloaded.
 
 The reward is the dataset's own `score_answer` (in [0, 1]; some datasets give partial
-credit); a reply with no answer (no `<answer>` tags, a malformed call) earns
-`failure_reward` (-1 by default: below any wrong answer; 0 is reasoning-gym's own
-convention). Outcomes: `correct` (score 1), `partial`, `wrong` (0), and `no_answer` (text)
-or the parse failures (tool). The item's answer is the demonstration (`sft.enabled`).
+credit, which `partial_credit: false` turns into 0: the base scorer gives len(answer) /
+len(reply) to a reply that contains the answer, so "17" earns 0.5 where 7 is right); a
+reply with no answer (no `<answer>` tags, a malformed call) earns `failure_reward` (-1 by
+default: below any wrong answer; 0 is reasoning-gym's own convention). Outcomes: `correct`
+(score 1), `partial`, `wrong` (0), and `no_answer` (text) or the parse failures (tool).
+The item's answer is the demonstration (`sft.enabled`).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class ReasoningGym(Adapter):
         seed: int = 0,
         system_prompt: str | None = None,
         failure_reward: float = -1.0,
+        partial_credit: bool = True,
         **config: Any,
     ) -> None:
         self.answer = check_choice(f"{self.name}: answer", answer, ("tool", "text"))
@@ -82,10 +85,14 @@ class ReasoningGym(Adapter):
         if not isinstance(failure_reward, int | float) or not -1e6 <= failure_reward <= 0:
             raise EnvError(f"failure_reward={failure_reward!r} is invalid: expected a number <= 0")
         self.failure_reward = float(failure_reward)
+        if not isinstance(partial_credit, bool):
+            raise EnvError(f"partial_credit={partial_credit!r} is invalid: expected true or false")
+        self.partial_credit = partial_credit
         self.reward_range = (self.failure_reward, 1.0)
         self.max_turns = 1
         failures = PARSE_FAILURES if self.answer == "tool" else ("no_answer",)
-        self.outcomes = ("correct", "partial", "wrong", *failures)
+        graded = ("partial",) if partial_credit else ()
+        self.outcomes = ("correct", *graded, "wrong", *failures)
         self.config = json.dumps(config, sort_keys=True, default=str)
         self.system_prompt = system_prompt
         self._task: Task | None = None
@@ -123,6 +130,8 @@ class ReasoningGym(Adapter):
             info = {"failure": failure, "detail": message.parse_detail}
             return StepResult([], done=True, reward=self.failure_reward, outcome=failure, info=info)
         score = self.score(reply, task)
+        if not self.partial_credit and score < 1.0:
+            score = 0.0
         outcome = "correct" if score >= 1.0 else "wrong" if score <= 0.0 else "partial"
         info = {"answer": reply, "expected": task.data["answer"], "score": score}
         return StepResult([], done=True, reward=score, outcome=outcome, info=info)
@@ -220,7 +229,8 @@ def _generator(name: str, config: str, seed: int, size: int) -> Any:
     if unknown:
         raise EnvError(
             f"reasoning-gym:{name}: unknown env.args {unknown}; the adapter's own: answer, "
-            f"eval_size, train_size, seed, system_prompt, failure_reward; the dataset's: "
+            f"eval_size, train_size, seed, system_prompt, failure_reward, partial_credit; "
+            f"the dataset's: "
             f"{', '.join(fields)}"
         )
     try:
