@@ -42,24 +42,29 @@ def _stamps(*paths: str | None) -> list[Any]:
     return out
 
 
+def split_rows(path: Path, spec: dict) -> tuple[list[tuple], list[tuple]]:
+    """The (file, row number, row) triples of the train and held-out splits: `path` and
+    `spec["eval_path"]`, or a seeded `spec["eval_fraction"]` of `path` held out."""
+    rows = [(path, n, row) for n, row in read_rows(path)]
+    if spec["eval_path"]:
+        eval_path = Path(spec["eval_path"])
+        return rows, [(eval_path, n, row) for n, row in read_rows(eval_path)]
+    order = list(range(len(rows)))
+    random.Random(spec["split_seed"]).shuffle(order)
+    k = max(1, round(spec["eval_fraction"] * len(rows)))
+    if k >= len(rows):
+        raise EnvError(f"{path}: {len(rows)} rows leave none for training at eval_fraction "
+                       f"{spec['eval_fraction']}; add rows or pass eval_path")  # fmt: skip
+    held = set(order[:k])
+    return ([r for i, r in enumerate(rows) if i not in held],
+            [r for i, r in enumerate(rows) if i in held])  # fmt: skip
+
+
 def _rows(spec: dict, env: Any) -> Rows:
     """Read and check both splits (`env` gives the scorers, form and schema)."""
     columns = {name: spec["columns"].get(name, name) for name in COLUMNS}
     path = Path(spec["path"])
-    rows = [(path, n, row) for n, row in read_rows(path)]
-    if spec["eval_path"]:
-        eval_path = Path(spec["eval_path"])
-        eval_rows = [(eval_path, n, row) for n, row in read_rows(eval_path)]
-    else:
-        order = list(range(len(rows)))
-        random.Random(spec["split_seed"]).shuffle(order)
-        k = max(1, round(spec["eval_fraction"] * len(rows)))
-        if k >= len(rows):
-            raise EnvError(f"{path}: {len(rows)} rows leave none for training at eval_fraction "
-                           f"{spec['eval_fraction']}; add rows or pass eval_path")  # fmt: skip
-        held = set(order[:k])
-        eval_rows = [r for i, r in enumerate(rows) if i in held]
-        rows = [r for i, r in enumerate(rows) if i not in held]
+    rows, eval_rows = split_rows(path, spec)
     held_out = [_task("eval", *r, columns, spec, env) for r in eval_rows]
     seen = {_prompt_key(t) for t in held_out}
     train = [_task("train", *r, columns, spec, env) for r in rows]

@@ -7,14 +7,13 @@ envs/mcp_env.py."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 
-from looprl.envs.data_files import parse_cell, read_rows
-from looprl.envs.dataset_rows import check_schema
+from looprl.envs.data_files import parse_cell
+from looprl.envs.dataset_rows import check_schema, split_rows
 from looprl.envs.score_types import as_text
 from looprl.envs.scorers import Scorer, combine
 from looprl.errors import EnvError
@@ -52,19 +51,7 @@ def _read(spec: dict, listing: dict[str, dict], scorers: list[Scorer]) -> tuple:
         raise EnvError(f"mcp: tools names {unknown}, which server {spec['server']!r} does not "
                        f"have; its tools: {', '.join(listing)}")  # fmt: skip
     path = Path(spec["tasks"])
-    rows = [(path, n, row) for n, row in read_rows(path)]
-    if spec["eval_path"]:
-        held = [(Path(spec["eval_path"]), n, row) for n, row in read_rows(spec["eval_path"])]
-    else:
-        order = list(range(len(rows)))
-        random.Random(spec["split_seed"]).shuffle(order)
-        k = max(1, round(spec["eval_fraction"] * len(rows)))
-        if k >= len(rows):
-            raise EnvError(f"{path}: {len(rows)} rows leave none for training at eval_fraction "
-                           f"{spec['eval_fraction']}; add rows or pass eval_path")  # fmt: skip
-        chosen = set(order[:k])
-        held = [r for i, r in enumerate(rows) if i in chosen]
-        rows = [r for i, r in enumerate(rows) if i not in chosen]
+    rows, held = split_rows(path, spec)
     hidden |= {str(r[2]["score_tool"]) for r in rows + held if r[2].get("score_tool")}
     shown = {n: t for n, t in listing.items() if n not in hidden and (allow is None or n in allow)}
     if not shown:
