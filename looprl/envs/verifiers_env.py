@@ -56,24 +56,28 @@ WORKER = Path(__file__).parent / "verifiers_worker" / "worker.py"
 REPO = Path(__file__).resolve().parents[2]
 
 
-def find_python(python: str | None) -> str:
-    """`python`, else `.venv-verifiers` (here or in looprl's checkout), else this Python
-    when it has verifiers; else a clear EnvError naming the install."""
+VENVS = {"v1": ".venv-verifiers", "classic": ".venv-verifiers-classic"}
+
+
+def find_python(python: str | None, api: str = "v1") -> str:
+    """`python`, else the API's venv (`.venv-verifiers`, or `.venv-verifiers-classic` for
+    the classic API; here or in looprl's checkout), else (v1) this Python when it has
+    verifiers; else a clear EnvError naming the install."""
     if python:
         if not Path(python).is_file():
             raise EnvError(f"verifiers: env.args.python={python!r} does not exist; "
                            f"install verifiers' environment with `{INSTALL}`")  # fmt: skip
         return python
     for root in (Path.cwd(), REPO):
-        candidate = root / ".venv-verifiers" / "bin" / "python"
+        candidate = root / VENVS[api] / "bin" / "python"
         if candidate.is_file():
             return str(candidate)
-    if importlib.util.find_spec("verifiers") is not None:
+    if api == "v1" and importlib.util.find_spec("verifiers") is not None:
         return sys.executable
     raise EnvError(
-        f"verifiers is not installed: run `{INSTALL}` (it makes .venv-verifiers: verifiers "
-        "pins openai<3, which cannot share looprl's environment), or point env.args.python "
-        "at a Python that has it"
+        f"verifiers ({api} API) is not installed: run `{INSTALL}` (it makes {VENVS[api]}: "
+        "verifiers pins openai<3, which cannot share looprl's environment), or point "
+        "env.args.python at a Python that has it"
     )
 
 
@@ -202,8 +206,8 @@ class Verifiers(Adapter):
     prefix: ClassVar[str] = "verifiers"
     target_help: ClassVar[str] = "<module[:Class]>"
     description: ClassVar[str] = (
-        "A verifiers environment (a v1 Taskset) run in verifiers' own Python; every "
-        "reward function is a score."
+        "A verifiers environment (a v1 Taskset, or with api: classic a 0.1.x "
+        "vf.Environment) run in verifiers' own Python; every reward function is a score."
     )
     solved_outcomes: ClassVar[tuple[str, ...]] = ("correct",)
 
@@ -211,6 +215,7 @@ class Verifiers(Adapter):
         self,
         config: dict[str, Any] | None = None,
         python: str | None = None,
+        api: str = "v1",
         eval_fraction: float = 0.1,
         split_seed: int = 0,
         max_turns: int = 10,
@@ -229,11 +234,15 @@ class Verifiers(Adapter):
         # "required": every turn calls a tool (a taskset that answers through a tool); the
         # episode then ends at max_turns, scored as it stands
         self.tool_choice = check_choice("tool_choice", tool_choice, ("auto", "required"))
-        self.python = find_python(python)
+        self.api = check_choice("api", api, tuple(VENVS))
+        self.python = find_python(python, self.api)
         self.spec = {"config": config or {}, "eval_fraction": float(eval_fraction),
                      "split_seed": check_int("split_seed", split_seed)}  # fmt: skip
         self.timeout_s, self.start_timeout_s = float(timeout_s), float(start_timeout_s)
         info = self._worker().info
+        if info["api"] != self.api:
+            raise EnvError(f"verifiers: {self.python} has verifiers' {info['api']} API, not "
+                           f"the {self.api} API that env.args.api names")  # fmt: skip
         self.weights: dict[str, float] = info["weights"]
         self.has_tools: bool = info["tools"]
         if not self.weights:

@@ -6,11 +6,13 @@
 verifiers pins `openai<3` (and `mcp==2.0.0`; its classic 0.1 API `datasets<4.7`), which
 cannot share looprl's environment, so it runs here, in its own (`make setup-verifiers`),
 and looprl (envs/verifiers_env.py) speaks to it over stdin/stdout, one JSON object a line.
+The installed version picks the API: 0.4 and later the v1 tasksets (vf_v1.py, in
+`.venv-verifiers`), 0.1.x the classic environments (vf_classic.py, `.venv-verifiers-classic`).
 Nothing here imports looprl.
 
 The first line it writes is the environment's description (or why it cannot be loaded):
 
-    {"ok": true, "result": {"api": "v1", "weights": {fn: weight}, "tools": bool,
+    {"ok": true, "result": {"api": "v1"|"classic", "weights": {fn: weight}, "tools": bool,
                             "train": [task], "eval": [task]}}
                                            task: {"index", "name", "prompt"}
 
@@ -43,21 +45,25 @@ HUB_MARKERS = ("OfflineModeIsEnabled", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", 
 
 
 def load(target: str, config: dict[str, Any]) -> Any:
-    """The loader for the installed verifiers: its v1 API (0.4 and later). The classic API
-    (0.1: `vf.Environment`, whose package also has an older, different `verifiers.v1`) is
-    refused by version."""
+    """The loader for the installed verifiers, by its version: the v1 API (0.4 and later)
+    or the classic API (0.1.x: `vf.Environment`; its package also has an older, different
+    `verifiers.v1`, so the version decides, not what imports)."""
     import verifiers
 
     version = getattr(verifiers, "__version__", "0")
     major_minor = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
-    if major_minor < (0, 4):
-        raise Unsupported(
-            f"verifiers {version} has the classic API (vf.Environment), which "
-            "looprl does not run; install verifiers>=0.4 (make setup-verifiers)"
-        )
-    from vf_v1 import V1Tasks
+    if major_minor >= (0, 4):
+        from vf_v1 import V1Tasks
 
-    return V1Tasks(target, config)
+        return V1Tasks(target, config)
+    if major_minor[:2] == (0, 1):
+        from vf_classic import ClassicTasks
+
+        return ClassicTasks(target, config)
+    raise Unsupported(
+        f"verifiers {version} is neither the v1 API (>=0.4, make setup-verifiers: "
+        ".venv-verifiers) nor the classic API looprl runs (0.1.x: .venv-verifiers-classic)"
+    )
 
 
 def describe(env: Any, eval_fraction: float, seed: int) -> dict[str, Any]:
@@ -116,6 +122,7 @@ def main() -> None:
     out, sys.stdout = sys.stdout, sys.stderr  # the protocol owns stdout; prints go to stderr
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # a classic env's maps
     if os.getcwd() not in sys.path:  # the caller's modules import, as with `python -m`
         sys.path.insert(1, os.getcwd())
     loop = asyncio.new_event_loop()
