@@ -306,10 +306,11 @@ def test_the_env_is_listed_without_the_sdk_and_asks_for_it_when_used(tmp_path, m
 # ------------------------------------------------------------------ the kit and a run
 
 
-def test_the_example_passes_the_env_kit():
+@pytest.mark.parametrize("answer_tool", [None, "answer"])
+def test_the_example_passes_the_env_kit(answer_tool):
     args = {"server": f"python {SHOP / 'server.py'}", "tasks": str(SHOP / "train.jsonl"),
             "eval_path": str(SHOP / "eval.jsonl"), "isolation": "reset",
-            "scorers": "numeric"}  # fmt: skip
+            "scorers": "numeric", "answer_tool": answer_tool}  # fmt: skip
     report = check_env("mcp", args, n=16)  # 16: the random agent writes every parse failure
     assert report.ok, [c for c in report.checks if not c.ok]
     assert report.agents["expert"].outcomes == {"correct": 16}
@@ -347,4 +348,32 @@ def test_a_run_on_a_broken_server_stops_before_the_model_loads(tmp_path):
                                    f"'{tasks}'}}", "--out", str(out)])  # fmt: skip
     assert res.exit_code == 2, res.output
     assert "did not start" in res.output and "cannot open the inventory" in res.output
+    assert "load model" not in res.output and not out.exists()
+
+
+def test_an_answer_tool_forces_every_reply_into_a_call(tmp_path, server_log):
+    env = counter_env(tmp_path, answer_tool="answer")
+    task = task_of(env, "Count to 3.")
+    obs = env.reset(task)
+    assert obs.tool_choice == "required" and obs.tools[-1]["function"]["name"] == "answer"
+    assert not env.step(call("increment", by=3)).done
+    result = env.step(call("answer", answer="3"))
+    assert result.done and result.outcome == "correct" and result.reward == 1.0
+    env.reset(task)
+    no_call = env.step(Message("assistant", "3", parse_failure="no_tool_call"))
+    assert no_call.outcome == "no_tool_call" and no_call.reward == -1.0
+    demo = env.demonstrations(task)[-1]
+    assert demo.tool_calls[0].name == "answer" and demo.tool_calls[0].arguments == {"answer": "3"}
+    with pytest.raises(EnvError, match="answer_tool='increment' is invalid"):
+        counter_env(tmp_path, answer_tool="increment")
+
+
+def test_a_schema_the_grammar_cannot_force_stops_the_run_before_the_model_loads(tmp_path):
+    tasks = write_rows(tmp_path / "tasks.jsonl", ROWS)
+    out = tmp_path / "run"
+    args = f"env.args={{server: '{COUNTER} --lookbehind', tasks: '{tasks}', answer_tool: answer}}"
+    res = CliRunner().invoke(app, ["run", *TINY, "--set", "env.name=mcp", "--set", args,
+                                   "--out", str(out)])  # fmt: skip
+    assert res.exit_code == 2, res.output
+    assert "cannot be forced" in res.output and "Lookbehind" in res.output
     assert "load model" not in res.output and not out.exists()

@@ -13,7 +13,10 @@ episode's tools, tool_choice "auto". Each call the model makes runs on the serve
 result comes back as a tool message (text content joined, or the structured content as
 JSON); a result marked `isError` comes back the same way (the model may recover; counted
 in `info["tool_errors"]`). A reply without a call is the final answer: the episode is
-scored and ends. A reply that still calls tools at the `max_turns`-th turn ends it too,
+scored and ends. With `answer_tool: answer` every reply is a call, forced by the grammar
+(tool_choice "required"; the schemas must compile, which the run checks before the model
+loads), and a call of that tool, which looprl adds, is the final answer. A reply that still
+calls tools at the `max_turns`-th turn ends it too,
 scored with an empty answer, outcome `turn_limit`. A malformed call (`bad_json`,
 `unknown_tool`, `bad_arguments`) ends it with `failure_reward` (-1).
 
@@ -95,6 +98,7 @@ class McpTools:
         tools: list[str] | None = None,
         scorers: Any = "normalized",
         failure_reward: float = -1.0,
+        answer_tool: str | None = None,
     ) -> None:
         spec = mcp_client.check_command(server)
         if not tasks:
@@ -134,12 +138,20 @@ class McpTools:
         }  # fmt: skip
         # the checked tasks of both splits, and the tools the model sees (OpenAI format)
         self.train, self.held_out, self.tools = checked_tasks(self.spec, listing, self.scorers)
+        self.answer_tool = answer_tool
+        if answer_tool is not None:  # every turn a call, forced by the grammar
+            if not isinstance(answer_tool, str) or not answer_tool or answer_tool in listing:
+                raise EnvError(f"mcp: answer_tool={answer_tool!r} is invalid: expected a tool "
+                               f"name the server does not have (its tools: "
+                               f"{', '.join(listing)})")  # fmt: skip
+            self.tools = [*self.tools, _answer_tool(answer_tool)]
         graded = any("expected_calls" in t.data or "score_tool" in t.data
                      for t in self.train + self.held_out)  # fmt: skip
         graded = graded or len(self.scorers) > 1 or any(s.name not in ALL_OR_NOTHING
                                                         for s in self.scorers)  # fmt: skip
+        failures = (*FAILURES, "no_tool_call") if answer_tool else FAILURES
         self.outcomes = ("correct", *(("partial",) if graded else ()), "wrong", "turn_limit",
-                         *FAILURES)  # fmt: skip
+                         *failures)  # fmt: skip
         self._episode: _Episode | None = None
 
     # ------------------------------------------------------------------ protocol
@@ -160,7 +172,8 @@ class McpTools:
         release.atexit = False  # mcp_client closes everything at exit
         self._episode = _Episode(task, conn, release)
         messages = [Message(m["role"], m["content"]) for m in task.data["messages"]]
-        return Observation(messages, tools=self.tools, tool_choice="auto")
+        choice = "required" if self.answer_tool else "auto"
+        return Observation(messages, tools=self.tools, tool_choice=choice)
 
     def step(self, message: Message) -> StepResult:
         ep = self._episode
@@ -168,13 +181,19 @@ class McpTools:
             raise EnvError("mcp: step() called without an episode in progress")
         ep.turns += 1
         failure = message.parse_failure
-        if failure is not None and failure != "no_tool_call":  # no call: the final answer
+        if failure == "no_tool_call" and not self.answer_tool:  # no call: the final answer
+            failure = None
+        if failure is not None:
             self._end_episode()
             info = {"failure": failure, "detail": message.parse_detail}
             return StepResult([], done=True, reward=self.failure_reward, outcome=failure, info=info)
         if not message.tool_calls:
             return self._finish(ep, message.content, [])
-        replies = [self._call(ep, call) for call in message.tool_calls]
+        replies = []
+        for call in message.tool_calls:  # the calls before an answer call run, then it ends
+            if call.name == self.answer_tool:
+                return self._finish(ep, as_text(call.arguments.get("answer", "")), replies)
+            replies.append(self._call(ep, call))
         if ep.turns >= self.max_turns:
             return self._finish(ep, "", replies, outcome="turn_limit")
         return StepResult(replies, done=False, reward=0.0, info=self._info(ep))
@@ -190,7 +209,11 @@ class McpTools:
                                                          id=f"call_{i + j}")
                                                 for j, c in enumerate(calls[i: i + per])])
                for i in range(0, len(calls), per)]  # fmt: skip
-        return [*out, Message("assistant", as_text(task.data.get("answer", "")))]
+        answer = as_text(task.data.get("answer", ""))
+        if self.answer_tool:
+            final = ToolCall(self.answer_tool, {"answer": answer})
+            return [*out, Message("assistant", tool_calls=[final])]
+        return [*out, Message("assistant", answer)]
 
     # ------------------------------------------------------------------ calls and scores
 
@@ -255,6 +278,14 @@ class McpTools:
         if self._episode is not None:
             self._episode.release()  # the connection goes back to the pool (once)
             self._episode = None
+
+
+def _answer_tool(name: str) -> dict[str, Any]:
+    parameters = {"type": "object", "properties": {"answer": {"type": "string"}},
+                  "required": ["answer"], "additionalProperties": False}  # fmt: skip
+    return {"type": "function", "function": {
+        "name": name, "description": "Give your final answer (ends the conversation).",
+        "parameters": parameters}}  # fmt: skip
 
 
 def calls_credit(made: list[dict[str, Any]], expected: list[dict[str, Any]]) -> float:

@@ -4,6 +4,7 @@
     python tests/mcp_servers/counter.py --http PORT    # streamable HTTP at /mcp
     python tests/mcp_servers/counter.py --fail-start   # writes to stderr and exits
     python tests/mcp_servers/counter.py --bad-schema   # one tool's input schema is invalid
+    python tests/mcp_servers/counter.py --lookbehind   # a valid schema no grammar compiles
 
 Every call is appended to the file named by $MCP_TEST_LOG (if set) as JSON lines
 {"pid", "tool", "arguments"}, so that a test sees which process served what."""
@@ -97,6 +98,18 @@ if "--bad-schema" in sys.argv:
 
     server._tool_manager.get_tool("odd").parameters = {
         "type": "object", "properties": {"x": {"type": "nonsense"}},
+    }  # fmt: skip
+
+if "--lookbehind" in sys.argv:
+
+    @server.tool()
+    def tag(x: str) -> str:
+        """A tool whose schema is valid JSON schema with a pattern xgrammar cannot compile."""
+        return x
+
+    server._tool_manager.get_tool("tag").parameters = {
+        "type": "object", "properties": {"x": {"type": "string", "pattern": "(?<=a)b"}},
+        "required": ["x"],
     }  # fmt: skip
 
 if __name__ == "__main__":
