@@ -3,6 +3,8 @@ key's value with the Python tool `lookup(key)` and answers with it. Rubric: the 
 (weight 1.0) and whether the tool was called (weight 0.5). No eval dataset: the worker
 holds out a seeded share. Used by tests/test_verifiers_classic.py."""
 
+from typing import Literal
+
 import verifiers as vf
 from datasets import Dataset
 
@@ -18,7 +20,7 @@ TABLE = {
 }
 
 
-def lookup(key: str) -> str:
+def lookup(key: Literal[tuple(TABLE)]) -> str:  # an enum in the tool's schema
     """The value stored under `key` in the table.
 
     Args:
