@@ -69,7 +69,7 @@ def test_the_envs_eval_dataset_is_held_out_else_a_seeded_share_and_never_overlap
     train, held = env.tasks("train"), env.tasks("eval")
     # 6 eval rows; of 30 train rows the one the eval set repeats is dropped
     assert len(held) == 6 and len(train) == 29
-    assert all(t.data["name"].startswith("eval-") for t in held)
+    assert all(t.data["name"].startswith("eval_dataset-") for t in held)
     assert not {t.data["prompt"] for t in train} & {t.data["prompt"] for t in held}
     tools = make_env(LOOKUP, CLASSIC)
     train, held = tools.tasks("train"), tools.tasks("eval")

@@ -185,7 +185,8 @@ class ClassicTasks:
         answer = row.get("answer")
         return {
             "index": index,
-            "name": f"{'train' if index < self.n_train else 'eval'}-{row.get('example_id')}",
+            "name": f"{'dataset' if index < self.n_train else 'eval_dataset'}-"
+            f"{row.get('example_id')}",  # which of the env's datasets, and its row
             "prompt": _text(users[-1]["content"]) if users else "",
             **({"answer": str(answer)} if isinstance(answer, str | int | float) else {}),
         }
