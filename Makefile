@@ -46,11 +46,21 @@ $(VLLM_STAMP):
 
 # env.name=verifiers:<module>: verifiers in an environment of its own (it pins openai<3 and
 # mcp==2.0.0, where looprl's dev tools need openai>=3); looprl talks to a worker process
-# there (looprl/envs/verifiers_worker). No torch: about 590 MB, under a minute.
-VF_VENV  := .venv-verifiers
-VF_STAMP := $(VF_VENV)/.installed
+# there (looprl/envs/verifiers_worker). No torch: about 590 MB, under a minute. The classic
+# 0.1 API (env.args.api: classic) in .venv-verifiers-classic: about 700 MB, no torch, it
+# pins datasets<4.7.
+VF_VENV   := .venv-verifiers
+VF_STAMP  := $(VF_VENV)/.installed
+VFC_VENV  := .venv-verifiers-classic
+VFC_STAMP := $(VFC_VENV)/.installed
 
-setup-verifiers: $(VF_STAMP)
+setup-verifiers: $(VF_STAMP) $(VFC_STAMP)
+
+$(VFC_STAMP):
+	test -x $(VFC_VENV)/bin/python || $(PY) -m venv $(VFC_VENV)
+	$(VFC_VENV)/bin/pip install --upgrade pip
+	$(VFC_VENV)/bin/pip install verifiers==0.1.14
+	touch $(VFC_STAMP)
 
 $(VF_STAMP):
 	test -x $(VF_VENV)/bin/python || $(PY) -m venv $(VF_VENV)
@@ -127,4 +137,4 @@ bench: setup $(BENCH_STAMP)
 	$(BIN)/python bench/step.py $(BENCH_STEP)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VF_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VF_VENV) $(VFC_VENV) .pytest_cache .ruff_cache
