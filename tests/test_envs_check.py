@@ -106,3 +106,12 @@ def test_cli_exit_codes():
     assert unknown.exit_code == 2 and "unknown environment" in unknown.output
     badarg = runner.invoke(app, ["envs", "check", "tictactoe-move", "--arg", "oops"])
     assert badarg.exit_code == 2 and "key=value" in badarg.output
+
+
+def test_an_uncertain_outcome_unreached_is_reported_not_failed():
+    maybe = check_env("tests.toy_envs:PickSevenMaybeClose", n=16)
+    reach = next(c for c in maybe.checks if c.name == "outcomes reachable")
+    assert maybe.ok and "close not reached" in reach.detail
+    never = check_env("tests.toy_envs:PickSevenNeverClose", n=16)
+    reach = next(c for c in never.checks if c.name == "outcomes reachable")
+    assert not never.ok and reach.detail == "missing: close"

@@ -220,3 +220,15 @@ class CarelessAgent(PickSevenAgent):
         call = response.choices[0].message.tool_calls[0]
         hit = json.loads(call.function.arguments).get("n") == 7
         return AgentResult(1.0, "hit") if hit else AgentResult(0.0, "miss")
+
+
+class PickSevenMaybeClose(PickSeven):
+    """PickSeven declaring a `close` outcome it never gives, marked uncertain (as `partial`
+    is for a scorer of the user's): the kit reports it unreached without failing."""
+
+    outcomes = ("hit", "close", "miss", *PARSE_FAILURES)
+    uncertain_outcomes = ("close",)
+
+
+class PickSevenNeverClose(PickSevenMaybeClose):
+    uncertain_outcomes = ()

@@ -104,6 +104,9 @@ class Dataset:
         self.max_turns = 1
         self.scorers = make_scorers(scorers if scorers is not None else DEFAULT_SCORER[self.form])
         self.outcomes = _outcomes(self.form, self.scorers)
+        # a scorer function of the user's, or a judge, may give only 0 or 1 (envs check)
+        custom = any(":" in s.name or s.remote for s in self.scorers)
+        self.uncertain_outcomes = ("partial",) if custom else ()
         self.spec = {
             "path": str(path), "eval_path": eval_path, "eval_fraction": float(eval_fraction),
             "split_seed": check_int("split_seed", split_seed), "columns": columns or {},

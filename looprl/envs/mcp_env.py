@@ -149,6 +149,8 @@ class McpTools:
                      for t in self.train + self.held_out)  # fmt: skip
         graded = graded or len(self.scorers) > 1 or any(s.name not in ALL_OR_NOTHING
                                                         for s in self.scorers)  # fmt: skip
+        # a score tool or a scorer of the user's may give only 0 or 1 (envs check)
+        self.uncertain_outcomes = ("partial",)
         failures = (*FAILURES, "no_tool_call") if answer_tool else FAILURES
         self.outcomes = ("correct", *(("partial",) if graded else ()), "wrong", "turn_limit",
                          *failures)  # fmt: skip

@@ -93,6 +93,7 @@ class ReasoningGym(Adapter):
         failures = PARSE_FAILURES if self.answer == "tool" else ("no_answer",)
         graded = ("partial",) if partial_credit else ()
         self.outcomes = ("correct", *graded, "wrong", *failures)
+        self.uncertain_outcomes = graded  # not every dataset's scorer gives partial credit
         self.config = json.dumps(config, sort_keys=True, default=str)
         self.system_prompt = system_prompt
         self._task: Task | None = None

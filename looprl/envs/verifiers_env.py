@@ -256,6 +256,8 @@ class Verifiers(Adapter):
             ("max_turns", *(f for f in PARSE_FAILURES if f != "no_tool_call"))
             if self.has_tools else ()
         )  # fmt: skip
+        # a reward function may give only 0 or 1: `partial` may never occur (envs check)
+        self.uncertain_outcomes = ("partial",)
         self.splits = {s: [Task(str(t["index"]), t) for t in info[s]] for s in ("train", "eval")}
         self._episode: str | None = None
         self._history: list[Message] = []
