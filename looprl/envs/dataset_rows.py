@@ -42,6 +42,16 @@ def _stamps(*paths: str | None) -> list[Any]:
     return out
 
 
+def checked_messages(messages: list, fail: Any) -> list[dict[str, str]]:
+    """A row's chat as {role, content} dicts; `fail(field, what)` makes the error that names
+    the file and the row."""
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and m.get("role") in ROLES
+                and isinstance(m.get("content"), str)):  # fmt: skip
+            raise fail("messages", f"message {i} needs a role in {ROLES} and text content")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
 def split_rows(path: Path, spec: dict) -> tuple[list[tuple], list[tuple]]:
     """The (file, row number, row) triples of the train and held-out splits: `path` and
     `spec["eval_path"]`, or a seeded `spec["eval_fraction"]` of `path` held out."""
@@ -93,12 +103,7 @@ def _task(split: str, path: Path, number: int, row: dict, columns: dict, spec: d
 
     present = {f for f in COLUMNS if row.get(columns[f]) not in (None, "")}
     if "messages" in present:
-        messages = cell("messages", list)
-        for i, m in enumerate(messages):
-            if not (isinstance(m, dict) and m.get("role") in ROLES
-                    and isinstance(m.get("content"), str)):  # fmt: skip
-                raise fail("messages", f"message {i} needs a role in {ROLES} and text content")
-        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        messages = checked_messages(cell("messages", list), fail)
     elif "prompt" in present:
         messages = [{"role": "user", "content": str(row[columns["prompt"]])}]
     else:

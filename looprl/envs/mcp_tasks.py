@@ -13,14 +13,13 @@ from typing import Any
 import jsonschema
 
 from looprl.envs.data_files import parse_cell
-from looprl.envs.dataset_rows import check_schema, split_rows
+from looprl.envs.dataset_rows import check_schema, checked_messages, split_rows
 from looprl.envs.score_types import as_text
 from looprl.envs.scorers import Scorer, combine
 from looprl.errors import EnvError
 from looprl.types import Task
 
 FIELDS = ("prompt", "messages", "system", "answer", "expected_calls", "score_tool", "info")
-ROLES = ("system", "user", "assistant")
 
 
 def answer_score(scorers: list[Scorer], answer: str, expected: Any, row: dict) -> float:
@@ -92,12 +91,7 @@ def _task(split: str, path: Path, number: int, row: dict, spec: dict, listing: d
                        f"{', '.join(FIELDS)}")  # fmt: skip
     present = {f for f in FIELDS if row.get(f) not in (None, "")}
     if "messages" in present:
-        messages = cell("messages", list)
-        for i, m in enumerate(messages):
-            if not (isinstance(m, dict) and m.get("role") in ROLES
-                    and isinstance(m.get("content"), str)):  # fmt: skip
-                raise fail("messages", f"message {i} needs a role in {ROLES} and text content")
-        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        messages = checked_messages(cell("messages", list), fail)
     elif "prompt" in present:
         messages = [{"role": "user", "content": str(row["prompt"])}]
     else:
