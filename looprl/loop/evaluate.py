@@ -193,9 +193,12 @@ def evaluate(
             episodes, cfg.env.name, cfg.model.name, cfg.eval.seed, temperature, solved
         )
         cut = result["episode_outcomes"].count(TRUNCATED)
+        # a text task's replies never try a call: its call rate says nothing
+        tried = any(m.tool_calls or m.parse_failure for e in episodes for m in e.messages
+                    if m.role == "assistant")  # fmt: skip
+        calls = f" · valid calls {result['valid_tool_call_rate']:.0%}" if tried else ""
         phase.done(
-            f"reward {reward_with_ci(result)} · valid calls "
-            f"{result['valid_tool_call_rate']:.0%} · {result['n']} episodes"
+            f"reward {reward_with_ci(result)}{calls} · {result['n']} episodes"
             + (f" · {cut} truncated at the token limit" if cut else "")
         )
     if run_dir is not None:
