@@ -22,6 +22,20 @@ def check_int(name: str, value: Any, low: float = -math.inf, high: float = math.
     return value
 
 
+def check_fraction(name: str, value: Any) -> float:
+    """`value` if it is a number strictly between 0 and 1, else a clear EnvError."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
+        raise EnvError(f"{name}={value!r} is invalid: expected 0 < f < 1")
+    return float(value)
+
+
+def check_failure_reward(value: Any) -> float:
+    """A reward for a reply that cannot be scored: a number <= 0, else a clear EnvError."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not -1e6 <= value <= 0:
+        raise EnvError(f"failure_reward={value!r} is invalid: expected a number <= 0")
+    return float(value)
+
+
 def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> Any:
     """`value` if it is one of `allowed`, else a clear EnvError."""
     if value not in allowed:

@@ -37,7 +37,13 @@ import json
 from typing import Any, ClassVar
 
 from looprl.chat.parsers import strip_fence
-from looprl.envs.common import check_choice, check_int, sample_items
+from looprl.envs.common import (
+    check_choice,
+    check_failure_reward,
+    check_fraction,
+    check_int,
+    sample_items,
+)
 from looprl.envs.dataset_rows import COLUMNS, check_schema, check_tools, checked_rows, valid
 from looprl.envs.score_types import Score, as_text, labelled
 from looprl.envs.scorers import Scorer, combine, make_scorers
@@ -84,10 +90,8 @@ class Dataset:
     ) -> None:
         if not path:
             raise EnvError("dataset: env.args.path is required (a .jsonl, .csv or .parquet file)")
-        if not isinstance(eval_fraction, int | float) or not 0 < eval_fraction < 1:
-            raise EnvError(f"eval_fraction={eval_fraction!r} is invalid: expected 0 < f < 1")
-        if not isinstance(failure_reward, int | float) or not -1e6 <= failure_reward <= 0:
-            raise EnvError(f"failure_reward={failure_reward!r} is invalid: expected a number <= 0")
+        check_fraction("eval_fraction", eval_fraction)
+        check_failure_reward(failure_reward)
         unknown = set(columns or {}) - set(COLUMNS)
         if unknown:
             raise EnvError(f"columns: unknown names {sorted(unknown)}; known: {', '.join(COLUMNS)}")

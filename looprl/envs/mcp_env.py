@@ -53,7 +53,13 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from looprl.envs import mcp_client
-from looprl.envs.common import check_choice, check_int, sample_items
+from looprl.envs.common import (
+    check_choice,
+    check_failure_reward,
+    check_fraction,
+    check_int,
+    sample_items,
+)
 from looprl.envs.mcp_tasks import answer_score, checked_tasks
 from looprl.envs.score_types import as_text
 from looprl.envs.scorers import make_scorers, make_tool_call
@@ -103,10 +109,8 @@ class McpTools:
         spec = mcp_client.check_command(server)
         if not tasks:
             raise EnvError("mcp: env.args.tasks is required (a .jsonl, .csv or .parquet file)")
-        if not isinstance(eval_fraction, int | float) or not 0 < eval_fraction < 1:
-            raise EnvError(f"eval_fraction={eval_fraction!r} is invalid: expected 0 < f < 1")
-        if not isinstance(failure_reward, int | float) or not -1e6 <= failure_reward <= 0:
-            raise EnvError(f"failure_reward={failure_reward!r} is invalid: expected a number <= 0")
+        check_fraction("eval_fraction", eval_fraction)
+        check_failure_reward(failure_reward)
         if isinstance(call_timeout_s, bool) or not isinstance(call_timeout_s, int | float) or \
                 not call_timeout_s > 0:  # fmt: skip
             raise EnvError(f"call_timeout_s={call_timeout_s!r} is invalid: expected seconds > 0")

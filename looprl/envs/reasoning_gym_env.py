@@ -33,7 +33,7 @@ import math
 from functools import lru_cache
 from typing import Any, ClassVar
 
-from looprl.envs.common import Adapter, check_choice, check_int, sample_items
+from looprl.envs.common import Adapter, check_choice, check_failure_reward, check_int, sample_items
 from looprl.errors import EnvError
 from looprl.types import PARSE_FAILURES, Message, Observation, StepResult, Task, ToolCall
 
@@ -82,8 +82,7 @@ class ReasoningGym(Adapter):
         self.eval_size = check_int("eval_size", eval_size, 1, 1_000_000)
         self.train_size = check_int("train_size", train_size, 1, 10_000_000)
         self.seed = check_int("seed", seed, 0, 2**40)
-        if not isinstance(failure_reward, int | float) or not -1e6 <= failure_reward <= 0:
-            raise EnvError(f"failure_reward={failure_reward!r} is invalid: expected a number <= 0")
+        check_failure_reward(failure_reward)
         self.failure_reward = float(failure_reward)
         if not isinstance(partial_credit, bool):
             raise EnvError(f"partial_credit={partial_credit!r} is invalid: expected true or false")

@@ -47,7 +47,7 @@ import uuid
 from pathlib import Path
 from typing import Any, ClassVar
 
-from looprl.envs.common import Adapter, check_choice, check_int, sample_items
+from looprl.envs.common import Adapter, check_choice, check_fraction, check_int, sample_items
 from looprl.errors import EnvError
 from looprl.types import PARSE_FAILURES, Message, Observation, StepResult, Task
 
@@ -224,8 +224,7 @@ class Verifiers(Adapter):
         timeout_s: float = 120.0,
         start_timeout_s: float = 600.0,
     ) -> None:
-        if not isinstance(eval_fraction, int | float) or not 0 < eval_fraction < 1:
-            raise EnvError(f"eval_fraction={eval_fraction!r} is invalid: expected 0 < f < 1")
+        check_fraction("eval_fraction", eval_fraction)
         for name, value in (("timeout_s", timeout_s), ("start_timeout_s", start_timeout_s)):
             if not isinstance(value, int | float) or not value > 0:
                 raise EnvError(f"{name}={value!r} is invalid: expected seconds > 0")
