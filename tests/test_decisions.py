@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+from functools import partial
 
 import pytest
 
 from looprl.config import config_from_dict
 from looprl.envs import make_env
-from looprl.loop.decisions import decision_batch, decision_view, grammar_cache
+from looprl.loop.decisions import decision_metrics, decision_view, grammar_cache
 from looprl.loop.dist import Dist
 from looprl.loop.evaluate import player
 from looprl.loop.groups import play_step
@@ -29,7 +30,9 @@ def _played(env: dict, tasks: int = 2, group: int = 4):
     )
     policy = load_policy(cfg)
     probe = make_env(cfg.env.name, cfg.env.args)
-    played, _ = play_step(cfg, probe, player(cfg, policy, probe), Dist(), step=1, history={})
+    decide = partial(decision_view, grammars=grammar_cache(policy), tokenizer=policy.tokenizer)
+    play = player(cfg, policy, probe)
+    played, _ = play_step(cfg, probe, play, Dist(), step=1, history={}, decide=decide)
     return policy, probe, played
 
 
@@ -78,13 +81,17 @@ def test_a_free_choice_call_keeps_every_token():
         assert decision_view(episode, grammars, policy.tokenizer).loss_mask == episode.loss_mask
 
 
-def test_decision_batch_views_and_metrics(game):
+def test_the_steps_views_and_decision_metrics(game):
     policy, _, played = game
     grammars = grammar_cache(policy)
-    batch = [(e, a) for e, a in zip(played.episodes, played.advantages) if a is not None]
-    views, metrics = decision_batch(played.episodes, batch, grammars, policy.tokenizer)
-    assert [a for _, a in views] == [a for _, a in batch]
+    views = played.learners(views=True)
+    assert [a for _, a in views] == [a for _, a in played.learners()]
     assert all(v.response_len == len(v.turns) for v, _ in views)
+    for group in played.groups:  # each member's view, built once when the step was played
+        for e, v in zip(group.episodes, group.views, strict=True):
+            assert v.loss_mask == decision_view(e, grammars, policy.tokenizer).loss_mask
+    every_view = [v for g in played.groups for v in g.views]
+    metrics = decision_metrics(played.episodes, every_view)
     trainable = [e for e in played.episodes if e.trainable]
     moves = sum(len(e.turns) for e in trainable)
     assert metrics["rollout/decision_tokens"] == pytest.approx(moves / len(trainable))
@@ -139,8 +146,6 @@ def test_decision_span_by_hand():
 def test_play_step_with_an_entropy_bonus():
     """entropy_coef on the tiny model: every kept advantage is the rewards' own plus β ×
     the episode's decision surprisal minus its group's mean."""
-    from functools import partial
-
     from looprl.algo import episode_advantages
     from looprl.loop.decisions import decision_surprisal
 
@@ -155,19 +160,18 @@ def test_play_step_with_an_entropy_bonus():
     policy = load_policy(cfg)
     probe = make_env(cfg.env.name, cfg.env.args)
     grammars = grammar_cache(policy)
-    bonus = partial(decision_surprisal, grammars=grammars, tokenizer=policy.tokenizer)
+    decide = partial(decision_view, grammars=grammars, tokenizer=policy.tokenizer)
     played, _ = play_step(
-        cfg, probe, player(cfg, policy, probe), Dist(), step=1, history={}, bonus=bonus
+        cfg, probe, player(cfg, policy, probe), Dist(), step=1, history={}, decide=decide
     )
     episodes = played.episodes
     plain, _ = episode_advantages([e.reward for e in episodes], [e.trainable for e in episodes], 4)
-    for start in range(0, len(episodes), 4):
-        group = episodes[start : start + 4]
-        b = [bonus(e) for e in group]
+    for g, group in enumerate(played.groups):
+        b = [decision_surprisal(decide(e)) for e in group.episodes]
         # the digit's surprisal: one token of a near-uniform vocabulary
         assert all(abs(x - math.log(len(policy.tokenizer))) < 2.0 for x in b)
         mean = sum(b) / 4
-        for e, x, a, a0 in zip(group, b, played.advantages[start:], plain[start:]):
+        for e, x, a, a0 in zip(group.episodes, b, group.advantages, plain[4 * g :]):
             if e.trainable:
                 assert a == pytest.approx(a0 + 0.5 * (x - mean), abs=1e-6)
 
@@ -186,22 +190,3 @@ def test_a_run_with_an_entropy_bonus_logs_the_decisions(tmp_path):
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert row["rollout/decision_tokens"] == pytest.approx(1.0)
     assert row["rollout/decision_entropy"] > 0 and math.isfinite(row["train/loss"])
-
-
-def test_a_steps_views_are_built_once(game):
-    """With the step's cache, the entropy bonus and the update share each episode's view."""
-    from looprl.loop.decisions import decision_surprisal
-
-    policy, _, played = game
-    grammars = grammar_cache(policy)
-    cache: dict = {}
-    trainable = [e for e in played.episodes if e.trainable]
-    bonuses = [decision_surprisal(e, grammars, policy.tokenizer, cache) for e in trainable]
-    first = {id(e): cache[id(e)][1] for e in trainable}
-    batch = [(e, a) for e, a in zip(played.episodes, played.advantages) if a is not None]
-    views, metrics = decision_batch(played.episodes, batch, grammars, policy.tokenizer, cache)
-    assert all(v is first[id(e)] for (v, _), (e, _) in zip(views, batch))
-    plain, plain_metrics = decision_batch(played.episodes, batch, grammars, policy.tokenizer)
-    assert metrics == plain_metrics
-    assert [v.loss_mask for v, _ in views] == [v.loss_mask for v, _ in plain]
-    assert bonuses == [decision_surprisal(e, grammars, policy.tokenizer) for e in trainable]

@@ -21,7 +21,6 @@ from looprl.loop.guidance import (
     expert_advantage,
     expert_episode,
     safe_expert_episode,
-    with_experts,
 )
 from looprl.loop.policy import load_policy
 from looprl.loop.train import run_training
@@ -86,15 +85,26 @@ def _episode(name: str, expert: bool = False) -> Episode:
                    logprobs=[0.0], outcome=name, expert=expert)  # fmt: skip
 
 
-def test_with_experts_puts_k_at_the_end_of_each_group():
+def test_play_groups_puts_k_experts_at_the_end_of_each_group():
+    from looprl.config import config_from_dict
+    from looprl.engine import SamplingParams
+    from looprl.loop.groups import play_groups
+
+    cfg = config_from_dict({"rollout": {"group_size": 5}, "algo": {"expert_samples": 2}})
     tasks = [Task(id="a", data={}), Task(id="b", data={})]
-    played = [_episode(f"{t}{i}") for t in "ab" for i in range(3)]
-    groups = with_experts(played, tasks, 2, lambda task: _episode(f"expert-{task.id}", True))
-    assert [e.outcome for e in groups] == [
-        "a0", "a1", "a2", "expert-a", "expert-a", "b0", "b1", "b2", "expert-b", "expert-b",
-    ]  # fmt: skip
-    assert [e.expert for e in groups] == [False] * 3 + [True] * 2 + [False] * 3 + [True] * 2
-    assert groups[3] is not groups[4]  # copies: the update keys episodes by identity
+
+    def play(tasks, *, params, first_index=0, on_progress=None):  # stream i: its name
+        return [_episode(f"{t.id}{first_index + i}") for i, t in enumerate(tasks)]
+
+    groups = play_groups(cfg, play, tasks, SamplingParams(), 2,
+                         lambda task: _episode(f"expert-{task.id}", True))  # fmt: skip
+    assert [g.task for g in groups] == tasks
+    assert [[e.outcome for e in g.episodes] for g in groups] == [
+        ["a6", "a7", "a8", "expert-a", "expert-a"],
+        ["b9", "b10", "b11", "expert-b", "expert-b"],
+    ]  # fmt: skip  (the third task of the step: its samples take streams 6 on)
+    assert [e.expert for e in groups[0].episodes] == [False] * 3 + [True] * 2
+    assert groups[0].episodes[3] is not groups[0].episodes[4]  # copies, not one episode twice
 
 
 def test_expert_advantage_by_hand():
@@ -191,14 +201,12 @@ def test_each_group_ends_with_the_expert(guided):
     cfg, _, played = guided
     group = cfg.rollout.group_size
     assert len(played.episodes) == cfg.rollout.tasks_per_step * group
-    for start in range(0, len(played.episodes), group):
-        members = played.episodes[start : start + group]
+    for members, advantages in ((g.episodes, g.advantages) for g in played.groups):
         assert [e.expert for e in members] == [False] * (group - 1) + [True]
         assert len({e.task.id for e in members}) == 1
         # the expert's move is a best one (+0.8 or +1 on tictactoe-move): the group's best
         assert members[-1].reward >= 0.8
         assert members[-1].reward == max(e.reward for e in members)
-        advantages = played.advantages[start : start + group]
         if advantages[-1] is not None and len({e.reward for e in members}) > 1:
             assert advantages[-1] == max(advantages) > 0
 
@@ -206,10 +214,8 @@ def test_each_group_ends_with_the_expert(guided):
 def test_the_samples_baseline_leaves_the_samples_their_own_advantages():
     cfg, _, played = _play_guided({"expert_baseline": "samples"})
     group = cfg.rollout.group_size
-    for start in range(0, len(played.episodes), group):
-        members = played.episodes[start : start + group]
+    for members, advantages in ((g.episodes, g.advantages) for g in played.groups):
         assert [e.expert for e in members] == [False] * (group - 1) + [True]
-        advantages = played.advantages[start : start + group]
         rewards = [e.reward for e in members]
         own = group_advantages(torch.tensor(rewards[:-1])).tolist()
         assert advantages[:-1] == pytest.approx(own, abs=1e-5)
@@ -224,11 +230,10 @@ def test_the_update_takes_the_policy_as_the_experts_behaviour(guided):
     from looprl.loop.update import UpdateState, update_policy
 
     cfg, policy, played = guided
-    batch = [(e, a) for e, a in zip(played.episodes, played.advantages) if a is not None]
-    assert any(e.expert for e, _ in batch)
+    assert any(e.expert for e, _ in played.learners())
     optimizer = make_optimizer(policy.trainable_parameters(), "adamw", 1e-3, 0.0)
     stats = update_policy(
-        policy, optimizer, batch, cfg.algo, cfg.train, group_size=4, max_tokens=32,
+        policy, optimizer, played.groups, cfg.algo, cfg.train, group_size=4, max_tokens=32,
         seed=0, state=UpdateState(micro_batch_tokens=cfg.train.micro_batch_tokens),
     )  # fmt: skip
     assert stats["logprob_gap"] < 1e-3

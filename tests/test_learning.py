@@ -39,13 +39,13 @@ def test_reward_rises(tmp_path):
 
 
 def test_flipped_advantage_lowers_reward(tmp_path, monkeypatch):
-    real = groups.episode_advantages
+    real = groups.group_advantages_of
 
     def flipped(*args, **kwargs):
-        advantages, zero_std_groups = real(*args, **kwargs)
-        return [None if a is None else -a for a in advantages], zero_std_groups
+        advantages, all_equal = real(*args, **kwargs)
+        return [None if a is None else -a for a in advantages], all_equal
 
-    monkeypatch.setattr(groups, "episode_advantages", flipped)
+    monkeypatch.setattr(groups, "group_advantages_of", flipped)
     cfg = _config()
     result = train.run_training(config_from_dict(cfg), tmp_path / "run")
     early, late = _hit_rate(tmp_path / "run", 4, 4)

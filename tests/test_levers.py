@@ -297,14 +297,13 @@ def test_play_step_refills_up_to_the_cap_and_records_the_curriculum(tiny_step):
     metrics = played.metrics
     assert metrics["train/oversample_ratio"] == sampled / wanted
     assert wanted <= sampled <= 6  # tasks_per_step × max_oversample
-    groups = [played.advantages[i : i + group] for i in range(0, len(played.episodes), group)]
-    rewards = [
-        [e.reward for e in played.episodes[i : i + group]]
-        for i in range(0, len(played.episodes), group)
-    ]
-    kept = [i for i, adv in enumerate(groups) if any(a is not None for a in adv)]
+    groups = played.groups
+    assert [len(g.episodes) for g in groups] == [group] * sampled
+    assert all(e.task is g.task for g in groups for e in g.episodes)
+    kept = [i for i, g in enumerate(groups) if g.kept]
     assert metrics["train/kept_groups"] == len(kept) <= wanted
-    assert all(len(set(rewards[i])) > 1 for i in kept)  # only groups with a spread train
+    # only groups with a spread train
+    assert all(len({e.reward for e in groups[i].episodes}) > 1 for i in kept)
     if len(kept) < wanted:
         assert sampled == 6  # it refilled until the cap
     else:
@@ -358,15 +357,12 @@ def test_play_step_gives_per_turn_advantages_on_a_graded_game():
     played, _ = play_step(cfg, probe, player(cfg, policy, probe), Dist(), step=1, history={})
     graded = [e for e in played.episodes if e.trainable]
     assert graded and all(len(e.turn_rewards) == len(e.turns) for e in graded)
-    for e, a in zip(played.episodes, played.advantages, strict=True):
-        if a is not None:
-            assert isinstance(a, tuple) and len(a) == len(e.turns)
-    pairs = zip(played.episodes, played.advantages, strict=True)
-    batch = [(e, a) for e, a in pairs if a is not None]
-    assert batch
+    for e, a in played.learners():
+        assert isinstance(a, tuple) and len(a) == len(e.turns)
+    assert played.learners()
     optimizer = make_optimizer(policy.trainable_parameters(), "adamw", 1e-3, 0.0)
     stats = update_policy(
-        policy, optimizer, batch, cfg.algo, cfg.train, group_size=4, max_tokens=32 * 5,
+        policy, optimizer, played.groups, cfg.algo, cfg.train, group_size=4, max_tokens=32 * 5,
         seed=0, state=UpdateState(micro_batch_tokens=cfg.train.micro_batch_tokens),
     )  # fmt: skip
     assert stats["updated"] >= 1 and math.isfinite(stats["loss"])
@@ -474,7 +470,6 @@ def test_play_step_makes_one_member_of_each_group_the_greedy_episode(tiny_step):
     from looprl.engine import SamplingParams
     from looprl.loop.dist import Dist
     from looprl.loop.groups import greedy_member, play_step
-    from looprl.loop.guidance import with_members
 
     base, probe, play = tiny_step
     cfg = config_from_dict(
@@ -488,18 +483,9 @@ def test_play_step_makes_one_member_of_each_group_the_greedy_episode(tiny_step):
     group = cfg.rollout.group_size
     assert len(played.episodes) == cfg.rollout.tasks_per_step * group
     greedy = SamplingParams(temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens)
-    for start in range(0, len(played.episodes), group):
-        members = played.episodes[start : start + group]
+    for members in (g.episodes for g in played.groups):
         assert [greedy_member(cfg, e) for e in members] == [False] * (group - 1) + [True]
         assert [e.temperature for e in members[:-1]] == [1.0] * (group - 1)
         alone = play([members[-1].task], params=greedy)[0]
         assert alone.token_ids == members[-1].token_ids and alone.reward == members[-1].reward
     assert not greedy_member(base, played.episodes[group - 1])  # off: nothing is a member
-    assert with_members(["a1", "a2", "b1", "b2"], [["A"], ["B"]]) == [
-        "a1",
-        "a2",
-        "A",
-        "b1",
-        "b2",
-        "B",
-    ]

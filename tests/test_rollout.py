@@ -528,6 +528,7 @@ def test_update_scores_each_episode_at_its_own_sampling_temperature(
     trainer's old logprobs reproduce the engine's for every one of them."""
     import looprl.loop.update as update
     from looprl.config import AlgoConfig, TrainConfig
+    from looprl.loop.groups import Group
     from looprl.loop.policy import Policy
 
     batch = []
@@ -535,7 +536,7 @@ def test_update_scores_each_episode_at_its_own_sampling_temperature(
         params = SamplingParams(temperature=temperature, max_new_tokens=12, seed=4)
         episodes = run_episodes(winnable_tasks(2), TicTacToeMove, engine, renderer, params, 1, 512)
         assert [e.temperature for e in episodes] == [temperature] * 2
-        batch += [(e, 1.0) for e in episodes]
+        batch += [Group(e.task, [e], [1.0]) for e in episodes]
     policy = Policy(tiny_model, tokenizer, renderer, engine, torch.device("cpu"))
     optimizer = torch.optim.SGD(policy.trainable_parameters(), lr=0.0)  # weights stay
 

@@ -58,6 +58,8 @@ group whose rewards are equal but whose bonuses differ.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -181,6 +183,41 @@ def episode_advantages(
     trainable: list[bool],
     group_size: int,
     *,
+    turn_rewards: list[list[float]] | None = None,
+    bonus: list[float] | None = None,
+    anchors: list[bool] | None = None,
+    **options: Any,
+) -> tuple[list[Advantage | None], int]:
+    """`group_advantages_of` over a flat batch whose consecutive runs of `group_size`
+    episodes are one group each (the loop keeps its groups apart, loop/groups.py; this
+    flat form is for callers holding plain lists). Returns every episode's advantage, in
+    order, and the number of groups whose rewards are all equal."""
+    n = len(rewards)
+    for name, values in (("turn reward lists", turn_rewards), ("bonuses", bonus),
+                         ("anchor flags", anchors)):  # fmt: skip
+        if values is not None and len(values) != n:
+            raise ValueError(f"{n} rewards but {len(values)} {name}")
+    if len(trainable) != n or group_size < 1:
+        raise ValueError(f"{n} rewards, {len(trainable)} trainable flags, group_size {group_size}")
+    advantages: list[Advantage | None] = []
+    zero_std = 0
+    for i in range(0, n, group_size):
+        part = slice(i, i + group_size)
+        adv, all_equal = group_advantages_of(
+            rewards[part], trainable[part],
+            turn_rewards=None if turn_rewards is None else turn_rewards[part],
+            bonus=None if bonus is None else bonus[part],
+            anchors=None if anchors is None else anchors[part], **options,
+        )  # fmt: skip
+        advantages += adv
+        zero_std += all_equal
+    return advantages, zero_std
+
+
+def group_advantages_of(
+    rewards: list[float],
+    trainable: list[bool],
+    *,
     scale: bool = True,
     dynamic_sampling: bool = False,
     turn_rewards: list[list[float]] | None = None,
@@ -189,13 +226,12 @@ def episode_advantages(
     bonus: list[float] | None = None,
     bonus_weight: float = 0.0,
     anchors: list[bool] | None = None,
-) -> tuple[list[Advantage | None], int]:
-    """The advantage of every episode of a rollout batch, None for one that takes no part.
+) -> tuple[list[Advantage | None], bool]:
+    """The advantage of every episode of one task's group, None for one that takes no part.
 
-    Consecutive runs of `group_size` episodes are one task's group. Within a group only the
-    entries flagged trainable count: their rewards form the group of `batch_advantages`
-    (normalised among themselves), the others get None. With `dynamic_sampling` a group
-    whose rewards are all equal gets None throughout.
+    Only the entries flagged trainable count: their rewards form the group of
+    `group_advantages` (normalised among themselves), the others get None. With
+    `dynamic_sampling` a group whose rewards are all equal gets None throughout.
     With `turn_rewards` (each episode's per-turn rewards) and `turn_weight` > 0, each
     advantage is a tuple, one per graded turn: A_i + w * the group's normalised return of
     that turn (module doc); dynamic sampling then drops a group only when its rewards and
@@ -203,84 +239,67 @@ def episode_advantages(
     With `bonus` (each episode's decision surprisal) and `bonus_weight` β > 0, every kept
     advantage (each turn's too) adds β × its bonus minus the group's mean bonus (module
     doc); dynamic sampling keeps a group whose bonuses spread.
-    With `anchors` (True for an expert episode), a group's advantages and turn terms take
-    the expert baseline (`anchored_advantages`): the samples' own, and each expert's lead
-    over them floored at 0; dynamic sampling then keeps a group with any advantage not 0.
-    Returns (advantages, zero_std_groups): one entry per episode, in order, and the number
-    of groups (with a trainable entry) whose rewards are all equal, dropped or not.
+    With `anchors` (True for an expert episode), the advantages and turn terms take the
+    expert baseline (`anchored_advantages`): the samples' own, and each expert's lead over
+    them floored at 0; dynamic sampling then keeps a group with any advantage not 0.
+    Returns (advantages, all_equal): one entry per episode, in order, and whether the
+    group has a trainable entry and its rewards are all equal (dropped or not).
     """
+
     graded = turn_rewards if turn_rewards is not None and turn_weight > 0 else None
-    per_turn = graded is not None
-    if graded is not None and len(graded) != len(rewards):
-        raise ValueError(f"{len(rewards)} rewards but {len(graded)} turn reward lists")
-    if bonus is not None and len(bonus) != len(rewards):
-        raise ValueError(f"{len(rewards)} rewards but {len(bonus)} bonuses")
-    if anchors is not None and len(anchors) != len(rewards):
-        raise ValueError(f"{len(rewards)} rewards but {len(anchors)} anchor flags")
     n = len(rewards)
-    if len(trainable) != n or group_size < 1:
-        raise ValueError(f"{n} rewards, {len(trainable)} trainable flags, group_size {group_size}")
-    # indices of each group's trainable episodes; a group with none drops out
-    groups = [
-        [k for k in range(i, min(i + group_size, n)) if trainable[k]]
-        for i in range(0, n, group_size)
-    ]
-    groups = [group for group in groups if group]
-    group_rewards = [[rewards[k] for k in group] for group in groups]
-    adv_B, zero_std_G = batch_advantages(group_rewards, scale=scale)
-    keep_G = dynamic_sampling_keep(group_rewards) if dynamic_sampling else [True] * len(groups)
+    for name, values in (("turn reward lists", graded), ("bonuses", bonus),
+                         ("anchor flags", anchors), ("trainable flags", trainable)):  # fmt: skip
+        if values is not None and len(values) != n:
+            raise ValueError(f"{n} rewards but {len(values)} {name}")
+    advantages: list[Advantage | None] = [None] * n
+    members = [k for k in range(n) if trainable[k]]  # the others take no part
+    if not members:
+        return advantages, False
+    own_rewards = [rewards[k] for k in members]
+    rewards_G = torch.tensor(own_rewards, dtype=torch.float32)
+    adv_G = group_advantages(rewards_G, scale=scale)
+    keep = dynamic_sampling_keep([own_rewards])[0] if dynamic_sampling else True
     if anchors is not None:
-        moving_G = _anchor(groups, rewards, anchors, adv_B, scale)
+        moving = _anchor(members, rewards, anchors, adv_G, scale)
         if dynamic_sampling:
-            keep_G = moving_G  # a group keeps its place while an advantage in it is not 0
+            keep = moving  # the group keeps its place while an advantage in it is not 0
     turn_adv: dict[int, list[float]] = {}
     if graded is not None:
-        for g, group in enumerate(groups):
-            if anchors is None:
-                terms = group_turn_advantages([graded[k] for k in group], turn_gamma, scale)
-                by_episode = dict(zip(group, terms, strict=True))
-            else:
-                by_episode = _anchored_turns(group, anchors, graded, turn_gamma, scale)
-            turn_adv.update(by_episode)
-            if dynamic_sampling and any(t != 0.0 for term in by_episode.values() for t in term):
-                keep_G[g] = True  # the returns differ: the turns still have something to learn
+        if anchors is None:
+            terms = group_turn_advantages([graded[k] for k in members], turn_gamma, scale)
+            turn_adv = dict(zip(members, terms, strict=True))
+        else:
+            turn_adv = _anchored_turns(members, anchors, graded, turn_gamma, scale)
+        if dynamic_sampling and any(t != 0.0 for term in turn_adv.values() for t in term):
+            keep = True  # the returns differ: the turns still have something to learn
     extra: dict[int, float] = {}
     if bonus is not None and bonus_weight > 0:
-        for g, group in enumerate(groups):
-            terms = bonus_terms([bonus[k] for k in group], bonus_weight)
-            extra.update(zip(group, terms, strict=True))
-            if dynamic_sampling and any(terms):
-                keep_G[g] = True  # different choices: the bonus has something to say
-    advantages: list[Advantage | None] = [None] * n
-    index_B = [k for group in groups for k in group]
-    keep_B = [keep for group, keep in zip(groups, keep_G, strict=True) for _ in group]
-    for k, keep, adv in zip(index_B, keep_B, adv_B.tolist(), strict=True):
-        if keep:
+        extra = dict(zip(members, bonus_terms([bonus[k] for k in members], bonus_weight)))
+        if dynamic_sampling and any(extra.values()):
+            keep = True  # different choices: the bonus has something to say
+    if keep:
+        for k, adv in zip(members, adv_G.tolist(), strict=True):
             adv += extra.get(k, 0.0)
-            advantages[k] = tuple(adv + turn_weight * t for t in turn_adv[k]) if per_turn else adv
-    return advantages, int(zero_std_G.sum())
+            advantages[k] = tuple(adv + turn_weight * t for t in turn_adv[k]) if graded else adv
+    return advantages, _all_equal(rewards_G)
 
 
 def _anchor(
-    groups: list[list[int]], rewards: list[float], anchors: list[bool], adv_B: Tensor, scale: bool
-) -> list[bool]:
-    """Rewrite, in place, the advantages (adv_B, in the groups' order) of every group holding
-    an anchor with the expert baseline; returns, per group, whether any of them is not 0."""
-    moving: list[bool] = []
-    start = 0
-    for group in groups:
-        own = [k for k in group if not anchors[k]]
-        lead = [k for k in group if anchors[k]]
-        if lead:
-            adv_s, adv_e = anchored_advantages(
-                [rewards[k] for k in own], [rewards[k] for k in lead], scale
-            )
-            values = dict(zip(own + lead, adv_s + adv_e, strict=True))
-            for offset, k in enumerate(group):
-                adv_B[start + offset] = values[k]
-        moving.append(bool((adv_B[start : start + len(group)] != 0).any()))
-        start += len(group)
-    return moving
+    members: list[int], rewards: list[float], anchors: list[bool], adv_G: Tensor, scale: bool
+) -> bool:
+    """Rewrite, in place, the advantages (adv_G, in `members`' order) of a group holding an
+    anchor with the expert baseline; returns whether any of them is not 0."""
+    own = [k for k in members if not anchors[k]]
+    lead = [k for k in members if anchors[k]]
+    if lead:
+        adv_s, adv_e = anchored_advantages(
+            [rewards[k] for k in own], [rewards[k] for k in lead], scale
+        )
+        values = dict(zip(own + lead, adv_s + adv_e, strict=True))
+        for offset, k in enumerate(members):
+            adv_G[offset] = values[k]
+    return bool((adv_G != 0).any())
 
 
 def _anchored_turns(

@@ -53,6 +53,7 @@ from looprl.forward.prefix import extend, prefix_kwargs, shared_prefill
 from looprl.model.arch import fast_paths
 from looprl.model.load import base_model
 from looprl.model.memory import release_free_memory
+from looprl.seeds import stream_seed
 
 
 class HFEngine:
@@ -279,7 +280,7 @@ class HFEngine:
             matcher = self.grammars().matcher(request.constraint)
         limit = min(params.max_new_tokens, request.max_new_tokens or params.max_new_tokens)
         stream = index if request.stream is None else request.stream
-        generator = torch.Generator().manual_seed((base_seed * 1_000_003 + stream) % 2**63)
+        generator = torch.Generator().manual_seed(stream_seed(base_seed, stream))
         return Row(
             index, request.prompt_ids, limit, matcher, generator, request.keep_kv,
             request.top_logprobs, request.on_token, **thinking_fields(request.constraint),

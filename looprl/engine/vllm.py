@@ -50,6 +50,7 @@ from looprl.engine import Completion, Constraint, GenerationRequest, SamplingPar
 from looprl.engine.vllm_server import SERVED_NAME, LaunchSpec, VLLMServer
 from looprl.errors import EngineError, ModelError
 from looprl.model.load import base_model
+from looprl.seeds import stream_seed
 
 # (prompts, completions, temperature) -> each completion's logprobs, by the policy module
 Rescorer = Callable[[list[list[int]], list[list[int]], float], list[list[float]]]
@@ -185,7 +186,7 @@ class VLLMEngine:
         def sample(index: int) -> Completion:
             request = requests[index]
             stream = index if request.stream is None else request.stream
-            seed = (base_seed * 1_000_003 + stream) % 2**63
+            seed = stream_seed(base_seed, stream)
             return self._sample(request, params, seed)
 
         with ThreadPoolExecutor(max_workers=min(len(requests), MAX_THREADS)) as pool:

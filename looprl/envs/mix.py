@@ -24,9 +24,8 @@ from typing import Any, ClassVar
 from looprl.envs.base import demonstrations, solved_outcomes
 from looprl.envs.common import check_choice, check_reward
 from looprl.errors import EnvError
+from looprl.seeds import member_seed
 from looprl.types import Message, Observation, StepResult, Task
-
-SEED_STRIDE = 1_000_003  # member i draws its tasks with seed + i × this
 
 
 class Mix:
@@ -91,7 +90,7 @@ class Mix:
             picks = rng.choices(range(len(self.envs)), weights=self.weights, k=n)
             counts = [picks.count(i) for i in range(len(self.envs))]
         per_member = [
-            [self._wrap(i, t) for t in self.envs[i].tasks(split, c, seed + i * SEED_STRIDE)]
+            [self._wrap(i, t) for t in self.envs[i].tasks(split, c, member_seed(seed, i))]
             if c != 0 else []
             for i, c in enumerate(counts)
         ]  # fmt: skip

@@ -41,20 +41,12 @@ def grammar_cache(policy: Any) -> Any:
     return GrammarCache(policy.tokenizer, vocab, list(policy.renderer.eos_ids))
 
 
-def decision_view(
-    episode: Episode, grammars: Any, tokenizer: Any, cache: dict[int, Any] | None = None
-) -> Episode:
+def decision_view(episode: Episode, grammars: Any, tokenizer: Any) -> Episode:
     """A copy of `episode` whose loss mask keeps only its decision tokens: in each turn
     sampled under a grammar (`Turn.constraint`), the span from the first token that grammar
     left free to the last (`decision_span`); a turn sampled without one keeps all its
-    tokens. Everything else is shared with `episode`. With `cache` (one training step's:
-    the entropy bonus and the update ask for the same episodes), each view is built once."""
-    if cache is not None and id(episode) in cache:
-        return cache[id(episode)][1]
-    view = grammar_masked(episode, grammars, tokenizer, decision_span)
-    if cache is not None:  # the episode is kept with its view: its id stays its own
-        cache[id(episode)] = (episode, view)
-    return view
+    tokens. Everything else is shared with `episode`."""
+    return grammar_masked(episode, grammars, tokenizer, decision_span)
 
 
 def grammar_masked(
@@ -90,44 +82,26 @@ def decision_span(flags: list[int]) -> list[int]:
     return [int(free[0] <= i <= free[-1]) for i in range(len(flags))]
 
 
-def decision_surprisal(
-    episode: Episode, grammars: Any, tokenizer: Any, cache: dict[int, Any] | None = None
-) -> float:
-    """−log π of the episode's decision tokens as sampled (summed over its turns): a forced
-    call's decision span, every token of a call sampled without a grammar. Within a group
-    (one prompt) it ranks the choices as the grammar-constrained sampler's own logprobs do:
-    renormalising over the allowed tokens shifts every sample of a position alike."""
-    view = decision_view(episode, grammars, tokenizer, cache)
+def decision_surprisal(view: Episode) -> float:
+    """−log π of an episode's decision tokens as sampled (summed over its turns), from its
+    `decision_view`: a forced call's decision span, every token of a call sampled without a
+    grammar. Within a group (one prompt) it ranks the choices as the grammar-constrained
+    sampler's own logprobs do: renormalising over the allowed tokens shifts every sample of
+    a position alike."""
     return -sum(lp for lp, m in zip(view.logprobs, view.loss_mask) if m)
 
 
-def decision_batch(
-    episodes: list[Episode],
-    batch: list[tuple[Episode, Any]],
-    grammars: Any,
-    tokenizer: Any,
-    cache: dict[int, Any] | None = None,
-) -> tuple[list[tuple[Episode, Any]], dict[str, float]]:
-    """`batch` (episode, advantage) with each episode's `decision_view`; an episode
-    without a decision token (a call whose grammar allows one string only) takes no part.
-    Also the step's metrics over the policy's trainable samples among `episodes` (expert
-    episodes are not samples): `rollout/decision_tokens` (decision tokens per episode)
-    and `rollout/decision_entropy` (their mean −log π, the sampled estimate of the
-    per-decision entropy, free of the forced tokens' surprisal)."""
-    cache = {} if cache is None else cache
-    views = [(decision_view(e, grammars, tokenizer, cache), a) for e, a in batch]
-    sampled = [
-        decision_view(e, grammars, tokenizer, cache)
-        for e in episodes
-        if e.trainable and not e.expert
-    ]
-    kept = [(view, a) for view, a in views if view.response_len > 0]
+def decision_metrics(episodes: list[Episode], views: list[Episode]) -> dict[str, float]:
+    """The step's metrics over the policy's trainable samples among `episodes` (expert
+    episodes are not samples), from their decision `views`: `rollout/decision_tokens`
+    (decision tokens per episode) and `rollout/decision_entropy` (their mean −log π, the
+    sampled estimate of the per-decision entropy, free of the forced tokens' surprisal)."""
+    sampled = [v for e, v in zip(episodes, views) if e.trainable and not e.expert]
     surprisal = [-lp for v in sampled for lp, m in zip(v.logprobs, v.loss_mask) if m]
-    metrics = {
+    return {
         "rollout/decision_tokens": len(surprisal) / max(len(sampled), 1),
         "rollout/decision_entropy": sum(surprisal) / len(surprisal) if surprisal else 0.0,
     }
-    return kept, metrics
 
 
 def free_tokens(matcher: Any, completion: list[int], tokenizer: Any, vocab_size: int) -> list[int]:

@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from looprl.config import Config
 from looprl.engine import SamplingParams, Thinking
@@ -25,7 +27,7 @@ from looprl.loop.policy import Policy, attach_rollout_engine, check_rollout_engi
 from looprl.loop.progress import DONE, Progress
 from looprl.loop.rollout import run_episodes
 from looprl.report.stats import reward_with_ci
-from looprl.types import ENV_ERROR, TRUNCATED, Episode
+from looprl.types import ENV_ERROR, TRUNCATED, Episode, Task
 
 
 def mean_ci95(values: list[float]) -> tuple[float, float, float]:
@@ -157,7 +159,7 @@ GREEDY_SUFFIX = "_greedy"  # eval/NAME_greedy.json: the same tasks at T = 0, one
 
 def evaluate(
     policy: Policy,
-    play: Any,
+    play: Player,
     tasks: list,
     cfg: Config,
     run_dir: Path | None,
@@ -207,6 +209,53 @@ def evaluate(
     return result
 
 
+@dataclass
+class HeldOut:
+    """A run's held-out evals: the same tasks and sampling seeds before training, after the
+    SFT and after training, so that every comparison is paired; with `eval.greedy`, each
+    also greedily (T = 0, one episode per task) on `greedy_tasks`. An eval already in the
+    run folder (a resumed run) is read back, not played again."""
+
+    cfg: Config
+    policy: Policy
+    play: Player
+    run_dir: Path
+    progress: Progress
+    tasks: list[Task]
+    greedy_tasks: list[Task]
+
+    @classmethod
+    def of(
+        cls, cfg: Config, policy: Policy, play: Player, probe: Any, run_dir: Path,
+        progress: Progress,
+    ) -> HeldOut:  # fmt: skip
+        tasks = probe.tasks("eval", n=cfg.eval.tasks, seed=cfg.eval.seed)
+        greedy_tasks = greedy_eval_tasks(probe, cfg, tasks)
+        kept = cls.read(run_dir, "baseline" + GREEDY_SUFFIX)
+        if kept is not None:  # resumed: the tasks it played, whatever the settings
+            greedy_tasks = kept_tasks(kept, greedy_tasks, tasks)
+        return cls(cfg, policy, play, run_dir, progress, tasks, greedy_tasks)
+
+    @staticmethod
+    def read(run_dir: Path, name: str) -> dict | None:
+        """eval/NAME.json of the run folder, if it is there."""
+        path = run_dir / "eval" / f"{name}.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def run(self, name: str, greedy: bool = False) -> dict:
+        """Play eval NAME (NAME_greedy with `greedy`) and write it to the run folder."""
+        tasks = self.greedy_tasks if greedy else self.tasks
+        return evaluate(
+            self.policy, self.play, tasks, self.cfg, self.run_dir,
+            name + (GREEDY_SUFFIX if greedy else ""), self.progress, greedy=greedy,
+        )  # fmt: skip
+
+    def kept_or_run(self, name: str, greedy: bool = False) -> dict:
+        """The eval kept in the run folder, or played now."""
+        kept = self.read(self.run_dir, name + (GREEDY_SUFFIX if greedy else ""))
+        return kept if kept is not None else self.run(name, greedy)
+
+
 def check_some_scored(episodes: list[Episode], title: str, run_dir: Path | None, name: str) -> None:
     """An eval whose every episode ended in `env_error` measured nothing: a failure, never
     a reward of 0 (its tracebacks are in samples/NAME.jsonl when there is a run folder)."""
@@ -253,7 +302,23 @@ def write_eval(run_dir: Path, name: str, result: dict, episodes: list) -> None:
     log.write_samples(run_dir / "samples" / f"{name}.jsonl", episodes)
 
 
-def player(cfg: Config, policy: Policy, probe: Any) -> Any:
+class Player(Protocol):
+    """Plays one episode per task (repeat a task for a group), in order, with one policy:
+    `first_index` is the first episode's random stream (its index in the whole batch when
+    this process plays a share of it, loop/dist.py); `on_progress(n)` hears how many have
+    ended."""
+
+    def __call__(
+        self,
+        tasks: list[Task],
+        *,
+        params: SamplingParams,
+        first_index: int = 0,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> list[Episode]: ...
+
+
+def player(cfg: Config, policy: Policy, probe: Any) -> Player:
     """`play(tasks, params=..., first_index=0) -> episodes` with this policy, in fresh env
     instances (agent environments, which have `run_agent`, are played by
     looprl.openai.agents); `first_index` is the first episode's index in the whole batch
@@ -276,7 +341,7 @@ def player(cfg: Config, policy: Policy, probe: Any) -> Any:
     if not callable(score_groups):
         return play
 
-    def play_and_score_groups(tasks: list, **kwargs: Any) -> list[Episode]:
+    def play_and_score_groups(tasks: list[Task], **kwargs: Any) -> list[Episode]:
         """A group judge's scores come once the groups are played (the dataset env)."""
         episodes = play(tasks, **kwargs)
         score_groups(episodes)

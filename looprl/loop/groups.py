@@ -8,8 +8,8 @@ formulas are in algo/selection.py):
   `algo.max_oversample` > 1 the step then plays more tasks, round after round, until
   `tasks_per_step` groups with a reward spread are kept or the cap is reached (DAPO).
 - `algo.entropy_coef` β adds β × (the episode's decision surprisal − its group's mean)
-  to each advantage (`bonus`: loop/decisions.py; algo/advantages.py), so within a group
-  the choice sampled less often is favoured, also among equal rewards.
+  to each advantage (the decision views: loop/decisions.py; algo/advantages.py), so
+  within a group the choice sampled less often is favoured, also among equal rewards.
 - `algo.greedy_samples` 1 makes one member of each group the policy's greedy episode
   (T = 0, scored at T = 1 like the samples): its advantage ranks the policy's argmax
   against its own samples, so a group whose samples beat the argmax moves it directly.
@@ -22,6 +22,10 @@ formulas are in algo/selection.py):
 
 Round 0 of a step without the curriculum plays exactly the tasks and random streams the
 loop always has; refill rounds take new task seeds and continue the episode streams.
+
+A step's groups are `Group` records from the moment they are played to the update: the
+task, its members in play order, each member's advantage, and (when the loss or the bonus
+needs them) each member's decision view.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import Any
 from looprl.algo import (
     Advantage,
     choose_tasks,
-    episode_advantages,
+    group_advantages_of,
     is_mastered,
     record_groups,
     refill_count,
@@ -42,46 +46,82 @@ from looprl.algo import (
 )
 from looprl.config import Config
 from looprl.engine import SamplingParams
+from looprl.loop.decisions import decision_surprisal
 from looprl.loop.dist import Dist
-from looprl.loop.evaluate import distinct_tasks
-from looprl.loop.guidance import with_experts, with_members
+from looprl.loop.evaluate import Player, distinct_tasks
+from looprl.seeds import refill_seed, step_seed
 from looprl.types import Episode, Task
 
-REFILL_SEED_STRIDE = 500_009  # a refill round's task seed: the step's seed + round × this
+
+@dataclass
+class Group:
+    """One task's episodes in a step and what the update needs of them.
+
+    `episodes`: the group's members in play order: the policy's samples, then
+    `algo.greedy_samples` greedy episodes, then `algo.expert_samples` expert episodes.
+    `advantages`: one per member; None: it takes no part (an env error, nothing generated,
+    or the whole group dropped by dynamic sampling or past the step's kept groups).
+    `views`: each member's decision view (loop/decisions.py), when `algo.loss_on: free` or
+    the entropy bonus needs them. `all_equal`: the trainable members' rewards are equal."""
+
+    task: Task
+    episodes: list[Episode]
+    advantages: list[Advantage | None] = field(default_factory=list)
+    views: list[Episode] | None = None
+    all_equal: bool = False
+
+    @property
+    def kept(self) -> bool:
+        return any(a is not None for a in self.advantages)
+
+    def drop(self) -> None:
+        self.advantages = [None] * len(self.episodes)
+
+    def learners(self, views: bool = False) -> list[tuple[Episode, Advantage]]:
+        """(episode, advantage) of each member that takes part; with `views`, its decision
+        view instead, and a member whose view has no decision token takes no part."""
+        if not views:
+            return [(e, a) for e, a in zip(self.episodes, self.advantages) if a is not None]
+        assert self.views is not None, "decision views were not built for this step"
+        pairs = zip(self.views, self.advantages)
+        return [(v, a) for v, a in pairs if a is not None and v.response_len > 0]
 
 
 @dataclass
 class StepGroups:
-    """Every episode a step played, the advantage of each (None: takes no part), and the
-    step's metrics about its groups."""
+    """Every group a step played (refill rounds after round 0, in play order) and the
+    step's metrics about them."""
 
-    episodes: list[Episode] = field(default_factory=list)
-    advantages: list[Advantage | None] = field(default_factory=list)
+    groups: list[Group] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def episodes(self) -> list[Episode]:
+        return [e for group in self.groups for e in group.episodes]
+
+    def learners(self, views: bool = False) -> list[tuple[Episode, Advantage]]:
+        return [pair for group in self.groups for pair in group.learners(views)]
 
 
 def play_step(
     cfg: Config,
     probe: Any,
-    play: Any,
+    play: Player,
     dist: Dist,
     step: int,
     history: dict[str, list[list[float]]],
-    bonus: Callable[[Episode], float] | None = None,
+    decide: Callable[[Episode], Episode] | None = None,
     expert: Callable[[Task], Episode] | None = None,
 ) -> tuple[StepGroups, dict[str, list[list[float]]]]:
     """Play the step's groups (refilling dropped ones); returns them and the curriculum
-    history updated with every group played. With `bonus` (an episode's decision
-    surprisal), the advantages take `algo.entropy_coef` × its spread in the group. A
-    group is its samples, then `algo.greedy_samples` greedy episodes, then with `expert`
-    (a task's expert episode) `algo.expert_samples` copies of that episode."""
-    wanted, group = cfg.rollout.tasks_per_step, cfg.rollout.group_size
-    experts = cfg.algo.expert_samples if expert is not None else 0
-    greedy = cfg.algo.greedy_samples
-    anchored = experts > 0 and cfg.algo.expert_baseline == "samples"
+    history updated with every group played. With `decide` (an episode's decision view)
+    each group keeps its members' views, and with `algo.entropy_coef` the advantages take
+    β × the spread of their decision surprisal. With `expert` (a task's expert episode)
+    the last `algo.expert_samples` members of a group are copies of that episode."""
+    wanted = cfg.rollout.tasks_per_step
     refill = cfg.algo.dynamic_sampling and cfg.algo.max_oversample > 1
     cap = max(wanted, math.floor(wanted * cfg.algo.max_oversample)) if refill else wanted
-    seed = cfg.seed * 1_000_003 + step
+    seed = step_seed(cfg.seed, step)
     params = SamplingParams(
         temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p,
@@ -94,39 +134,31 @@ def play_step(
     kept = sampled = 0
     count, round_ = wanted, 0
     while count:
-        tasks, chosen_weights = step_tasks(
-            cfg, probe, count, seed + REFILL_SEED_STRIDE * round_, history
-        )
+        tasks, chosen_weights = step_tasks(cfg, probe, count, refill_seed(seed, round_), history)
         weights += chosen_weights
-        # this rank plays its share of whole groups; every rank then sees all episodes
+        # this rank plays its share of whole groups; every rank then sees all of them
         mine = dist.share(range(len(tasks)))
-        # a task's samples take random streams (the step's tasks so far) × (samples a
-        # task) on: the streams of one process playing the whole batch
-        sampling = group - experts - greedy
-        played = play([tasks[i] for i in mine for _ in range(sampling)], params=params,
-                      first_index=(sampled + (mine[0] if mine else 0)) * sampling)  # fmt: skip
-        if greedy:  # T = 0 needs no random stream
-            argmax = play([tasks[i] for i in mine], params=replace(params, temperature=0.0))
-            played = with_members(played, [[e] for e in argmax])
-        if experts:
-            played = with_experts(played, [tasks[i] for i in mine], experts, expert)
-        episodes = dist.gather(played)
-        graded = [graded_turns(e) for e in episodes] if cfg.algo.turn_reward_weight else None
-        advantages, zero_std = episode_advantages(
-            [e.reward for e in episodes], [e.trainable for e in episodes], group,
-            scale=cfg.algo.scale_advantages, dynamic_sampling=cfg.algo.dynamic_sampling,
-            turn_rewards=graded,
-            turn_weight=cfg.algo.turn_reward_weight, turn_gamma=cfg.algo.turn_gamma,
-            bonus=[bonus(e) if e.trainable else 0.0 for e in episodes] if bonus else None,
-            bonus_weight=cfg.algo.entropy_coef,
-            anchors=[e.expert for e in episodes] if anchored else None,
-        )  # fmt: skip
-        kept = _keep_at_most(advantages, group, wanted, kept)
+        groups = dist.gather(
+            play_groups(
+                cfg,
+                play,
+                [tasks[i] for i in mine],
+                params,
+                sampled + (mine[0] if mine else 0),
+                expert,
+            )
+        )
+        for group in groups:
+            if decide is not None:
+                group.views = [decide(e) if e.trainable else e for e in group.episodes]
+            score_group(cfg, group)
+            if group.kept and kept >= wanted:
+                group.drop()  # past the step's kept groups: refills played in parallel
+            kept += group.kept
         if round_ == 0:
-            out.metrics["train/zero_std_groups"] = zero_std
-        history = _remember(cfg, history, episodes, group)
-        out.episodes += episodes
-        out.advantages += advantages
+            out.metrics["train/zero_std_groups"] = sum(g.all_equal for g in groups)
+        history = _remember(cfg, history, groups)
+        out.groups += groups
         sampled += len(tasks)
         round_ += 1
         count = refill_count(kept, wanted, sampled, cap, dist.world) if refill else 0
@@ -135,6 +167,52 @@ def play_step(
     if cfg.curriculum.enabled:
         out.metrics.update(curriculum_metrics(cfg, history, weights))
     return out, history
+
+
+def play_groups(
+    cfg: Config,
+    play: Player,
+    tasks: list[Task],
+    params: SamplingParams,
+    first: int,
+    expert: Callable[[Task], Episode] | None,
+) -> list[Group]:
+    """One group for each of `tasks` (this process's share; `first`: the index of the first
+    among all the step's tasks so far). A task's samples take random streams (its index) ×
+    (samples a task) on: the streams of one process playing the whole batch."""
+    experts = cfg.algo.expert_samples if expert is not None else 0
+    greedy = cfg.algo.greedy_samples
+    sampling = cfg.rollout.group_size - experts - greedy
+    played = play([t for t in tasks for _ in range(sampling)], params=params,
+                  first_index=first * sampling)  # fmt: skip
+    groups = [Group(t, played[j * sampling : (j + 1) * sampling]) for j, t in enumerate(tasks)]
+    if greedy:  # T = 0 needs no random stream
+        for group, argmax in zip(groups, play(tasks, params=replace(params, temperature=0.0))):
+            group.episodes.append(argmax)
+    if experts:
+        for group in groups:
+            episode = expert(group.task)
+            group.episodes += [episode] + [replace(episode) for _ in range(experts - 1)]
+    return groups
+
+
+def score_group(cfg: Config, group: Group) -> None:
+    """The group's advantages (algo/advantages.py) under the config's levers."""
+    members = group.episodes
+    anchored = cfg.algo.expert_samples > 0 and cfg.algo.expert_baseline == "samples"
+    bonus = None
+    if group.views is not None and cfg.algo.entropy_coef > 0:
+        bonus = [
+            decision_surprisal(v) if e.trainable else 0.0 for e, v in zip(members, group.views)
+        ]
+    group.advantages, group.all_equal = group_advantages_of(
+        [e.reward for e in members], [e.trainable for e in members],
+        scale=cfg.algo.scale_advantages, dynamic_sampling=cfg.algo.dynamic_sampling,
+        turn_rewards=[graded_turns(e) for e in members] if cfg.algo.turn_reward_weight else None,
+        turn_weight=cfg.algo.turn_reward_weight, turn_gamma=cfg.algo.turn_gamma,
+        bonus=bonus, bonus_weight=cfg.algo.entropy_coef,
+        anchors=[e.expert for e in members] if anchored else None,
+    )  # fmt: skip
 
 
 def greedy_member(cfg: Config, episode: Episode) -> bool:
@@ -169,28 +247,16 @@ def step_tasks(
     return [candidates[i] for i in chosen], [weights[i] for i in chosen]
 
 
-def _keep_at_most(advantages: list[Advantage | None], group: int, wanted: int, kept: int) -> int:
-    """Drop (set to None) the groups past the `wanted`-th kept one; the new kept count."""
-    for start in range(0, len(advantages), group):
-        if all(a is None for a in advantages[start : start + group]):
-            continue
-        if kept >= wanted:
-            advantages[start : start + group] = [None] * len(advantages[start : start + group])
-        else:
-            kept += 1
-    return kept
-
-
 def _remember(
-    cfg: Config, history: dict[str, list[list[float]]], episodes: list[Episode], group: int
+    cfg: Config, history: dict[str, list[list[float]]], groups: list[Group]
 ) -> dict[str, list[list[float]]]:
     if not cfg.curriculum.enabled:
         return history
     ids, rewards = [], []
-    for start in range(0, len(episodes), group):
-        members = [e for e in episodes[start : start + group] if e.trainable]
+    for group in groups:
+        members = [e for e in group.episodes if e.trainable]
         if members:
-            ids.append(members[0].task.id)
+            ids.append(group.task.id)
             rewards.append([e.reward for e in members])
     return record_groups(history, ids, rewards, cfg.curriculum.window)
 

@@ -21,7 +21,6 @@ policy's samples.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from looprl.chat import ChatRenderer
@@ -93,27 +92,6 @@ def safe_expert_episode(
                           temperature=temperature, expert=True)  # fmt: skip
         mark_env_error(episode, err)
         return episode
-
-
-def with_experts(
-    played: list[Episode], tasks: list[Task], k: int, expert: Callable[[Task], Episode]
-) -> list[Episode]:
-    """Each task's group: its sampled episodes (`played`, len(played) / len(tasks) a task,
-    in task order) followed by k expert episodes (k − 1 of them copies of the first)."""
-    experts = [expert(task) for task in tasks]
-    return with_members(played, [[e] + [replace(e) for _ in range(k - 1)] for e in experts])
-
-
-def with_members(played: list[Episode], members: list[list[Episode]]) -> list[Episode]:
-    """Each task's episodes in `played` (len(played) / len(members) a task, in task order),
-    each followed by that task's `members`."""
-    if not members:
-        return list(played)
-    per_task = len(played) // len(members)
-    out: list[Episode] = []
-    for j, extra in enumerate(members):
-        out += [*played[j * per_task : (j + 1) * per_task], *extra]
-    return out
 
 
 def expert_advantage(batch: list[tuple[Episode, Any]]) -> float:

@@ -32,6 +32,7 @@ from looprl.loop.evaluate import check_some_scored, eval_result
 from looprl.loop.log import episode_record
 from looprl.loop.progress import Progress
 from looprl.loop.rollout import mark_env_error
+from looprl.seeds import turn_seed
 from looprl.types import TRUNCATED, Episode, Message, Task, ToolCall
 
 
@@ -162,7 +163,7 @@ def play_remote(task: Task, cfg: Config, client: Any, model: str, seed: int) -> 
 def _play_turns(env: Any, episode: Episode, history: list[Message], obs: Any, cfg: Config,
                 client: Any, model: str, seed: int, generated: list[int]) -> None:  # fmt: skip
     for turn in range(env.max_turns):
-        reply, cut, tokens = _ask(client, model, history, obs, cfg, seed + 7919 * turn)
+        reply, cut, tokens = _ask(client, model, history, obs, cfg, turn_seed(seed, turn))
         generated.append(tokens)
         history.append(reply)
         if cut and not (reply.tool_calls and not reply.parse_failure):

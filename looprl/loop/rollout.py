@@ -26,6 +26,7 @@ from looprl.chat import ChatRenderer
 from looprl.engine import GenerationRequest, RolloutEngine, SamplingParams, Thinking
 from looprl.engine.requests import generation_request
 from looprl.envs.common import check_reward, lowest_reward
+from looprl.seeds import turn_seed
 from looprl.types import ENV_ERROR, TRUNCATED, Episode, Message, Observation, Task, Turn
 
 
@@ -38,6 +39,8 @@ class _Live:
     obs: Observation
     history: list[Message] = field(default_factory=list)
     turn_starts: list[int] = field(default_factory=list)  # len(history) as each turn began
+    stream: int = 0  # the random stream it samples from in every turn (run_episodes)
+    ended: bool = False  # counted by _Ended
 
 
 def mark_env_error(episode: Episode, err: BaseException) -> None:
@@ -122,7 +125,8 @@ def run_episodes(
     over several processes (each passing its share's offset) samples what one process
     playing the whole batch would. `thinking` allows free text before forced calls."""
     lives = [_start(task, make_env, renderer, params.temperature) for task in tasks]
-    stream = {id(lv): first_index + i for i, lv in enumerate(lives)}
+    for i, lv in enumerate(lives):
+        lv.stream = first_index + i
     ended = _Ended(on_progress)
     for lv in lives:
         if lv.episode.outcome == ENV_ERROR:
@@ -143,12 +147,10 @@ def run_episodes(
             room = [max_episode_tokens - len(lv.episode.token_ids) for lv in active]
             if not active:
                 break
-            turn_params = replace(
-                params, seed=None if params.seed is None else params.seed + 7919 * turn
-            )
+            turn_params = replace(params, seed=turn_seed(params.seed, turn))
             requests = [_request(lv, renderer, thinking) for lv in active]
             for lv, request, left in zip(active, requests, room):
-                request.stream = stream[id(lv)]
+                request.stream = lv.stream
                 request.max_new_tokens = min(params.max_new_tokens, left)
                 request.keep_kv = turn + 1 < max_turns
                 if on_progress is not None and not request.keep_kv:  # its last turn
@@ -178,12 +180,13 @@ class _Ended:
 
     def __init__(self, report: Callable[[int], None] | None) -> None:
         self.report = report
-        self.seen: set[int] = set()
+        self.count = 0
 
     def __call__(self, live: _Live) -> None:
-        if self.report is not None and id(live) not in self.seen:
-            self.seen.add(id(live))
-            self.report(len(self.seen))
+        if self.report is not None and not live.ended:
+            live.ended = True
+            self.count += 1
+            self.report(self.count)
 
 
 def _advance(

@@ -158,7 +158,3 @@ def seed_everything(seed: int) -> None:
 
 def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
-
-
-def load_json(path: Path) -> dict | None:
-    return json.loads(path.read_text()) if path.exists() else None

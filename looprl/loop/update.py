@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -32,6 +32,9 @@ from looprl.loop.dist import Dist
 from looprl.loop.policy import Policy, prompt_length, sequence_logprobs
 from looprl.model.memory import release_free_memory
 from looprl.types import Episode
+
+if TYPE_CHECKING:
+    from looprl.loop.groups import Group
 
 log = logging.getLogger("looprl")
 T = TypeVar("T")
@@ -77,111 +80,128 @@ def retry_on_oom(fn: Callable[[int], T], state: UpdateState, optimizer: torch.op
             state.oom_retries += 1
 
 
-def _sampled(episode: Episode) -> torch.Tensor:
-    """The engine's logprobs of the episode's generated tokens, in order."""
-    return torch.tensor([lp for lp, m in zip(episode.logprobs, episode.loss_mask) if m])
+@dataclass(eq=False)
+class Scored:
+    """One episode as the update scores it: its advantage and, once computed, the
+    trainer's logprobs of its generated tokens before the step (`old`) and the reference
+    policy's (`ref`, with `algo.kl_coef`), in order."""
+
+    episode: Episode
+    advantage: Advantage
+    old: torch.Tensor | None = None
+    ref: torch.Tensor | None = None
+
+    @property
+    def sampled(self) -> torch.Tensor:
+        """The engine's logprobs of the episode's generated tokens, in order."""
+        e = self.episode
+        return torch.tensor([lp for lp, m in zip(e.logprobs, e.loss_mask) if m])
+
+    @property
+    def behaviour(self) -> torch.Tensor:
+        """The logprobs of the policy that produced the episode. An expert episode was not
+        sampled: the policy before the step stands in for it (loop/guidance.py)."""
+        assert self.old is not None
+        return self.old if self.episode.expert else self.sampled
 
 
 def update_policy(
     policy: Policy,
     optimizer: torch.optim.Optimizer,
-    batch: list[tuple[Episode, Advantage]],
+    groups: list[Group],
     algo: AlgoConfig,
     train: TrainConfig,
     *,
+    views: bool = False,
     group_size: int,
     max_tokens: int,
     seed: int,
     state: UpdateState,
     dist: Dist | None = None,
 ) -> dict[str, Any]:
-    """`algo.num_minibatches` optimizer updates on one rollout batch (episode, advantage).
+    """`algo.num_minibatches` optimizer updates on one rollout batch: the members of
+    `groups` that take part (`Group.learners`; with `views`, their decision views).
 
     `group_size` episodes of one task form a group; `max_tokens` is the generation budget
     of one episode (the constant length of Dr.GRPO's normaliser); `seed` shuffles this
     step's groups into minibatches. Each episode is scored at its own sampling temperature.
 
-    Over several processes (`dist`), `batch` is this rank's share of whole groups; the
-    minibatches, the loss normaliser, the gradient and the returned stats are those of
-    the whole batch over all ranks, so the update is the one-process update.
+    Over several processes (`dist`), `groups` is this rank's share; the minibatches, the
+    loss normaliser, the gradient and the returned stats are those of the whole batch over
+    all ranks, so the update is the one-process update.
     """
     dist = dist or Dist()
     out = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "ratio_max": 1.0,
            "logprob_gap": 0.0, "skipped": 0, "updated": 0, "tokens": 0}  # fmt: skip
+    batch = [Scored(e, a) for group in groups for e, a in group.learners(views)]
     if not dist.all_reduce([len(batch)])[0]:
         return out
     model, pad = policy.model, policy.tokenizer.pad_token_id or 0
 
-    def logprobs(episodes: list[Episode]) -> tuple[torch.Tensor, torch.Tensor]:
+    def logprobs(chunk: list[Scored]) -> tuple[torch.Tensor, torch.Tensor]:
         # one temperature per micro-batch (see micro_batches)
         return sequence_logprobs(
-            model, [e.token_ids for e in episodes], [e.loss_mask for e in episodes],
-            pad, policy.device, scoring_temperature(episodes[0].temperature),
+            model, [s.episode.token_ids for s in chunk], [s.episode.loss_mask for s in chunk],
+            pad, policy.device, scoring_temperature(chunk[0].episode.temperature),
         )  # fmt: skip
 
-    def masked_values(episodes: list[Episode], budget: int) -> dict[int, torch.Tensor]:
+    def masked_values(samples: list[Scored], budget: int) -> list[torch.Tensor]:
         """Each episode's logprobs at its generated tokens, in order (no grad)."""
-        values: dict[int, torch.Tensor] = {}
+        values: list[torch.Tensor] = []
         with torch.no_grad():
-            for chunk in micro_batches(episodes, budget):
+            for chunk in scored_chunks(samples, budget):
                 logp_BK, mask_BK = logprobs(chunk)
-                for row, episode in enumerate(chunk):
-                    values[id(episode)] = logp_BK[row][mask_BK[row]].float().cpu()
+                values += [logp_BK[row][mask_BK[row]].float().cpu() for row in range(len(chunk))]
         return values
 
     # old logprobs from the trainer's own forward pass, before any update; the gap to
     # the engine's sampling logprobs is the token-parity check. Only the episodes that
     # can move the loss need them: A = 0 episodes are skipped below (unless the KL term
     # needs them); with none left on any rank, one group per rank still measures the gap.
-    learning = [e for e, a in batch if moves(a) or algo.kl_coef > 0]
+    learning = [s for s in batch if moves(s.advantage) or algo.kl_coef > 0]
     anyone_learning = dist.all_reduce([len(learning)])[0] > 0
-    episodes = learning if anyone_learning else [e for e, _ in batch][:group_size]
+    scored = learning if anyone_learning else batch[:group_size]
     model.eval()
     with RouterLoad(model) as load:  # MoE models: tokens per expert in this pass
-        old = retry_on_oom(lambda budget: masked_values(episodes, budget), state, optimizer)
+        old = retry_on_oom(lambda budget: masked_values(scored, budget), state, optimizer)
+    for sample, values in zip(scored, old, strict=True):
+        sample.old = values
     if load.counts_LE is not None or (dist.world > 1 and load.routers):
         out["router"] = _gathered_router_metrics(load, dist)
-    ref: dict[int, torch.Tensor] = {}
     if algo.kl_coef > 0:
         with model.disable_adapter():
-            ref = retry_on_oom(lambda budget: masked_values(episodes, budget), state, optimizer)
+            ref = retry_on_oom(lambda budget: masked_values(scored, budget), state, optimizer)
+        for sample, values in zip(scored, ref, strict=True):
+            sample.ref = values
     model.train()
 
-    def behaviour(episode: Episode) -> torch.Tensor:
-        # an expert episode was not sampled: the policy before the step stands in for its
-        # behaviour policy (loop/guidance.py)
-        return old[id(episode)] if episode.expert else _sampled(episode)
-
-    gaps = [(old[id(e)] - _sampled(e)).abs().mean().item() for e in episodes if not e.expert]
+    gaps = [(s.old - s.sampled).abs().mean().item() for s in scored if not s.episode.expert]
     gap_sum, gap_count = dist.all_reduce([float(np.sum(gaps)), len(gaps)])
     out["logprob_gap"] = gap_sum / gap_count if gap_count else float("nan")
 
     loss_fn = LOSSES[algo.name]
 
-    def backward(
-        minibatch: list[tuple[Episode, Advantage]], normalizer: Normalizer, budget: int
-    ) -> dict[str, float]:
+    def backward(minibatch: list[Scored], normalizer: Normalizer, budget: int) -> dict[str, float]:
         """Accumulate the gradient of this rank's part of one minibatch's loss."""
         # A = 0 sequences add nothing to the policy-gradient loss: skip their forward
         # pass (unless the KL term needs them); they still count in the normaliser.
-        active = [(e, a) for e, a in minibatch if moves(a) or algo.kl_coef > 0]
-        adv = {id(e): a for e, a in active}
+        active = [s for s in minibatch if moves(s.advantage) or algo.kl_coef > 0]
         optimizer.zero_grad(set_to_none=True)
         acc = {"loss": 0.0, "units": 0.0, "clipped": 0.0, "ratio_max": 1.0, "tokens": 0}
-        for chunk in micro_batches([e for e, _ in active], budget):
+        for chunk in scored_chunks(active, budget):
             logp_BK, mask_BK = logprobs(chunk)
             old_BK = torch.zeros_like(logp_BK)
-            old_BK[mask_BK] = torch.cat([old[id(e)] for e in chunk]).to(old_BK)
+            old_BK[mask_BK] = torch.cat([s.old for s in chunk]).to(old_BK)
             if algo.tis_cap is not None:  # off-policy correction (algo/tis.py)
                 engine_BK = torch.zeros_like(logp_BK)
-                engine_BK[mask_BK] = torch.cat([behaviour(e) for e in chunk]).to(engine_BK)
+                engine_BK[mask_BK] = torch.cat([s.behaviour for s in chunk]).to(engine_BK)
                 w_BK = tis_weights(old_BK, engine_BK, mask_BK, algo.tis_cap)
                 logp_BK = weight_gradient(logp_BK, w_BK)
             ref_BK = None
-            if ref:
+            if algo.kl_coef > 0:
                 ref_BK = torch.zeros_like(logp_BK)
-                ref_BK[mask_BK] = torch.cat([ref[id(e)] for e in chunk]).to(ref_BK)
-            adv_B = advantage_tensor([adv[id(e)] for e in chunk]).to(logp_BK.device)
+                ref_BK[mask_BK] = torch.cat([s.ref for s in chunk]).to(ref_BK)
+            adv_B = advantage_tensor([s.advantage for s in chunk]).to(logp_BK.device)
             loss, st = loss_fn(
                 logp_BK, old_BK, adv_B, mask_BK.float(),
                 eps_low=algo.eps_low, eps_high=algo.eps_high,
@@ -192,15 +212,15 @@ def update_policy(
             acc["units"] += st["count"]
             acc["clipped"] += st["clip_frac"] * st["count"]
             acc["ratio_max"] = max(acc["ratio_max"], st["ratio_max"])
-            acc["tokens"] += sum(len(e.token_ids) for e in chunk)
+            acc["tokens"] += sum(len(s.episode.token_ids) for s in chunk)
         return acc
 
     losses, clips, norms = [], [], []
-    for minibatch in minibatches(batch, algo.num_minibatches, seed=seed, dist=dist):
+    for minibatch in minibatches(task_units(batch), algo.num_minibatches, seed=seed, dist=dist):
         # the whole minibatch's counts, over all ranks: each loss divides by its own
         # (algo/losses.py)
         sequences, tokens = dist.all_reduce(
-            [len(minibatch), sum(e.response_len for e, _ in minibatch)]
+            [len(minibatch), sum(s.episode.response_len for s in minibatch)]
         )
         normalizer = Normalizer(sequences=sequences, tokens=tokens, max_tokens=max_tokens)
         acc = retry_on_oom(
@@ -254,30 +274,45 @@ def _gathered_router_metrics(load: RouterLoad, dist: Dist) -> dict[str, float]:
     return router_metrics(torch.tensor(summed, dtype=torch.float64).reshape(counts_LE.shape))
 
 
-def minibatches(
-    batch: list[tuple[Episode, Advantage]], count: int, seed: int, dist: Dist | None = None
-) -> list[list[tuple[Episode, Advantage]]]:
-    """Shuffle whole groups (episodes of one task) into `count` minibatches, so that a
-    group's episodes share one prompt pass (see sequence_logprobs).
+def task_units(batch: list[Scored]) -> list[list[Scored]]:
+    """The batch's members by task, in order of first appearance: one group, or the groups
+    of a task drawn twice in a step, which then share a minibatch and one prompt pass."""
+    by_task: dict[str, list[Scored]] = {}
+    for sample in batch:
+        by_task.setdefault(sample.episode.task.id, []).append(sample)
+    return list(by_task.values())
 
-    Over several processes the shuffle is of all ranks' groups, in rank order (the order
-    of one process's batch), and each rank keeps its own groups of every minibatch: every
+
+def minibatches(
+    units: list[list[T]], count: int, seed: int, dist: Dist | None = None
+) -> list[list[T]]:
+    """Shuffle whole units (a task's members, `task_units`) into `count` minibatches, so
+    that a group's episodes share one prompt pass (see sequence_logprobs).
+
+    Over several processes the shuffle is of all ranks' units, in rank order (the order
+    of one process's batch), and each rank keeps its own units of every minibatch: every
     rank returns the same number of minibatches, some possibly empty on some ranks."""
     dist = dist or Dist()
-    by_task: dict[str, list[tuple[Episode, Advantage]]] = {}
-    for item in batch:
-        by_task.setdefault(item[0].task.id, []).append(item)
-    groups = list(by_task.values())
-    counts = [int(n) for n in dist.gather([len(groups)])]
+    counts = [int(n) for n in dist.gather([len(units)])]
     first = sum(counts[: dist.rank])
     total = sum(counts)
     order = torch.randperm(total, generator=torch.Generator().manual_seed(seed))
     splits = [split for split in torch.tensor_split(order, min(count, total)) if len(split)]
     return [
-        [item for i in split.tolist() if first <= i < first + len(groups)
-         for item in groups[i - first]]
+        [item for i in split.tolist() if first <= i < first + len(units)
+         for item in units[i - first]]
         for split in splits
     ]  # fmt: skip
+
+
+def scored_chunks(samples: list[Scored], token_budget: int) -> list[list[Scored]]:
+    """`micro_batches` of the samples' episodes, as samples."""
+    chunks: list[list[Scored]] = []
+    at = 0
+    for chunk in micro_batches([s.episode for s in samples], token_budget):
+        chunks.append(samples[at : at + len(chunk)])
+        at += len(chunk)
+    return chunks
 
 
 def micro_batches(episodes: list[Episode], token_budget: int) -> list[list[Episode]]:

@@ -1,0 +1,270 @@
+"""One training step and what it works on: play the step's groups (loop/groups.py), count
+the environment's errors, update the policy (loop/update.py), measure the step.
+
+`Trainer` holds what outlives a step (the policy, its optimizer and schedule, the loop
+state, the metrics logger) and `Levers` what the optional levers need (the decision
+views of `algo.loss_on: free` and `algo.entropy_coef`, the expert episodes of
+`algo.expert_samples`); loop/train.py calls `Trainer.step` once a step.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from looprl.config import Config
+from looprl.envs import make_env
+from looprl.errors import EngineError, LoopRLError
+from looprl.loop import checkpoint as checkpoints
+from looprl.loop import log
+from looprl.loop.decisions import decision_metrics, decision_view, grammar_cache
+from looprl.loop.dist import Dist, main_only
+from looprl.loop.evaluate import Player, by_member, judge_cost, summarize
+from looprl.loop.groups import StepGroups, greedy_member, play_step
+from looprl.loop.guidance import expert_advantage, mean_advantage, safe_expert_episode
+from looprl.loop.log import MetricsLogger
+from looprl.loop.policy import Policy
+from looprl.loop.progress import Progress
+from looprl.loop.run_state import LoopState, peak_rss_gb
+from looprl.loop.snapshot import SnapshotPlayer
+from looprl.loop.update import update_policy
+from looprl.report import write as report_files
+from looprl.seeds import minibatch_seed
+from looprl.types import ENV_ERROR, PARSE_FAILURES, TRUNCATED, Episode, Task
+
+# Under torchrun every rank runs the loop and computes the same metrics from all ranks'
+# episodes (loop/dist.py); rank 0 alone writes the run folder. These writers do nothing
+# on the other ranks, so the loop reads the same for one process or many.
+UNSCORABLE = (*PARSE_FAILURES, TRUNCATED)  # outcomes that say nothing of the task itself
+save_checkpoint = main_only(checkpoints.save_checkpoint)
+write_samples = main_only(log.write_samples)
+write_report = main_only(report_files.write_report)
+
+
+@dataclass
+class Levers:
+    """What the optional levers of a step need, built once for a run: `decide`, an
+    episode's decision view (`algo.loss_on: free` trains on the views; `algo.entropy_coef`
+    takes its bonus from them); `expert`, a task's expert episode (`algo.expert_samples`)."""
+
+    decide: Callable[[Episode], Episode] | None = None
+    expert: Callable[[Task], Episode] | None = None
+    loss_on_views: bool = False
+
+    @classmethod
+    def of(cls, cfg: Config, policy: Policy) -> Levers:
+        decide = None
+        if cfg.algo.loss_on == "free" or cfg.algo.entropy_coef > 0:
+            grammars = grammar_cache(policy)
+            decide = partial(decision_view, grammars=grammars, tokenizer=policy.tokenizer)
+        expert = None
+        if cfg.algo.expert_samples:
+            expert = partial(
+                safe_expert_episode, lambda: make_env(cfg.env.name, cfg.env.args),
+                renderer=policy.renderer, temperature=cfg.rollout.temperature,
+            )  # fmt: skip
+        return cls(decide, expert, cfg.algo.loss_on == "free")
+
+
+@dataclass
+class Trainer:
+    """What a run's training steps share."""
+
+    cfg: Config
+    policy: Policy
+    probe: Any  # an env instance: tasks, max_turns
+    play: Player
+    dist: Dist
+    run_dir: Path
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    state: LoopState
+    logger: MetricsLogger
+    snapshot: SnapshotPlayer | None
+    levers: Levers
+    baseline: dict  # the baseline eval: the report written when a run stops early
+    started: float  # time.time() at the run's start
+
+    def step(self, step: int) -> dict[str, Any]:
+        """Play, learn, measure and log one step; checkpoint when due. Returns its metrics."""
+        cfg, t0 = self.cfg, time.time()
+        played = self.play_groups(step)
+        rollout_s = time.time() - t0
+        errors = self.count_env_errors(played.episodes, step)
+        t1 = time.time()
+        stats = update_policy(
+            self.policy, self.optimizer, self.dist.share(played.groups), cfg.algo, cfg.train,
+            views=self.levers.loss_on_views, group_size=cfg.rollout.group_size,
+            max_tokens=cfg.rollout.max_new_tokens * self.probe.max_turns,
+            seed=minibatch_seed(cfg.seed, step), state=self.state.update, dist=self.dist,
+        )  # fmt: skip
+        train_s = time.time() - t1
+        if stats["skipped"]:
+            self.state.bad_steps += 1
+        elif stats["updated"]:
+            self.state.bad_steps = 0  # a step with only A = 0 groups proves nothing either way
+        with warnings.catch_warnings():
+            # the schedule follows training steps, also those where every advantage was 0
+            # and the optimizer had nothing to do (torch warns about that order)
+            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
+            self.scheduler.step()
+        generated = sum(e.response_len for e in played.episodes if not e.expert)  # greedy too
+        run = {
+            "train/lr": self.optimizer.param_groups[0]["lr"],
+            "train/micro_batch_tokens": self.state.update.micro_batch_tokens,
+            "perf/step_s": time.time() - t0,
+            "perf/rollout_tokens_per_s": generated / rollout_s,
+            "perf/train_tokens_per_s": stats["tokens"] / max(train_s, 1e-9),
+            "perf/peak_rss_gb": peak_rss_gb(),
+        }
+        metrics = step_metrics(cfg, step, played, stats, errors, self.levers, run)
+        self.logger.log(metrics)
+        if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
+            episodes = played.episodes[: cfg.logging.samples_per_log]
+            write_samples(self.run_dir / "samples" / "train.jsonl", episodes, step)
+        every = cfg.train.checkpoint_every
+        if step == cfg.train.steps or (every and step % every == 0):
+            self.checkpoint(step)
+        return metrics
+
+    def play_groups(self, step: int) -> StepGroups:
+        """The step's groups (loop/groups.py). An engine that fails (a vLLM server that
+        died) stops the run with the state after the previous step checkpointed."""
+        try:
+            played, self.state.curriculum = play_step(
+                self.cfg, self.probe, self.play, self.dist, step, self.state.curriculum,
+                self.levers.decide, self.levers.expert,
+            )  # fmt: skip
+        except EngineError as err:
+            self.checkpoint(step - 1)
+            self.logger.close()
+            raise EngineError(
+                f"{err}\nthe run stopped at step {step}; the state after step {step - 1} is "
+                f"checkpointed. Once the engine is back, continue with\n"
+                f"  looprl run --out {self.run_dir} --resume"
+            ) from None
+        return played
+
+    def count_env_errors(self, episodes: list[Episode], step: int) -> int:
+        """Environment bugs are counted against `env.error_budget`, never trained on; past
+        the budget the run stops with its report and the last checkpoint kept."""
+        errors = [e for e in episodes if e.outcome == ENV_ERROR]
+        self.state.env_errors += len(errors)
+        if errors:
+            write_samples(self.run_dir / "samples" / "env_errors.jsonl", errors, step)
+        if self.state.env_errors > self.cfg.env.error_budget:
+            self.stop_early()
+            kept = (checkpoints.list_checkpoints(self.run_dir) or [None])[-1]
+            raise LoopRLError(
+                f"{self.state.env_errors} episodes ended in env_error (budget "
+                f"env.error_budget={self.cfg.env.error_budget}); tracebacks are in "
+                f"{self.run_dir / 'samples' / 'env_errors.jsonl'}; "
+                + (f"the last checkpoint ({kept.name}) is kept" if kept else
+                   "no step had been checkpointed yet")
+            )  # fmt: skip
+        return len(errors)
+
+    def checkpoint(self, step: int) -> None:
+        save_checkpoint(
+            self.run_dir, step, self.policy.model, self.optimizer, self.scheduler,
+            {"model": self.cfg.model.name, **self.state.to_meta()}, self.cfg.train.keep_checkpoints,
+        )  # fmt: skip
+        if self.snapshot is not None:  # train games meet the policy of the last checkpoint
+            self.snapshot.refresh(self.policy.model)
+
+    def stop_early(self) -> None:
+        """The report of a run that stops before its last step (no final eval)."""
+        write_report(self.run_dir, self.cfg, self.baseline, None, time.time() - self.started,
+                     peak_rss_gb())  # fmt: skip
+        self.logger.close(report_dir=self.run_dir)
+
+
+def step_metrics(
+    cfg: Config,
+    step: int,
+    played: StepGroups,
+    stats: dict[str, Any],
+    env_errors: int,
+    levers: Levers,
+    run: dict[str, float],
+) -> dict[str, Any]:
+    """The step's metrics (docs/training.md names each), with `run`'s (train/lr,
+    train/micro_batch_tokens, perf/*) in their places. rollout/*: the policy's own samples
+    (expert episodes were not sampled, greedy members not at the rollout temperature)."""
+    episodes = played.episodes
+    batch = played.learners()
+    sampled = [e for e in episodes if not (e.expert or greedy_member(cfg, e))]
+    summary = summarize(sampled)
+    unscorable = sum(e.outcome in UNSCORABLE for e in sampled) / max(len(sampled), 1)
+    decision: dict[str, float] = {}
+    if levers.decide is not None:  # rollout/decision_entropy, rollout/decision_tokens
+        views = [v for group in played.groups for v in (group.views or [])]
+        decision = decision_metrics(episodes, views)
+    rewards = [e.reward for e, _ in batch if not (e.expert or greedy_member(cfg, e))]
+    metrics = {
+        "step": step,
+        "rollout/rewards_mean": summary["reward_mean"],
+        "rollout/rewards_std": float(np.std(rewards or [0.0])),
+        "response_len": summary["response_len"],
+        "rollout/valid_tool_call_rate": summary["valid_tool_call_rate"],
+        "rollout/env_errors": env_errors,
+        "rollout/unscorable": unscorable,  # truncated or unparsable share
+        "rollout/token_mismatch": sum("token_mismatch" in e.info for e in sampled),
+        "rollout/retokenize_mismatch": sum("retokenize_mismatch" in e.info for e in sampled),
+        "rollout/logprob_gap": stats["logprob_gap"],
+        "rollout/entropy": summary["entropy"],
+        **decision,
+        "train/loss": stats["loss"],
+        "train/clip_frac": stats["clip_frac"],
+        "train/grad_norm": stats["grad_norm"],
+        "train/lr": run["train/lr"],
+        **played.metrics,  # train/zero_std_groups, kept_groups, ...; curriculum/*
+        "train/skipped_steps": stats["skipped"],
+        "train/updates": stats["updated"],  # optimizer updates made this step
+        "train/ratio_max": stats["ratio_max"],
+        **run,  # train/micro_batch_tokens, perf/*
+    }
+    if levers.expert is not None:
+        metrics["train/expert_advantage"] = expert_advantage(batch)
+    if cfg.algo.greedy_samples:  # above 0: the argmax beat its groups' mean
+        metrics["train/greedy_advantage"] = mean_advantage(
+            [a for e, a in batch if greedy_member(cfg, e)]
+        )
+    graded = [r for e in sampled if e.trainable for r in e.turn_rewards]
+    if graded:  # environments that grade each turn (StepResult.turn_reward)
+        metrics["rollout/turn_rewards_mean"] = float(np.mean(graded))
+    metrics.update(stats.get("router", {}))  # MoE models only
+    for outcome, frac in summary["outcomes"].items():
+        metrics[f"outcomes/{outcome}"] = frac
+    for name, value in summary["scores"].items():  # the dataset env's scorers
+        metrics[f"scores/{name}"] = value
+    for name, value in judge_cost(episodes).items():  # judge/calls, judge/seconds
+        metrics[f"judge/{name}"] = value
+    if cfg.env.name == "mix":  # each member's own reward (task ids LABEL/...)
+        for label, members in by_member(sampled).items():
+            metrics[f"mix/{label}/rewards_mean"] = summarize(members)["reward_mean"]
+    return metrics
+
+
+def warn_if_unscorable(metrics: dict[str, Any], cfg: Config, progress: Progress) -> None:
+    """A step whose every sampled episode was truncated or unparsable learned nothing:
+    say so, and what to raise when it was the token limit."""
+    if metrics["rollout/unscorable"] != 1.0:
+        return
+    outcomes = {k.removeprefix("outcomes/"): v for k, v in metrics.items()
+                if k.startswith("outcomes/")}  # fmt: skip
+    top = max(outcomes, key=outcomes.get)
+    progress.note(
+        f"warning: step {metrics['step']}: every episode was truncated or unparsable (mostly "
+        f"{top}): nothing to learn from"
+        + (f"; raise rollout.max_new_tokens={cfg.rollout.max_new_tokens}"
+           if top == TRUNCATED else "")
+    )  # fmt: skip
