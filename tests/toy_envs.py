@@ -232,3 +232,28 @@ class PickSevenMaybeClose(PickSeven):
 
 class PickSevenNeverClose(PickSevenMaybeClose):
     uncertain_outcomes = ()
+
+
+class PickAnything(PickSeven):
+    """Every call earns 0.5: each group's rewards are equal, so no step has an advantage."""
+
+    def step(self, message: Message) -> StepResult:
+        result = super().step(message)
+        if message.tool_calls:
+            return StepResult([], done=True, reward=0.5, outcome="hit")
+        return result
+
+
+class TrainStepFails(PickSeven):
+    """Raises in `step` on the training steps' tasks (ids train-<step seed>-i; the
+    preflight's, drawn with seed 0, pass): the held-out evals measure, and every training
+    episode is an env_error."""
+
+    def reset(self, task: Task) -> Observation:
+        self._task = task
+        return super().reset(task)
+
+    def step(self, message: Message) -> StepResult:
+        if self._task.id.startswith("train-") and not self._task.id.startswith("train-0-"):
+            raise RuntimeError("simulated train-time bug")
+        return super().step(message)

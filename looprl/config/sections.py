@@ -323,6 +323,15 @@ class TrainConfig(Section):
     max_bad_steps: int = Field(
         3, ge=1, description="Consecutive NaN/inf steps skipped before the run stops."
     )
+    health: Literal["warn", "stop"] = Field(
+        "warn",
+        description="A step that fails a health check (every episode an env error or cut, "
+        "equal groups, no trainable token, NaN, a flat loss, a zero gradient): warn on the "
+        "console and in the report, or stop the run there, checkpointed, with the reason.",
+    )
+    health_patience: int = Field(
+        3, ge=1, description="Steps in a row that equal groups or a flat loss take to fail."
+    )
 
 
 class EvalConfig(Section):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from looprl.loop.run_state import LoopState, peak_rss_gb
 from looprl.loop.snapshot import SnapshotPlayer
 from looprl.loop.update import update_policy
 from looprl.report import write as report_files
+from looprl.report.health import step_health
 from looprl.seeds import minibatch_seed
 from looprl.types import ENV_ERROR, PARSE_FAILURES, TRUNCATED, Episode, Task
 
@@ -92,6 +93,8 @@ class Trainer:
     levers: Levers
     baseline: dict  # the baseline eval: the report written when a run stops early
     started: float  # time.time() at the run's start
+    rows: list[dict[str, Any]] = field(default_factory=list)  # the steps' metrics so far
+    problems: dict[str, str] = field(default_factory=dict)  # the last step's failed checks
 
     def step(self, step: int) -> dict[str, Any]:
         """Play, learn, measure and log one step; checkpoint when due. Returns its metrics."""
@@ -126,6 +129,12 @@ class Trainer:
             "perf/peak_rss_gb": peak_rss_gb(),
         }
         metrics = step_metrics(cfg, step, played, stats, errors, self.levers, run)
+        self.rows.append(metrics)
+        problems = step_health(
+            self.rows, cfg.train.health_patience, cfg.rollout.tasks_per_step,
+            cfg.rollout.max_new_tokens,
+        )  # fmt: skip
+        metrics.update({f"health/{check}": 1 for check in problems})
         self.logger.log(metrics)
         if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
             episodes = played.episodes[: cfg.logging.samples_per_log]
@@ -133,6 +142,7 @@ class Trainer:
         every = cfg.train.checkpoint_every
         if step == cfg.train.steps or (every and step % every == 0):
             self.checkpoint(step)
+        self.problems = problems
         return metrics
 
     def play_groups(self, step: int) -> StepGroups:
@@ -215,6 +225,7 @@ def step_metrics(
         "rollout/rewards_std": float(np.std(rewards or [0.0])),
         "response_len": summary["response_len"],
         "rollout/valid_tool_call_rate": summary["valid_tool_call_rate"],
+        "rollout/episodes": len(episodes),
         "rollout/env_errors": env_errors,
         "rollout/unscorable": unscorable,  # truncated or unparsable share
         "rollout/token_mismatch": sum("token_mismatch" in e.info for e in sampled),
@@ -229,6 +240,7 @@ def step_metrics(
         **played.metrics,  # train/zero_std_groups, kept_groups, ...; curriculum/*
         "train/skipped_steps": stats["skipped"],
         "train/updates": stats["updated"],  # optimizer updates made this step
+        "train/tokens": stats["tokens"],  # tokens of the episodes the update trained on
         "train/ratio_max": stats["ratio_max"],
         **run,  # train/micro_batch_tokens, perf/*
     }
@@ -254,17 +266,21 @@ def step_metrics(
     return metrics
 
 
-def warn_if_unscorable(metrics: dict[str, Any], cfg: Config, progress: Progress) -> None:
-    """A step whose every sampled episode was truncated or unparsable learned nothing:
-    say so, and what to raise when it was the token limit."""
-    if metrics["rollout/unscorable"] != 1.0:
-        return
-    outcomes = {k.removeprefix("outcomes/"): v for k, v in metrics.items()
-                if k.startswith("outcomes/")}  # fmt: skip
-    top = max(outcomes, key=outcomes.get)
-    progress.note(
-        f"warning: step {metrics['step']}: every episode was truncated or unparsable (mostly "
-        f"{top}): nothing to learn from"
-        + (f"; raise rollout.max_new_tokens={cfg.rollout.max_new_tokens}"
-           if top == TRUNCATED else "")
-    )  # fmt: skip
+def say_health(trainer: Trainer, step: int, progress: Progress) -> None:
+    """The step's failed health checks (`report/health.py`): each warned about when it
+    starts failing; with `train.health: stop`, the run stops here, checkpointed."""
+    problems = trainer.problems
+    if problems and trainer.cfg.train.health == "stop":
+        trainer.checkpoint(step)
+        trainer.stop_early()
+        check, sentence = next(iter(problems.items()))
+        raise LoopRLError(
+            f"health check {check} failed at step {step}: {sentence}. The run stopped "
+            f"(train.health=stop) with step {step} checkpointed; set train.health=warn to "
+            "train on regardless"
+        )
+    before = {k[7:] for k, v in (trainer.rows[-2] if len(trainer.rows) > 1 else {}).items()
+              if k.startswith("health/") and v}  # fmt: skip
+    for check, sentence in problems.items():
+        if check not in before:
+            progress.note(f"warning: step {step}: {sentence}")

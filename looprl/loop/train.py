@@ -53,7 +53,7 @@ from looprl.loop.run_state import (
     seed_everything,
 )
 from looprl.loop.snapshot import start_snapshots
-from looprl.loop.step import Levers, Trainer, save_checkpoint, warn_if_unscorable, write_report
+from looprl.loop.step import Levers, Trainer, save_checkpoint, say_health, write_report
 from looprl.loop.trackers import check_trackers
 from looprl.loop.update import UpdateState
 from looprl.report import write as report_files
@@ -141,7 +141,7 @@ def train(
         step_seconds: list[float] = []  # this process's steps, for the mean it shows
         for step in range(start + 1, cfg.train.steps + 1):
             metrics = trainer.step(step)
-            warn_if_unscorable(metrics, cfg, progress)
+            say_health(trainer, step, progress)  # train.health: warn, or stop here
             step_seconds.append(metrics["perf/step_s"])
             phase.update(
                 advance=1,
@@ -261,6 +261,7 @@ def start_trainer(
     trainer = Trainer(
         cfg, policy, probe, play, dist, run_dir, optimizer, scheduler, state, logger,
         snapshot, Levers.of(cfg, policy), baseline={}, started=time.time(),
+        rows=report_files.read_metrics(run_dir) if resume else [],
     )  # fmt: skip
     return trainer, start
 
