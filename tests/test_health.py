@@ -74,7 +74,8 @@ def _run(tmp_path: Path, *args: str):
 
 def test_equal_groups_warn_then_the_report_says_so(tmp_path):
     result, out, rows = _run(tmp_path, "--set", "env.name=tests.toy_envs:PickAnything",
-                             "--set", "train.steps=3", "--set", "train.health_patience=2")  # fmt: skip
+                             "--set", "train.steps=3",
+                             "--set", "train.health_patience=2")  # fmt: skip
     assert result.exit_code == 0, result.output
     assert [bool(r.get("health/equal_groups")) for r in rows] == [False, True, True]
     # warned once, when it started failing
@@ -108,7 +109,8 @@ def test_every_episode_unparsable_or_cut_is_a_health_warning(tmp_path):
     # a free choice of tool on the tiny random model: text that never makes a call
     result, _, rows = _run(tmp_path, "--set", "env.name=tests.toy_envs:PickSeven",
                            "--set", "env.args.tool_choice=auto",
-                           "--set", "train.steps=1", "--set", "rollout.max_new_tokens=32")  # fmt: skip
+                           "--set", "train.steps=1",
+                           "--set", "rollout.max_new_tokens=32")  # fmt: skip
     assert result.exit_code == 0, result.output
     assert rows[0]["rollout/unscorable"] == 1.0 and rows[0]["health/unscorable"] == 1
     assert "step 1: every episode was truncated or unparsable" in result.stderr
