@@ -359,6 +359,20 @@ class EvalConfig(Section):
         description="Distinct held-out tasks of the greedy eval, one episode each, the "
         "sampled eval's first; unset = eval.tasks × eval.samples_per_task.",
     )
+    every: int = Field(
+        0,
+        ge=0,
+        description="Evaluate the held-out tasks also at step 0 and every N steps, with the "
+        "same seeds each time: the report's held-out curve, and checkpoints/best (the best "
+        "step's weights); 0 = before and after only.",
+    )
+    curve_tasks: int | None = Field(
+        None,
+        ge=1,
+        description="With eval.every: the curve's tasks, the held-out eval's first (each "
+        "eval.samples_per_task times); unset = all eval.tasks (step 0 and the last step then "
+        "reuse the evals before and after).",
+    )
 
     @property
     def greedy_runs(self) -> bool:

@@ -85,6 +85,24 @@ def save_checkpoint(
     return final
 
 
+def save_weights(folder: Path, model: Any, meta: dict[str, Any]) -> Path:
+    """The model's trainable weights and `meta` alone (no optimizer state: not resumable,
+    but loadable wherever a checkpoint is: eval, chat, serve, export), written whole or not
+    at all over what `folder` held."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
+    try:
+        save_file(trainable_state(model), str(tmp / "trainable.safetensors"))
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints, oldest first (temporary folders are never listed)."""
     root = run_dir / "checkpoints"

@@ -134,20 +134,20 @@ def resume_state(
     load_training_state(found[-1], optimizer, scheduler)
     loop.load_meta(meta)
     step = int(meta["step"])
-    main_only(trim_metrics)(run_dir, step)
+    main_only(trim_steps)(run_dir / "metrics.jsonl", step)
     return step
 
 
-def trim_metrics(run_dir: Path, step: int) -> None:
-    """Drop the metrics logged after `step` (a resumed run logs them again)."""
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.exists():
+def trim_steps(path: Path, step: int) -> None:
+    """Drop the rows of a JSON-lines file logged after `step` (a resumed run logs them
+    again): the step metrics, the eval curve."""
+    if path.exists():
         kept = [
             line
-            for line in metrics.read_text().splitlines()
+            for line in path.read_text().splitlines()
             if line and json.loads(line)["step"] <= step
         ]
-        metrics.write_text("".join(line + "\n" for line in kept))
+        path.write_text("".join(line + "\n" for line in kept))
 
 
 def seed_everything(seed: int) -> None:

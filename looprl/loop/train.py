@@ -35,6 +35,7 @@ from looprl.envs.judge import cache_verdicts_in
 from looprl.errors import ConfigError, LoopRLError
 from looprl.loop import dist as ranks
 from looprl.loop import log, preflight, sft
+from looprl.loop.curve import EvalCurve
 from looprl.loop.decisions import grammar_cache
 from looprl.loop.dist import Dist, main_only
 from looprl.loop.evaluate import HeldOut, load_model, player
@@ -133,6 +134,9 @@ def train(
     # ---- the training steps (loop/step.py), from the newest checkpoint when resumed
     trainer, start = start_trainer(cfg, policy, probe, play, dist, run_dir, snapshot, resume)
     trainer.baseline, trainer.started = baseline, started  # the report of an early stop
+    curve = EvalCurve.of(held_out, start)  # eval.every: the held-out reward over the steps
+    if curve is not None and start == 0:
+        curve.point(0, (after_sft or baseline) if curve.full else None)
     with (
         progress.phase("training", total=cfg.train.steps, unit="step") as phase,
         StopOnSignal() as stop,
@@ -142,6 +146,8 @@ def train(
         for step in range(start + 1, cfg.train.steps + 1):
             metrics = trainer.step(step)
             say_health(trainer, step, progress)  # train.health: warn, or stop here
+            if curve is not None and curve.due(step):
+                curve.point(step)
             step_seconds.append(metrics["perf/step_s"])
             phase.update(
                 advance=1,
@@ -167,6 +173,11 @@ def train(
     # ---- retest on exactly the same tasks and seeds, then report
     final = held_out.run("final")
     final_greedy = held_out.run("final", greedy=True) if greedy else None
+    if curve is not None:
+        curve.point(cfg.train.steps, final if curve.full else None)
+        best = curve.best()
+        progress.note(f"{DONE} held-out curve: best at step {best['step']} "
+                      f"({best['reward_mean']:+.3f}), weights in {curve.best_dir}")  # fmt: skip
     with progress.phase("write report") as phase:
         write_report(run_dir, cfg, baseline, final, time.time() - started, peak_rss_gb())
         report = run_dir / "report.md"
