@@ -75,6 +75,10 @@ def run(
     resume: Annotated[
         bool, typer.Option(help="Continue the run in --out (or the run folder given as CONFIG).")
     ] = False,
+    replay: Annotated[
+        Path | None,
+        typer.Option(help="Train on this run's saved rollouts instead of sampling (train.replay)."),
+    ] = None,
 ) -> None:
     """Baseline eval → GSPO post-training → retest on the same tasks → report."""
     from looprl.config import load_config
@@ -83,7 +87,8 @@ def run(
     from looprl.report.headline import headline
 
     config, out = _run_paths(config, out, resume)
-    cfg = load_config(config, set_)
+    replayed = [f"train.replay={replay}"] if replay is not None else []
+    cfg = load_config(config, [*(set_ or []), *replayed])
     result = run_training(cfg, out, force=force, resume=resume)
     if not current_rank().is_main:
         return  # rank 0 of a torchrun job prints the headline

@@ -332,6 +332,11 @@ class TrainConfig(Section):
     health_patience: int = Field(
         3, ge=1, description="Steps in a row that equal groups or a flat loss take to fail."
     )
+    replay: str | None = Field(
+        None,
+        description="A run folder whose saved rollouts (logging.save_rollouts) the steps "
+        "train on instead of sampling, scored under this config (`looprl run --replay RUN`).",
+    )
 
 
 class EvalConfig(Section):
@@ -420,6 +425,11 @@ class LoggingConfig(Section):
     )
     sample_every: int = Field(5, ge=0, description="Write training transcripts every K steps.")
     samples_per_log: int = Field(4, ge=0, description="Transcripts written each time.")
+    save_rollouts: bool = Field(
+        False,
+        description="Save each step's groups to RUN/rollouts/ (gzip pickles, ≈ tens of KB a "
+        "step) for `looprl run --replay RUN`.",
+    )
     # The two booleans below are the old spelling: read, folded into `trackers`, never written.
     tensorboard: bool | None = Field(
         None,

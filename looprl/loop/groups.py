@@ -148,13 +148,7 @@ def play_step(
                 expert,
             )
         )
-        for group in groups:
-            if decide is not None:
-                group.views = [decide(e) if e.trainable else e for e in group.episodes]
-            score_group(cfg, group)
-            if group.kept and kept >= wanted:
-                group.drop()  # past the step's kept groups: refills played in parallel
-            kept += group.kept
+        kept = score_groups(cfg, groups, kept, decide)
         if round_ == 0:
             out.metrics["train/zero_std_groups"] = sum(g.all_equal for g in groups)
         history = _remember(cfg, history, groups)
@@ -167,6 +161,36 @@ def play_step(
     if cfg.curriculum.enabled:
         out.metrics.update(curriculum_metrics(cfg, history, weights))
     return out, history
+
+
+def replay_step(
+    cfg: Config, groups: list[Group], decide: Callable[[Episode], Episode] | None = None
+) -> StepGroups:
+    """A step of saved groups (loop/replay.py), scored again under this run's config as
+    `play_step` scores the groups it plays; round 0 is the first `tasks_per_step`."""
+    wanted = cfg.rollout.tasks_per_step
+    out = StepGroups(groups)
+    kept = score_groups(cfg, groups, 0, decide)
+    out.metrics["train/zero_std_groups"] = sum(g.all_equal for g in groups[:wanted])
+    out.metrics["train/kept_groups"] = kept
+    out.metrics["train/oversample_ratio"] = len(groups) / wanted
+    return out
+
+
+def score_groups(
+    cfg: Config, groups: list[Group], kept: int, decide: Callable[[Episode], Episode] | None
+) -> int:
+    """Score each group (its decision views first, with `decide`); a group past the
+    step's `tasks_per_step` kept ones is dropped (refills are played in parallel). Returns
+    the kept count, from `kept` before these groups."""
+    for group in groups:
+        if decide is not None:
+            group.views = [decide(e) if e.trainable else e for e in group.episodes]
+        score_group(cfg, group)
+        if group.kept and kept >= cfg.rollout.tasks_per_step:
+            group.drop()
+        kept += group.kept
+    return kept
 
 
 def play_groups(

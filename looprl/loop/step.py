@@ -28,11 +28,12 @@ from looprl.loop import log
 from looprl.loop.decisions import decision_metrics, decision_view, grammar_cache
 from looprl.loop.dist import Dist, main_only
 from looprl.loop.evaluate import Player, by_member, judge_cost, summarize
-from looprl.loop.groups import StepGroups, greedy_member, play_step
+from looprl.loop.groups import StepGroups, greedy_member, play_step, replay_step
 from looprl.loop.guidance import expert_advantage, mean_advantage, safe_expert_episode
 from looprl.loop.log import MetricsLogger
 from looprl.loop.policy import Policy
 from looprl.loop.progress import Progress
+from looprl.loop.replay import load_rollouts, save_rollouts
 from looprl.loop.run_state import LoopState, peak_rss_gb
 from looprl.loop.snapshot import SnapshotPlayer
 from looprl.loop.update import update_policy
@@ -101,6 +102,8 @@ class Trainer:
         cfg, t0 = self.cfg, time.time()
         played = self.play_groups(step)
         rollout_s = time.time() - t0
+        if cfg.logging.save_rollouts:
+            main_only(save_rollouts)(self.run_dir, step, played.groups)
         errors = self.count_env_errors(played.episodes, step)
         t1 = time.time()
         stats = update_policy(
@@ -146,8 +149,12 @@ class Trainer:
         return metrics
 
     def play_groups(self, step: int) -> StepGroups:
-        """The step's groups (loop/groups.py). An engine that fails (a vLLM server that
-        died) stops the run with the state after the previous step checkpointed."""
+        """The step's groups (loop/groups.py), or a saved run's (`train.replay`,
+        loop/replay.py). An engine that fails (a vLLM server that died) stops the run with
+        the state after the previous step checkpointed."""
+        if self.cfg.train.replay is not None:
+            groups = load_rollouts(Path(self.cfg.train.replay), step)
+            return replay_step(self.cfg, groups, self.levers.decide)
         try:
             played, self.state.curriculum = play_step(
                 self.cfg, self.probe, self.play, self.dist, step, self.state.curriculum,

@@ -43,6 +43,7 @@ from looprl.loop.log import MetricsLogger
 from looprl.loop.optim import make_optimizer
 from looprl.loop.policy import Policy
 from looprl.loop.progress import DONE, Progress
+from looprl.loop.replay import check_replay
 from looprl.loop.run_state import (
     Interrupted,
     LoopState,
@@ -230,6 +231,7 @@ def check_run(cfg: Config, out: Path, dist: Dist, force: bool, resume: bool) -> 
             "does with env.args.move_rewards=true); set algo.turn_reward_weight=0"
         )
     preflight.check_env(cfg, probe)  # one task of each split played without the model
+    check_replay(cfg)  # train.replay: its saved rollouts fit this run
     return probe, sft_env
 
 
