@@ -72,3 +72,18 @@ def test_a_resumed_run_keeps_its_points(tmp_path):
     curve = _curve(out)
     assert [r["step"] for r in curve] == [0, 1, 2, 3, 4]
     assert curve[:2] == first[:2]  # kept, not measured again
+
+
+def test_the_report_draws_the_curve_and_names_the_best_step(tmp_path):
+    out = tmp_path / "run"
+    _run(out, *TINY, "--set", "train.steps=2", "--set", "eval.every=1")
+    best = max(_curve(out), key=lambda r: r["reward_mean"])
+    report = (out / "report.md").read_text()
+    assert "## Held-out curve" in report
+    assert f"Best at step {best['step']}: {best['reward_mean']:+.3f}" in report
+    assert "(plots/held_out_curve.png)" in report
+    assert (out / "plots" / "held_out_curve.png").stat().st_size > 1000
+    # a run without eval.every has no such section
+    plain = tmp_path / "plain"
+    _run(plain, *TINY, "--set", "train.steps=1")
+    assert "Held-out curve" not in (plain / "report.md").read_text()

@@ -21,6 +21,8 @@ from typing import Any
 from looprl.config import Config, load_config
 from looprl.errors import ConfigError
 from looprl.report.comparisons import member_blocks, reference_blocks
+from looprl.report.curve import PLOT as CURVE_PLOT
+from looprl.report.curve import curve_blocks
 from looprl.report.health import run_warnings
 from looprl.report.plots import finite, render_html, render_markdown
 from looprl.report.solved import hacking_flag, solved_text
@@ -36,7 +38,7 @@ from looprl.report.stats import (
 
 TRANSCRIPT_TASKS = 4
 MAX_TEXT = 1500  # characters of one message shown in a transcript
-PLOTS = ("before_after.png", "outcomes.png", "training_curves.png")
+PLOTS = ("before_after.png", "outcomes.png", "training_curves.png", CURVE_PLOT)
 
 # ============================================================================ run folder
 
@@ -202,6 +204,7 @@ def write_report(
             )
         )
         blocks.append(("img", curves, "Training reward and response length per step"))
+    blocks += curve_blocks(run_dir, rows)  # eval.every: the held-out curve
 
     blocks += [
         ("h2", "Run facts"),
