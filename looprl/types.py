@@ -145,6 +145,10 @@ class Episode:
     # played from the environment's demonstrations, not sampled (loop/guidance.py): its
     # logprobs are 0 and the update takes the trainer's own as its behaviour policy
     expert: bool = False
+    # the policy version that sampled every token of it: the training steps its weights had
+    # taken (loop/overlap.py; weights change only between an engine's batches). None:
+    # not recorded (an eval, an expert episode)
+    policy_version: int | None = None
 
     @property
     def response_len(self) -> int:

@@ -257,3 +257,13 @@ class TrainStepFails(PickSeven):
         if self._task.id.startswith("train-") and not self._task.id.startswith("train-0-"):
             raise RuntimeError("simulated train-time bug")
         return super().step(message)
+
+
+class TasksFailAtStep3(PickSeven):
+    """`tasks` raises for the train tasks of training step 3 (seed 3 with run seed 0): the
+    rollout thread of an overlapped run dies there."""
+
+    def tasks(self, split: str, n: int | None = None, seed: int = 0) -> list[Task]:
+        if split == "train" and seed == 3:
+            raise RuntimeError("simulated task-source outage")
+        return super().tasks(split, n, seed)

@@ -131,6 +131,14 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.")
     max_new_tokens: int = Field(64, ge=1, description="Generated tokens per model call.")
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="Overlapped rollouts: the next steps' groups are played while the trainer "
+        "updates, by a policy at most K steps older (loop/overlap.py; needs algo.tis_cap); "
+        "0 = synchronous.",
+    )
     max_episode_tokens: int = Field(
         2048, ge=16, description="Total tokens (prompt + all turns) before truncation."
     )

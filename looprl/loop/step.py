@@ -31,6 +31,7 @@ from looprl.loop.evaluate import Player, by_member, judge_cost, summarize
 from looprl.loop.groups import StepGroups, greedy_member, play_step, replay_step
 from looprl.loop.guidance import expert_advantage, mean_advantage, safe_expert_episode
 from looprl.loop.log import MetricsLogger
+from looprl.loop.overlap import Overlap
 from looprl.loop.policy import Policy
 from looprl.loop.progress import Progress
 from looprl.loop.replay import load_rollouts, save_rollouts
@@ -96,6 +97,7 @@ class Trainer:
     started: float  # time.time() at the run's start
     rows: list[dict[str, Any]] = field(default_factory=list)  # the steps' metrics so far
     problems: dict[str, str] = field(default_factory=dict)  # the last step's failed checks
+    overlap: Overlap | None = None  # rollout.max_staleness ≥ 1: the rollout thread
 
     def step(self, step: int) -> dict[str, Any]:
         """Play, learn, measure and log one step; checkpoint when due. Returns its metrics."""
@@ -113,6 +115,8 @@ class Trainer:
             seed=minibatch_seed(cfg.seed, step), state=self.state.update, dist=self.dist,
         )  # fmt: skip
         train_s = time.time() - t1
+        if self.overlap is not None:
+            self.overlap.publish(step)  # for the step that samples from these weights
         if stats["skipped"]:
             self.state.bad_steps += 1
         elif stats["updated"]:
@@ -156,12 +160,16 @@ class Trainer:
             groups = load_rollouts(Path(self.cfg.train.replay), step)
             return replay_step(self.cfg, groups, self.levers.decide)
         try:
-            played, self.state.curriculum = play_step(
-                self.cfg, self.probe, self.play, self.dist, step, self.state.curriculum,
-                self.levers.decide, self.levers.expert,
-            )  # fmt: skip
+            if self.overlap is not None:  # played meanwhile by the rollout thread
+                played, self.state.curriculum = self.overlap.groups(step)
+            else:
+                played, self.state.curriculum = play_step(
+                    self.cfg, self.probe, self.play, self.dist, step, self.state.curriculum,
+                    self.levers.decide, self.levers.expert,
+                )  # fmt: skip
         except EngineError as err:
             self.checkpoint(step - 1)
+            self.close()
             self.logger.close()
             raise EngineError(
                 f"{err}\nthe run stopped at step {step}; the state after step {step - 1} is "
@@ -197,8 +205,14 @@ class Trainer:
         if self.snapshot is not None:  # train games meet the policy of the last checkpoint
             self.snapshot.refresh(self.policy.model)
 
+    def close(self) -> None:
+        """Stop the rollout thread, if any, after the step it is playing."""
+        if self.overlap is not None:
+            self.overlap.close()
+
     def stop_early(self) -> None:
         """The report of a run that stops before its last step (no final eval)."""
+        self.close()
         write_report(self.run_dir, self.cfg, self.baseline, None, time.time() - self.started,
                      peak_rss_gb())  # fmt: skip
         self.logger.close(report_dir=self.run_dir)
@@ -226,6 +240,8 @@ def step_metrics(
         views = [v for group in played.groups for v in (group.views or [])]
         decision = decision_metrics(episodes, views)
     rewards = [e.reward for e, _ in batch if not (e.expert or greedy_member(cfg, e))]
+    versions = [e.policy_version for e in episodes if e.policy_version is not None]
+    staleness = [step - 1 - v for v in versions] or [0]
     metrics = {
         "step": step,
         "rollout/rewards_mean": summary["reward_mean"],
@@ -238,6 +254,9 @@ def step_metrics(
         "rollout/token_mismatch": sum("token_mismatch" in e.info for e in sampled),
         "rollout/retokenize_mismatch": sum("retokenize_mismatch" in e.info for e in sampled),
         "rollout/logprob_gap": stats["logprob_gap"],
+        "rollout/mismatch_kl": stats["mismatch_kl"],
+        "rollout/staleness_mean": float(np.mean(staleness)),
+        "rollout/staleness_max": max(staleness),
         "rollout/entropy": summary["entropy"],
         **decision,
         "train/loss": stats["loss"],

@@ -41,6 +41,7 @@ from looprl.loop.dist import Dist, main_only
 from looprl.loop.evaluate import HeldOut, load_model, player
 from looprl.loop.log import MetricsLogger
 from looprl.loop.optim import make_optimizer
+from looprl.loop.overlap import Overlap, check_overlap
 from looprl.loop.policy import Policy
 from looprl.loop.progress import DONE, Progress
 from looprl.loop.replay import check_replay
@@ -232,6 +233,7 @@ def check_run(cfg: Config, out: Path, dist: Dist, force: bool, resume: bool) -> 
         )
     preflight.check_env(cfg, probe)  # one task of each split played without the model
     check_replay(cfg)  # train.replay: its saved rollouts fit this run
+    check_overlap(cfg, probe, dist.world)  # rollout.max_staleness ≥ 1
     return probe, sft_env
 
 
@@ -271,11 +273,16 @@ def start_trainer(
         run_dir, cfg.logging.trackers, cfg.model_dump(mode="json"), cfg.logging.project,
         enabled=dist.is_main,
     )  # fmt: skip
+    levers = Levers.of(cfg, policy)
     trainer = Trainer(
         cfg, policy, probe, play, dist, run_dir, optimizer, scheduler, state, logger,
-        snapshot, Levers.of(cfg, policy), baseline={}, started=time.time(),
+        snapshot, levers, baseline={}, started=time.time(),
         rows=report_files.read_metrics(run_dir) if resume else [],
     )  # fmt: skip
+    if cfg.rollout.max_staleness and cfg.train.replay is None and start < cfg.train.steps:
+        trainer.overlap = Overlap(
+            cfg, policy, probe, start, state.curriculum, levers.decide, levers.expert
+        )
     return trainer, start
 
 

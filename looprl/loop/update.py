@@ -20,6 +20,7 @@ from looprl.algo import (
     LOSSES,
     Advantage,
     Normalizer,
+    k3_kl,
     moves,
     scoring_temperature,
     tis_weights,
@@ -132,7 +133,8 @@ def update_policy(
     """
     dist = dist or Dist()
     out = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "ratio_max": 1.0,
-           "logprob_gap": 0.0, "skipped": 0, "updated": 0, "tokens": 0}  # fmt: skip
+           "logprob_gap": 0.0, "mismatch_kl": 0.0, "skipped": 0, "updated": 0,
+           "tokens": 0}  # fmt: skip
     batch = [Scored(e, a) for group in groups for e, a in group.learners(views)]
     if not dist.all_reduce([len(batch)])[0]:
         return out
@@ -178,6 +180,12 @@ def update_policy(
     gaps = [(s.old - s.sampled).abs().mean().item() for s in scored if not s.episode.expert]
     gap_sum, gap_count = dist.all_reduce([float(np.sum(gaps)), len(gaps)])
     out["logprob_gap"] = gap_sum / gap_count if gap_count else float("nan")
+    # the sampling policy's KL to the trainer's, per token (k3 over the sampled tokens):
+    # the off-policy gap that overlapped rollouts add to the engine's numerics
+    kls = [k3_kl(s.sampled, s.old) for s in scored if not s.episode.expert]
+    kl_sum, kl_count = dist.all_reduce([float(sum(k.sum().item() for k in kls)),
+                                        sum(k.numel() for k in kls)])  # fmt: skip
+    out["mismatch_kl"] = kl_sum / kl_count if kl_count else float("nan")
 
     loss_fn = LOSSES[algo.name]
 

@@ -1,0 +1,195 @@
+"""Overlapped rollouts (`rollout.max_staleness: K` ≥ 1): the next steps' groups are played
+while the trainer updates, by a policy at most K steps older than the one they train.
+
+A rollout thread plays step t's groups (loop/groups.py `play_step`, every lever included)
+on a replica of the policy: a copy of the model with its own engine, whose weights are
+those after step t − 1 − K (after the run's first step when t − 1 − K is earlier). The
+trainer publishes its weights after each step; the thread waits for the version it needs,
+copies it into the replica, and plays. So every episode of step t was sampled, every token
+of it, by version t − 1 − K (`Episode.policy_version`; the replica's weights change only
+between steps), its staleness is exactly K in the steady state, and no episode is ever
+played only to be thrown away: admission is paced by the versions, not filtered after.
+The step then trains on them as on any groups: the trainer's old logprobs are the current
+policy's, the engine's are the replica's, and `algo.tis_cap` (required) weights each token
+by min(exp(old − sampled), cap). `rollout/staleness_mean`, `_max` and
+`rollout/mismatch_kl` (loop/update.py) measure the gap.
+
+Each step's rollouts are fixed by its seeds and that version, so a run is reproducible
+run to run. A resumed run starts the thread from the checkpoint's weights: its next K
+steps sample from them (fresher than the uninterrupted run's), which is documented rather
+than hidden. The thread's failure (an engine that died, an environment's `tasks` that
+raised) reaches the trainer at the step that needs its groups, as an EngineError: the run
+stops there with the last step checkpointed and resumable.
+
+What it buys: with the vLLM engine the server samples while the trainer steps (two
+processes, two devices on a GPU machine). With `hf` on a CPU both share the same cores;
+the overlap is correct there, and what it saves is the idle time of each side (measured
+by bench/speed/async.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from looprl.config import Config
+from looprl.errors import ConfigError, EngineError
+from looprl.loop.dist import Dist
+from looprl.loop.evaluate import player
+from looprl.loop.groups import StepGroups, play_step
+from looprl.loop.policy import Policy
+from looprl.types import Episode, Task
+
+History = dict[str, list[list[float]]]
+
+
+def check_overlap(cfg: Config, probe: Any, world: int) -> None:
+    """What overlapped rollouts need, checked before anything loads."""
+    k = cfg.rollout.max_staleness
+    if not k:
+        return
+    if cfg.algo.tis_cap is None:
+        raise ConfigError(
+            f"rollout.max_staleness={k} trains on episodes sampled by a policy up to {k} "
+            "steps old: set algo.tis_cap (e.g. 2.0) to correct for it, or "
+            "rollout.max_staleness=0"
+        )
+    if world > 1:
+        raise ConfigError(
+            "rollout.max_staleness > 0 runs in one process; under torchrun set "
+            "rollout.max_staleness=0"
+        )
+    if cfg.rollout.engine != "hf":
+        raise ConfigError(
+            f"rollout.max_staleness > 0 runs with rollout.engine=hf for now (the vLLM "
+            f"server would be sampled by the evals and the rollout thread at once); set "
+            f"rollout.max_staleness=0 with rollout.engine={cfg.rollout.engine}"
+        )
+    if getattr(probe, "plays_snapshot", False):
+        raise ConfigError(
+            "the snapshot opponent plays the policy of the last checkpoint, which overlapped "
+            "rollouts would read while it changes; set rollout.max_staleness=0 or another "
+            "opponent"
+        )
+
+
+class Overlap:
+    """The rollout thread and the versions it and the trainer exchange."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        policy: Policy,
+        probe: Any,
+        start: int,
+        history: History,
+        decide: Callable[[Episode], Episode] | None,
+        expert: Callable[[Task], Episode] | None,
+    ) -> None:
+        self.cfg, self.probe, self.decide, self.expert = cfg, probe, decide, expert
+        self.policy = policy
+        self.replica = replica_of(cfg, policy)
+        self.play = player(cfg, self.replica, probe)
+        self.start = start
+        self.version = start  # the replica holds the weights after step `version`
+        self.published: dict[int, dict[str, torch.Tensor]] = {}
+        self.trained = start  # the trainer's last finished step
+        self.results: dict[int, tuple[StepGroups, History] | BaseException] = {}
+        self.stopping = False
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(
+            target=self._produce, args=(start + 1, cfg.train.steps, history),
+            name="looprl-rollouts", daemon=True,
+        )  # fmt: skip
+        self.thread.start()
+
+    def needed(self, step: int) -> int:
+        """The version step `step` samples from: t − 1 − K, or the start's when earlier."""
+        return max(step - 1 - self.cfg.rollout.max_staleness, self.start)
+
+    def _produce(self, first: int, last: int, history: History) -> None:
+        for step in range(first, last + 1):
+            want = self.needed(step)
+            with self.cond:
+                self.cond.wait_for(lambda want=want: self.stopping or want in self.published
+                                   or want == self.version)  # fmt: skip
+                if self.stopping:
+                    return
+                state = self.published.pop(want, None)
+                for old in [v for v in self.published if v < want]:
+                    del self.published[old]
+            if state is not None:
+                self._load(state)
+                self.version = want
+            try:
+                played, history = play_step(
+                    self.cfg, self.probe, self.play, Dist(), step, history, self.decide,
+                    self.expert,
+                )  # fmt: skip
+                for episode in played.episodes:
+                    if not episode.expert:
+                        episode.policy_version = self.version
+                result: tuple[StepGroups, History] | BaseException = (played, history)
+            except BaseException as err:  # the trainer raises it at this step
+                result = err
+            with self.cond:
+                self.results[step] = result
+                self.cond.notify_all()
+            if isinstance(result, BaseException):
+                return
+
+    def _load(self, state: dict[str, torch.Tensor]) -> None:
+        params = dict(self.replica.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in state.items():
+                params[name].copy_(tensor)
+        self.replica.engine.load_weights()
+
+    def groups(self, step: int) -> tuple[StepGroups, History]:
+        """Step `step`'s groups and the curriculum history after them, once played."""
+        with self.cond:
+            self.cond.wait_for(lambda: step in self.results)
+            result = self.results.pop(step)
+        if isinstance(result, BaseException):
+            raise EngineError(
+                f"the rollout thread failed playing step {step}: {type(result).__name__}: {result}"
+            ) from result
+        return result
+
+    def publish(self, step: int) -> None:
+        """The trainer finished step `step`: its weights, for the step that samples from
+        them (step + 1 + K)."""
+        if step + 1 + self.cfg.rollout.max_staleness > self.cfg.train.steps:
+            return  # no later step samples from them
+        state = {name: p.detach().clone() for name, p in self.policy.model.named_parameters()
+                 if p.requires_grad}  # fmt: skip
+        with self.cond:
+            self.trained = step
+            self.published[step] = state
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        """Stop the thread after the step it is playing (a run that stops early)."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+
+
+def replica_of(cfg: Config, policy: Policy) -> Policy:
+    """A copy of the policy with an engine of its own, for the rollout thread."""
+    model = copy.deepcopy(policy.model).eval()
+    model.requires_grad_(False)
+    from looprl.engine.hf import HFEngine  # TODO(factory)
+
+    engine = HFEngine(
+        model, policy.tokenizer, policy.renderer.eos_ids, batch_size=cfg.rollout.batch_size,
+        jump_forward=cfg.rollout.jump_forward,
+        sampler_dtype=None if cfg.rollout.sampler_dtype == "model" else cfg.rollout.sampler_dtype,
+        cascade_attention=cfg.model.cascade_attention,
+        weight_first_linear=cfg.model.weight_first_linear,
+    )  # fmt: skip
+    return Policy(model, policy.tokenizer, policy.renderer, engine, policy.device)
