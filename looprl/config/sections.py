@@ -333,9 +333,8 @@ class TrainConfig(Section):
     )
     health: Literal["warn", "stop"] = Field(
         "warn",
-        description="A step that fails a health check (every episode an env error or cut, "
-        "equal groups, no trainable token, NaN, a flat loss, a zero gradient): warn on the "
-        "console and in the report, or stop the run there, checkpointed, with the reason.",
+        description="A step failing a health check (all env errors or cut replies, equal "
+        "groups, nothing to train, NaN, flat loss, zero gradient): warn, or stop checkpointed.",
     )
     health_patience: int = Field(
         3, ge=1, description="Steps in a row that equal groups or a flat loss take to fail."
