@@ -135,9 +135,8 @@ class RolloutConfig(Section):
         0,
         ge=0,
         le=16,
-        description="Overlapped rollouts: the next steps' groups are played while the trainer "
-        "updates, by a policy at most K steps older (loop/overlap.py; needs algo.tis_cap); "
-        "0 = synchronous.",
+        description="Overlapped rollouts: the next steps are played while the trainer updates, "
+        "by a policy K steps older (needs algo.tis_cap); 0 = synchronous.",
     )
     max_episode_tokens: int = Field(
         2048, ge=16, description="Total tokens (prompt + all turns) before truncation."
@@ -374,16 +373,14 @@ class EvalConfig(Section):
     every: int = Field(
         0,
         ge=0,
-        description="Evaluate the held-out tasks also at step 0 and every N steps, with the "
-        "same seeds each time: the report's held-out curve, and checkpoints/best (the best "
-        "step's weights); 0 = before and after only.",
+        description="Also evaluate the held-out tasks at step 0 and every N steps, same seeds "
+        "(the report's curve; the best step's weights: checkpoints/best); 0 = off.",
     )
     curve_tasks: int | None = Field(
         None,
         ge=1,
-        description="With eval.every: the curve's tasks, the held-out eval's first (each "
-        "eval.samples_per_task times); unset = all eval.tasks (step 0 and the last step then "
-        "reuse the evals before and after).",
+        description="With eval.every: the curve's tasks, the held-out eval's first; unset = "
+        "all eval.tasks (the evals before and after are then its first and last points).",
     )
 
     @property
