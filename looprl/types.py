@@ -115,6 +115,9 @@ class Turn:
     # the grammar the call was sampled under (a forced call's), None for free text;
     # `algo.loss_on: free` finds the call's decision tokens with it (loop/decisions.py)
     constraint: Any = None
+    # per completion token, 1 if that grammar left a choice about it, 0 if it forced it, as
+    # the engine recorded (`Completion.free`); None: not recorded (replayed when needed)
+    free: list[int] | None = None
 
 
 @dataclass

@@ -94,6 +94,10 @@ class Completion:
     # with `top_logprobs` k > 0: per position, the k most likely (id, logprob) pairs of the
     # same unconstrained distribution `logprobs` is taken from, most likely first
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # under a constraint: per token, 1 if the grammar left a choice about it, 0 if it forced
+    # it (engine/grammar.py `is_forced`); None without a constraint, or from an engine that
+    # does not record it (loop/decisions.py then replays the grammar)
+    free: list[int] | None = None
 
 
 class RolloutEngine(Protocol):

@@ -12,6 +12,12 @@ With `Thinking` on, free text comes first (`thinking_grammar`): `<think>TEXT</th
 (tagged) or `TEXT\n` (plain), then the call. The grammar bounds its shape, not its
 length: the engine counts its tokens and writes the closing (`thinking_marks`) itself
 when the limit is reached.
+
+Which tokens a grammar forced (`is_forced`): a token is forced when it lies inside the
+string the grammar allows next (its jump-forward string) or when it is the only token the
+grammar allows; every other token is free. The `hf` engine records this for each token
+it generates under a grammar (`Completion.free`); loop/decisions.py replays it where
+nobody recorded it.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from typing import Any
+
+import numpy as np
 
 from looprl.engine import Constraint, JsonConstraint, Thinking, ToolConstraint
 from looprl.engine.glm_grammar import glm_call_grammar
@@ -207,3 +215,28 @@ class GrammarCache:
             }
         key = json.dumps({**data, "fmt": constraint.fmt})
         return xgr.GrammarMatcher(self._compile(key))
+
+
+def is_forced(matcher: Any, token: int, tokenizer: Any, bitmask_1W: Any) -> bool:
+    """Whether the grammar left no choice about `token` at the matcher's current state
+    (before it accepts the token): the token's text starts the grammar's jump-forward
+    string, or the grammar allows no other token. `bitmask_1W` is scratch space: one row
+    of xgrammar's token bitmask, on the CPU."""
+    ahead = matcher.find_jump_forward_string()
+    if ahead:
+        text = tokenizer.decode([token])
+        if text and ahead.startswith(text):
+            return True
+    matcher.fill_next_token_bitmask(bitmask_1W)
+    return allows_one_token(bitmask_1W[0])
+
+
+def allows_one_token(bitmask_W: Any) -> bool:
+    """Whether one bitmask row of xgrammar (int32 words, bit i of word w = token 32w + i)
+    allows exactly one token: one non-zero word, holding a single set bit."""
+    words = bitmask_W.numpy()
+    nonzero = np.flatnonzero(words)
+    if len(nonzero) != 1:
+        return False
+    word = int(words[nonzero[0]]) & 0xFFFFFFFF
+    return word & (word - 1) == 0

@@ -14,7 +14,10 @@ Logprobs under a constraint: when a forced tool call masks the vocabulary, token
 trainer recomputes (it never sees the mask), so `rollout/logprob_gap` measures only
 numerical drift between engine and trainer, and the importance ratio starts at 1.
 The mask only removes tokens that would break the call, so the policy gradient pushes
-probability towards the choices the constraint leaves open (e.g. which square).
+probability towards the choices the constraint leaves open (e.g. which square). Each
+token generated under a grammar is also marked as free or forced by it
+(`Completion.free`, engine/grammar.py `is_forced`), so nobody has to replay the grammar
+to find a call's decision tokens (loop/decisions.py).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from looprl.engine import Completion, GenerationRequest, SamplingParams
 from looprl.engine.grammar import GrammarCache
 from looprl.engine.sampling import (
     Row,
+    advance_grammar,
     advance_thinking,
     jump_forward_tokens,
     sample_rows,
@@ -179,7 +183,9 @@ class HFEngine:
                     break
                 for row in self._step(running, rows, params):
                     top = row.top if row.top_k else None
-                    results[row.index] = Completion(row.ids, row.logprobs, row.finish, top)
+                    results[row.index] = Completion(
+                        row.ids, row.logprobs, row.finish, top, row.free
+                    )
                     if requests[row.index].on_complete is not None:
                         requests[row.index].on_complete()
         finally:
@@ -283,7 +289,8 @@ class HFEngine:
         generator = torch.Generator().manual_seed(stream_seed(base_seed, stream))
         return Row(
             index, request.prompt_ids, limit, matcher, generator, request.keep_kv,
-            request.top_logprobs, request.on_token, **thinking_fields(request.constraint),
+            request.top_logprobs, request.on_token, free=None if matcher is None else [],
+            **thinking_fields(request.constraint),
         )  # fmt: skip
 
     def _step(self, running: Part, rows: list[Row], params: SamplingParams) -> list[Row]:
@@ -330,9 +337,8 @@ class HFEngine:
                 ended.append(row)
         return ended
 
-    @staticmethod
     def _append(
-        rows: list[Row], tokens_CK: torch.Tensor, logp_CK: torch.Tensor, tops: list | None
+        self, rows: list[Row], tokens_CK: torch.Tensor, logp_CK: torch.Tensor, tops: list | None
     ) -> None:
         """Give each live row its new tokens (advancing its grammar), and tell a streaming
         caller of each one."""
@@ -349,8 +355,8 @@ class HFEngine:
                     row.top.append(top)
                 if row.on_token is not None:
                     row.on_token(token, logp, top)
-                if row.matcher is not None and not row.matcher.is_terminated():
-                    row.matcher.accept_token(token)
+                if row.matcher is not None:
+                    advance_grammar(row, token, self.tokenizer, self._bitmask(1)[:1])
 
     def _forward(self, running: Part, tokens_CK: torch.Tensor, rows: list[Row]) -> torch.Tensor:
         """Append k tokens to every row of the running batch; logits of those k. Rows

@@ -180,6 +180,33 @@ class Row:
     think_limit: int = 0
     think_seen: int = 0  # generated tokens already searched for `think_end`
     forced: list[int] = field(default_factory=list)  # tokens of that closing still to write
+    # under a grammar: per generated token, 1 if the grammar left a choice about it, 0 if
+    # it forced it (`Completion.free`); None: no grammar, or not recorded
+    free: list[int] | None = None
+    off_grammar: bool = False  # the grammar rejected a token: it knows nothing after it
+
+
+def advance_grammar(row: Row, token: int, tokenizer: Any, bitmask_1W: torch.Tensor) -> None:
+    """Let the row's grammar accept `token`, first noting in `row.free` (where it keeps
+    one) whether the grammar left a choice about it: `is_forced` on the state before the
+    token, as `free_tokens` (loop/decisions.py) finds by replaying the grammar over the
+    finished completion. Past the grammar's end a token is forced; from a token the grammar
+    rejects on (sampling under its mask produces none) every token counts as free.
+    `bitmask_1W`: scratch space, one row of xgrammar's token bitmask."""
+    from looprl.engine.grammar import is_forced
+
+    matcher = row.matcher
+    if matcher.is_terminated():
+        if row.free is not None:
+            row.free.append(1 if row.off_grammar else 0)
+        return
+    if row.free is None:
+        matcher.accept_token(token)
+        return
+    forced = not row.off_grammar and is_forced(matcher, token, tokenizer, bitmask_1W)
+    if not matcher.accept_token(token):
+        row.off_grammar = True
+    row.free.append(0 if forced and not row.off_grammar else 1)
 
 
 def thinking_fields(constraint: Any) -> dict[str, Any]:

@@ -21,7 +21,9 @@ a `rescore` function (`rollout.vllm_rescore=policy`, the default in a run), the 
 module in looprl's process scores all of a batch's constrained completions in one
 batched pass at the sampling temperature: the trainer's own logprobs, so those tokens
 show no engine/trainer gap, and on a CPU far cheaper than vLLM's prompt logprobs, which
-compute the whole vocabulary at every prompt position, one request at a time.
+compute the whole vocabulary at every prompt position, one request at a time. Which
+tokens the grammar forced is not recorded (`Completion.free` is None): where
+`loss_on: free` needs it, loop/decisions.py replays the grammar over the completion.
 Unconstrained logprobs come from the sampler after temperature (the server's
 `processed_logprobs` mode); with top_k/top_p they are those of the truncated
 distribution, where the `hf` engine reports the untruncated one.

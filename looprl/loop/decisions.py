@@ -5,7 +5,10 @@ digit, is the model's decision; the rest are fixed by the call's grammar and sam
 probability 1 whatever the model's logits say. A token is forced when it lies inside the
 string the grammar allows next (its jump-forward string) or when it is the only token the
 grammar allows; every other token (a digit, free text before the call, text inside a
-string argument) is free.
+string argument) is free (engine/grammar.py `is_forced`). The `hf` engine records which
+tokens were forced as it samples them (`Turn.free`); for turns without that record
+(demonstrations, the `vllm` engine's completions) `free_tokens` replays the turn's
+grammar over its tokens and finds the same flags.
 
 Three places use this: the SFT warm start with `sft.loss_on: free` (loop/sft.py), the
 entropy bonus `algo.entropy_coef` (`decision_surprisal`), and the policy update with
@@ -23,8 +26,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-import torch
-
+from looprl.engine.grammar import is_forced
 from looprl.types import Episode
 
 
@@ -56,16 +58,20 @@ def grammar_masked(
     shape: Callable[[list[int]], list[int]] = list,
 ) -> Episode:
     """A copy of `episode` whose loss mask over each turn sampled under a grammar is
-    `shape(free_tokens(...))` (the free tokens themselves by default); turns sampled
-    without one keep their mask. Everything else is shared with `episode`."""
+    `shape(flags)` (the free tokens themselves by default), the flags being those the
+    engine recorded (`Turn.free`) or, where it recorded none, `free_tokens`' replay of the
+    grammar; turns sampled without one keep their mask. Everything else is shared with
+    `episode`."""
     mask = list(episode.loss_mask)
     for turn in episode.turns:
         if turn.constraint is None:
             continue
-        flags = free_tokens(
-            grammars.matcher(turn.constraint), turn.completion_ids, tokenizer,
-            grammars.info.vocab_size,
-        )  # fmt: skip
+        flags = turn.free
+        if flags is None:
+            flags = free_tokens(
+                grammars.matcher(turn.constraint), turn.completion_ids, tokenizer,
+                grammars.info.vocab_size,
+            )  # fmt: skip
         start = len(turn.prompt_ids)
         mask[start : start + len(flags)] = shape(flags)
     return replace(episode, loss_mask=mask)
@@ -106,30 +112,19 @@ def decision_metrics(episodes: list[Episode], views: list[Episode]) -> dict[str,
 
 def free_tokens(matcher: Any, completion: list[int], tokenizer: Any, vocab_size: int) -> list[int]:
     """1 for each token of `completion` the grammar left a choice about, 0 for a forced one
-    (module doc). Past the grammar's end the tokens are the chat template's: forced. If
-    the grammar rejects a token (a demonstration written differently), the rest count as
-    free: nothing is known about them."""
+    (`is_forced`), by replaying the grammar over the tokens: the flags of a turn without
+    recorded ones (`Turn.free`), a demonstration's or a `vllm` completion's; the `hf`
+    engine records these very flags as it samples. Past the grammar's end the tokens are
+    the chat template's: forced. If the grammar rejects a token (a demonstration written
+    differently), the rest count as free: nothing is known about them."""
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    bitmask_1W = xgr.allocate_token_bitmask(1, vocab_size)
     flags: list[int] = []
     for k, token in enumerate(completion):
         if matcher.is_terminated():
             return flags + [0] * (len(completion) - k)
-        text = tokenizer.decode([token])
-        ahead = matcher.find_jump_forward_string()
-        forced = bool(ahead) and bool(text) and ahead.startswith(text)
-        if not forced:
-            matcher.fill_next_token_bitmask(bitmask)
-            forced = _set_bits(bitmask) == 1
-        flags.append(0 if forced else 1)
+        flags.append(0 if is_forced(matcher, token, tokenizer, bitmask_1W) else 1)
         if not matcher.accept_token(token):
             return flags[:-1] + [1] * (len(completion) - k)
     return flags
-
-
-def _set_bits(bitmask_1W: torch.Tensor) -> int:
-    """How many tokens an xgrammar bitmask allows (bits set over its int32 words)."""
-    words = bitmask_1W.view(-1).to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(32, dtype=torch.int64)
-    return int(((words[:, None] >> shifts) & 1).sum())

@@ -204,6 +204,7 @@ def _advance(
             text=text,
             finish_reason=completion.finish_reason,
             constraint=constraint,
+            free=None if completion.free is None else list(completion.free),
         )
     )
     append_tokens(ep, completion.ids, mask=1, logprobs=completion.logprobs)
