@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
 
-.PHONY: setup setup-gemma setup-vllm setup-verifiers demo test lint format clean bench
+.PHONY: setup setup-gemma setup-vllm setup-verifiers demo test test-fast durations lint format clean bench
 
 setup: $(STAMP)
 
@@ -73,6 +73,15 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest
+
+# The everyday tier: the tests that took under 0.5 s in the last recorded full run
+# (tests/durations.json; units and contracts, no training runs), under 2 minutes.
+test-fast: setup
+	$(BIN)/python -m pytest -m "not slow"
+
+# Record every test's duration into tests/durations.json (a full run), for test-fast.
+durations: setup
+	LOOPRL_RECORD_DURATIONS=1 $(BIN)/python -m pytest
 
 lint: setup
 	$(BIN)/ruff check looprl tests bench examples
