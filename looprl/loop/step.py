@@ -35,7 +35,7 @@ from looprl.loop.overlap import Overlap
 from looprl.loop.policy import Policy
 from looprl.loop.progress import Progress
 from looprl.loop.replay import load_rollouts, save_rollouts
-from looprl.loop.run_state import LoopState, peak_rss_gb
+from looprl.loop.run_state import Interrupted, LoopState, StopOnSignal, peak_rss_gb
 from looprl.loop.snapshot import SnapshotPlayer
 from looprl.loop.update import update_policy
 from looprl.report import write as report_files
@@ -204,6 +204,26 @@ class Trainer:
         )  # fmt: skip
         if self.snapshot is not None:  # train games meet the policy of the last checkpoint
             self.snapshot.refresh(self.policy.model)
+
+    def stop_if_asked(self, step: int, stop: StopOnSignal) -> None:
+        """After step `step`: a stop asked on any rank (Ctrl-C, SIGTERM), or
+        `train.max_bad_steps` NaN/inf steps in a row, stop the run here, checkpointed."""
+        stopping = self.dist.all_reduce([bool(stop.requested)], op="max")[0]  # all or none
+        stop.requested = stop.requested or ("SIGTERM" if stopping else None)
+        if self.state.bad_steps < self.cfg.train.max_bad_steps and not stop.requested:
+            return
+        self.checkpoint(step)
+        self.stop_early()
+        if stop.requested:
+            raise Interrupted(
+                f"{stop.requested} after step {step}: checkpoint saved; continue with\n"
+                f"  looprl run --out {self.run_dir} --resume"
+            )
+        raise LoopRLError(
+            f"{self.state.bad_steps} optimizer steps in a row had NaN/inf loss or gradients "
+            "and were skipped (train.max_bad_steps); lower train.lr or check the model's "
+            "dtype. The weights are the last good ones, checkpointed."
+        )
 
     def close(self) -> None:
         """Stop the rollout thread, if any, after the step it is playing."""

@@ -46,7 +46,6 @@ from looprl.loop.policy import Policy
 from looprl.loop.progress import DONE, Progress
 from looprl.loop.replay import check_replay
 from looprl.loop.run_state import (
-    Interrupted,
     LoopState,
     StopOnSignal,
     check_run_dir,
@@ -135,7 +134,7 @@ def train(
 
     # ---- the training steps (loop/step.py), from the newest checkpoint when resumed
     trainer, start = start_trainer(cfg, policy, probe, play, dist, run_dir, snapshot, resume)
-    trainer.baseline, trainer.started = baseline, started  # the report of an early stop
+    trainer.baseline, trainer.started = baseline, started  # for the report of an early stop
     curve = EvalCurve.of(held_out, start)  # eval.every: the held-out reward over the steps
     if curve is not None and start == 0:
         curve.point(0, (after_sft or baseline) if curve.full else None)
@@ -156,21 +155,7 @@ def train(
                 detail=f"step {step} · reward {metrics['rollout/rewards_mean']:+.3f} · "
                 f"{metrics['perf/step_s']:.1f} s (mean {np.mean(step_seconds):.1f} s/step)",
             )
-            stopping = dist.all_reduce([bool(stop.requested)], op="max")[0]  # all or none
-            stop.requested = stop.requested or ("SIGTERM" if stopping else None)
-            if trainer.state.bad_steps >= cfg.train.max_bad_steps or stop.requested:
-                trainer.checkpoint(step)
-                trainer.stop_early()
-                if stop.requested:
-                    raise Interrupted(
-                        f"{stop.requested} after step {step}: checkpoint saved; continue with\n"
-                        f"  looprl run --out {run_dir} --resume"
-                    )
-                raise LoopRLError(
-                    f"{trainer.state.bad_steps} optimizer steps in a row had NaN/inf loss or "
-                    "gradients and were skipped (train.max_bad_steps); lower train.lr or check "
-                    "the model's dtype. The weights are the last good ones, checkpointed."
-                )
+            trainer.stop_if_asked(step, stop)  # Ctrl-C / SIGTERM, or too many NaN steps
 
     # ---- retest on exactly the same tasks and seeds, then report
     final = held_out.run("final")
