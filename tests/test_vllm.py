@@ -250,6 +250,21 @@ def test_run_with_the_vllm_engine(model_dir, server, tmp_path):
 
 
 @needs_vllm
+def test_overlapped_rollouts_on_the_vllm_server(model_dir, server, tmp_path):
+    """rollout.max_staleness=1: a rollout thread samples step t + 1 on the server, under a
+    replica's adapter of its own, while the trainer trains step t."""
+    out = tmp_path / "run"
+    args = [*run_args(model_dir, server, out, steps=3), "--set", "rollout.max_staleness=1",
+            "--set", "model.lora.enabled=true"]  # fmt: skip
+    res = looprl(*args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 1]
+    assert all(r["rollout/mismatch_kl"] >= 0 for r in rows)
+    assert (out / "report.md").is_file()
+
+
+@needs_vllm
 def test_a_dead_server_stops_the_run_with_a_checkpoint_and_resume(model_dir, server, tmp_path):
     """Runs last: it kills the module's server. The run stops with the state of its last
     whole step checkpointed and the resume command; `--resume` continues (here on the

@@ -63,16 +63,18 @@ MAX_THREADS = 256  # requests in flight at once; the server queues the rest itse
 class VLLMEngine:
     def __init__(
         self, model: Any, tokenizer: Any, stop_token_ids: list[int], server: VLLMServer,
-        workdir: Path, rescore: Rescorer | None = None,
+        workdir: Path, rescore: Rescorer | None = None, adapter: str = ADAPTER_NAME,
     ) -> None:  # fmt: skip
         self.policy_model = model
+        self.adapter = adapter  # the LoRA adapter's name on the server
+        self.owns_server = True  # close() stops it
         self.rescore = rescore
         self.tokenizer = tokenizer
         self.stop_token_ids = list(stop_token_ids)
         self.server = server
         self.workdir = workdir
         self.lora = hasattr(model, "peft_config")
-        self.served = ADAPTER_NAME if self.lora else SERVED_NAME
+        self.served = adapter if self.lora else SERVED_NAME
         self._grammars: dict[str, str] = {}
         self._versions: dict[str, int] | None = None
         self.pushes = 0  # weight pushes so far (a test reads it)
@@ -114,8 +116,26 @@ class VLLMEngine:
         except EngineError as err:
             raise ModelError(f"vLLM cannot run this model:\n{err}") from None
 
+    def replica(self, model: Any, rescore: Rescorer | None = None) -> VLLMEngine:
+        """An engine on this engine's server sampling from `model` (a copy of the policy
+        with other weights: loop/overlap.py) under an adapter of its own, so that the two
+        never sample each other's weights. LoRA only: full fine-tuning has one set of
+        weights on the server."""
+        if not self.lora:
+            raise EngineError(
+                "a second set of weights on one vLLM server needs LoRA adapters; with full "
+                "fine-tuning there is one (model.lora.enabled=true, or rollout.max_staleness=0)"
+            )
+        workdir = Path(tempfile.mkdtemp(prefix="looprl-vllm-replica-"))
+        engine = VLLMEngine(model, self.tokenizer, self.stop_token_ids, self.server, workdir,
+                            rescore, adapter=f"{self.adapter}-replica")  # fmt: skip
+        engine.owns_server = False
+        engine.check_serves()
+        return engine
+
     def close(self) -> None:
-        self.server.close()
+        if self.owns_server:
+            self.server.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     @property
@@ -143,7 +163,7 @@ class VLLMEngine:
         if self.lora:
             folder = self.workdir / "adapter"
             self.policy_model.save_pretrained(str(folder))
-            body = {"lora_name": ADAPTER_NAME, "lora_path": str(folder), "load_inplace": True}
+            body = {"lora_name": self.adapter, "lora_path": str(folder), "load_inplace": True}
             self.server.post("/v1/load_lora_adapter", body)
         else:
             from safetensors.torch import save_file

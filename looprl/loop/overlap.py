@@ -41,7 +41,7 @@ from looprl.errors import ConfigError, EngineError
 from looprl.loop.dist import Dist
 from looprl.loop.evaluate import player
 from looprl.loop.groups import StepGroups, play_step
-from looprl.loop.policy import Policy
+from looprl.loop.policy import Policy, policy_rescorer
 from looprl.types import Episode, Task
 
 History = dict[str, list[list[float]]]
@@ -63,11 +63,11 @@ def check_overlap(cfg: Config, probe: Any, world: int) -> None:
             "rollout.max_staleness > 0 runs in one process; under torchrun set "
             "rollout.max_staleness=0"
         )
-    if cfg.rollout.engine != "hf":
+    if cfg.rollout.engine == "vllm" and not cfg.model.lora.enabled:
         raise ConfigError(
-            f"rollout.max_staleness > 0 runs with rollout.engine=hf for now (the vLLM "
-            f"server would be sampled by the evals and the rollout thread at once); set "
-            f"rollout.max_staleness=0 with rollout.engine={cfg.rollout.engine}"
+            "rollout.max_staleness > 0 with rollout.engine=vllm samples from a second set of "
+            "weights on the server, a LoRA adapter of its own: set model.lora.enabled=true "
+            "(full fine-tuning has one set), or rollout.max_staleness=0"
         )
     if getattr(probe, "plays_snapshot", False):
         raise ConfigError(
@@ -112,6 +112,14 @@ class Overlap:
         return max(step - 1 - self.cfg.rollout.max_staleness, self.start)
 
     def _produce(self, first: int, last: int, history: History) -> None:
+        try:
+            self._produce_steps(first, last, history)
+        finally:  # a vLLM replica's adapter folder (its server is the policy's)
+            close = getattr(self.replica.engine, "close", None)
+            if close is not None:
+                close()
+
+    def _produce_steps(self, first: int, last: int, history: History) -> None:
         for step in range(first, last + 1):
             want = self.needed(step)
             with self.cond:
@@ -180,9 +188,17 @@ class Overlap:
 
 
 def replica_of(cfg: Config, policy: Policy) -> Policy:
-    """A copy of the policy with an engine of its own, for the rollout thread."""
+    """A copy of the policy with an engine of its own, for the rollout thread: an `hf`
+    engine on the copy, or the same vLLM server under an adapter of its own."""
     model = copy.deepcopy(policy.model).eval()
     model.requires_grad_(False)
+    if cfg.rollout.engine == "vllm":
+        replica = Policy(model, policy.tokenizer, policy.renderer, None, policy.device)
+        rescore = None
+        if cfg.rollout.vllm_rescore == "policy":
+            rescore = policy_rescorer(replica, cfg.train.micro_batch_tokens)
+        replica.engine = policy.engine.replica(model, rescore)
+        return replica
     from looprl.engine.hf import HFEngine  # TODO(factory)
 
     engine = HFEngine(
