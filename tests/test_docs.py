@@ -1,0 +1,297 @@
+"""The hand-kept lists in the docs stay true to the tree: architecture.md's layer table,
+import graph and modules over 400 lines, testing.md's table of test files, and every
+relative link (and its anchor) in docs/ and README.md. Each check names what to add or
+remove; `test_the_checks_catch_what_they_guard` plants a mistake of each kind."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import test_layers
+
+REPO = Path(__file__).resolve().parent.parent
+LOOPRL = REPO / "looprl"
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+TESTING = REPO / "docs" / "testing.md"
+LONG_MODULE = 400  # lines, counted as `wc -l` counts them
+
+
+def section(text: str, heading: str) -> str:
+    """The body of the `## heading` section (up to the next heading of level 1 or 2)."""
+    match = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^#{{1,2}} |\Z)", text, re.M | re.S)
+    assert match, f"docs: no '## {heading}' section"
+    return match.group(1)
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The body rows of the markdown tables in `text`, as lists of cells."""
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("|") and not re.fullmatch(r"\|[-| :]+\|", line.strip()):
+            rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return [row for row in rows if row[0] not in ("rank", "file", "section")]
+
+
+def code_names(cell: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", cell)
+
+
+# --- modules over 400 lines -----------------------------------------------------------
+
+
+def line_count(path: Path) -> int:
+    return path.read_bytes().count(b"\n")  # what `wc -l` counts
+
+
+def long_modules(root: Path = LOOPRL) -> dict[str, int]:
+    return {
+        str(p.relative_to(root.parent)): n
+        for p in sorted(root.rglob("*.py"))
+        if (n := line_count(p)) > LONG_MODULE
+    }
+
+
+def listed_long_modules(text: str) -> dict[str, str]:
+    """Module path -> its reason, from the bullets of "Modules over 400 lines"."""
+    listed: dict[str, str] = {}
+    for bullet in re.split(r"^- ", section(text, "Modules over 400 lines"), flags=re.M)[1:]:
+        head, _, reason = bullet.partition("):")
+        for path in re.findall(r"`(looprl/[^`]+\.py)`", head):
+            listed[path] = " ".join(reason.split())
+    return listed
+
+
+def long_module_problems(text: str, actual: dict[str, int]) -> list[str]:
+    listed = listed_long_modules(text)
+    problems = [
+        f"add `{path}` (≈ {n} lines) and why to architecture.md's 'Modules over 400 lines'"
+        for path, n in actual.items()
+        if path not in listed
+    ]
+    problems += [
+        f"remove `{path}` from architecture.md's 'Modules over 400 lines': "
+        + ("it is gone" if not (REPO / path).is_file() else f"{line_count(REPO / path)} lines")
+        for path in listed
+        if path not in actual
+    ]
+    problems += [f"give `{p}` its reason after '(≈ N):'" for p, r in listed.items() if not r]
+    return problems
+
+
+def test_modules_over_400_lines_are_listed_with_a_reason():
+    problems = long_module_problems(ARCHITECTURE.read_text(), long_modules())
+    assert not problems, "\n".join(problems)
+
+
+# --- layers and the import graph ------------------------------------------------------
+
+
+def printed_graph() -> str:
+    """What `python tests/test_layers.py` prints."""
+    script = Path(test_layers.__file__)
+    return subprocess.run(
+        [sys.executable, script], capture_output=True, text=True, check=True
+    ).stdout
+
+
+def documented_graph(text: str) -> str:
+    block = re.search(r"```\nrank package +imports\n(.*?)```", section(text, "Import graph"), re.S)
+    assert block, "architecture.md: no import-graph block under '## Import graph'"
+    return block.group(1)
+
+
+def layer_table(text: str) -> list[list[str]]:
+    return [row for row in table_rows(section(text, "Layers")) if row[0].isdigit()]
+
+
+def package_of(name: str) -> str:
+    """`looprl/config/` -> config, `looprl/errors.py` -> errors."""
+    return name.removeprefix("looprl/").removesuffix("/").removesuffix(".py")
+
+
+def documented_layers(text: str) -> set[tuple[int, str]]:
+    return {
+        (int(row[0]), package_of(name)) for row in layer_table(text) for name in code_names(row[1])
+    }
+
+
+def test_import_graph_block_is_what_test_layers_prints():
+    documented, actual = documented_graph(ARCHITECTURE.read_text()), printed_graph()
+    assert documented == actual, (
+        "architecture.md's import graph is stale; replace the block under '## Import graph' "
+        "with the output of `python tests/test_layers.py`:\n" + actual
+    )
+
+
+def layer_problems(text: str) -> list[str]:
+    actual = {(rank, p) for rank, parts in enumerate(test_layers.LAYERS) for p in parts}
+    documented = documented_layers(text)
+    return [
+        f"add rank {r} `{p}` to architecture.md's layer table"
+        for r, p in sorted(actual - documented)
+    ] + [
+        f"remove rank {r} `{p}` from architecture.md's layer table (not in test_layers.LAYERS)"
+        for r, p in sorted(documented - actual)
+    ]
+
+
+def test_layer_table_is_test_layers_layers():
+    problems = layer_problems(ARCHITECTURE.read_text())
+    assert not problems, "\n".join(problems)
+
+
+FILE_NAME = re.compile(r"[\w./]+\.(py|jinja)|\w+/")
+
+
+def module_table_problems(text: str, root: Path = LOOPRL) -> list[str]:
+    """Each package's row names every module of it (and its sub-packages, as `name/`),
+    and no file that is not there."""
+    problems = []
+    for row in layer_table(text):
+        for package in (package_of(n) for n in code_names(row[1])):
+            folder = root / package
+            if not folder.is_dir():
+                continue
+            named = {n for n in code_names(row[2]) if FILE_NAME.fullmatch(n)}
+            present = {p.name for p in folder.glob("*.py") if p.name != "__init__.py"}
+            present |= {f"{p.name}/" for p in folder.iterdir() if (p / "__init__.py").is_file()}
+            problems += [
+                f"name `{n}` in the '{package}' row of architecture.md's layer table"
+                for n in sorted(present - named)
+            ]
+            problems += [
+                f"remove `{n}` from the '{package}' row of architecture.md's layer table: "
+                f"no such file in looprl/{package}/"
+                for n in sorted(named)
+                if not (folder / n).exists() and not (root.parent / n).exists()
+            ]
+    return problems
+
+
+def test_layer_table_names_every_module():
+    problems = module_table_problems(ARCHITECTURE.read_text())
+    assert not problems, "\n".join(problems)
+
+
+# --- testing.md's table of test files -------------------------------------------------
+
+
+def missing_test_files(text: str, tests: Path = REPO / "tests") -> list[str]:
+    listed = {
+        name for row in table_rows(section(text, "Test files")) for name in code_names(row[0])
+    }
+    present = {f"tests/{p.name}" for p in tests.glob("test_*.py")}
+    return [
+        f"add a row for `{n}` to testing.md's 'Test files'" for n in sorted(present - listed)
+    ] + [
+        f"remove `{n}` from testing.md's 'Test files': no such file"
+        for n in sorted(listed - present)
+    ]
+
+
+def test_testing_md_lists_every_test_file():
+    problems = missing_test_files(TESTING.read_text())
+    assert not problems, "\n".join(problems)
+
+
+# --- relative links -------------------------------------------------------------------
+
+
+def without_code(text: str) -> str:
+    """The text with fenced code blocks and inline code blanked out."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    heading = re.sub(r"[`*]", "", heading.strip())
+    heading = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    found: set[str] = set()
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
+    for heading in re.findall(r"^#{1,6} (.+)$", text, re.M):
+        base, n = slug(heading), 0
+        while (name := base if n == 0 else f"{base}-{n}") in found:
+            n += 1
+        found.add(name)
+    found |= set(re.findall(r"<a (?:id|name)=\"([^\"]+)\"", text))
+    return found
+
+
+def link_problems(page: Path) -> list[str]:
+    problems = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", without_code(page.read_text())):
+        if re.match(r"[a-z]+:", target):
+            continue  # http:, https:, mailto:
+        file_part, _, anchor = target.partition("#")
+        linked = (page.parent / file_part).resolve() if file_part else page
+        where = f"{page.relative_to(REPO)}: ({target})"
+        if not linked.exists():
+            problems.append(f"{where}: no file {file_part}")
+        elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+            problems.append(f"{where}: no heading with the anchor #{anchor} in {linked.name}")
+    return problems
+
+
+def doc_pages() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+
+
+def test_relative_links_point_at_files_and_headings():
+    problems = [p for page in doc_pages() for p in link_problems(page)]
+    assert not problems, "broken links:\n" + "\n".join(problems)
+
+
+# --- the checks themselves ------------------------------------------------------------
+
+
+def test_the_checks_catch_what_they_guard(tmp_path):
+    """A missing and a stale entry of each list, a wrong graph and a broken link are named."""
+    text = ARCHITECTURE.read_text()
+    extra = dict(long_modules(), **{"looprl/loop/huge.py": 812})
+    assert long_module_problems(text, extra)[0].startswith("add `looprl/loop/huge.py`")
+    listed = next(iter(listed_long_modules(text)))
+    fewer = {p: n for p, n in long_modules().items() if p != listed}
+    assert any(f"remove `{listed}`" in p for p in long_module_problems(text, fewer))
+
+    planted = text.replace("`looprl/config/`", "`looprl/config/`, `looprl/nowhere/`", 1)
+    assert "remove rank 1 `nowhere`" in layer_problems(planted)[0]
+    assert documented_graph(text.replace("─► cli\n", "─► cli, loop\n", 1)) != printed_graph()
+
+    (tmp_path / "config").mkdir()
+    for name in ("__init__.py", "sections.py", "load.py", "extra.py"):
+        (tmp_path / "config" / name).write_text("")
+    stale = text.replace("`load.py`", "`loader.py`", 1)
+    assert module_table_problems(stale, tmp_path) == [
+        "name `extra.py` in the 'config' row of architecture.md's layer table",
+        "name `load.py` in the 'config' row of architecture.md's layer table",
+        "remove `loader.py` from the 'config' row of architecture.md's layer table: "
+        "no such file in looprl/config/",
+    ]
+
+    (tmp_path / "test_new.py").write_text("")
+    testing = "## Test files\n\n| file | covers |\n|---|---|\n| `tests/test_old.py` | x |\n"
+    assert missing_test_files(testing, tmp_path) == [
+        "add a row for `tests/test_new.py` to testing.md's 'Test files'",
+        "remove `tests/test_old.py` from testing.md's 'Test files': no such file",
+    ]
+
+    page = REPO / "docs" / "_docs_probe.md"
+    page.write_text(
+        "# Probe\n\n## A `code` heading, too\n\n[a](#a-code-heading-too) [b](#nope) "
+        "[c](missing.md) [d](architecture.md#layers) `[e](inline.md)`\n"
+    )
+    try:
+        assert link_problems(page) == [
+            "docs/_docs_probe.md: (#nope): no heading with the anchor #nope in _docs_probe.md",
+            "docs/_docs_probe.md: (missing.md): no file missing.md",
+        ]
+    finally:
+        page.unlink()
