@@ -1,6 +1,7 @@
 """Choosing tokens per decoding row: top-k / top-p filtering, an exact inverse-CDF draw
 at one uniform from each row's own random stream, the top alternatives of a position
-(`top_logprobs`), and jump-forward decoding where a grammar leaves one string open."""
+(`top_logprobs`), jump-forward decoding where a grammar leaves one string open, and
+which of a row's tokens its grammar forced (`advance_grammar`)."""
 
 from __future__ import annotations
 
