@@ -41,7 +41,7 @@ pushes the samples down: a group whose samples tie and lose to the expert trains
 expert's episode alone (a supervised step weighted by how far the samples are behind). In
 the default `group` baseline the expert is one member among the others, and seven samples
 that tie below it take negative advantages that spread their probability off the square
-they preferred (docs/learning.md, ablation 5). Per-turn terms are anchored the same way.
+they preferred (docs/learning/ablations.md, ablation 5). Per-turn terms are anchored the same way.
 
 Entropy bonus (maximum-entropy RL): with b_i the surprisal -log pi of episode i's
 decision tokens (as sampled) and beta = algo.entropy_coef,

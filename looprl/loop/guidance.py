@@ -9,7 +9,7 @@ arXiv 2504.14945). Where the policy's samples already do as well as the expert, 
 group's rewards are equal and the expert adds nothing; where they do worse, the expert's
 advantage is positive and theirs negative, so the signal sits on the tasks the policy gets
 wrong, without any extra generation. The policy's own samples rarely show a better move
-it does not already prefer (docs/learning.md); the expert always does.
+it does not already prefer (docs/learning/ablations.md); the expert always does.
 
 An expert episode has no sampling logprobs: the update takes the trainer's own logprobs
 before the step as its behaviour policy (`Episode.expert`, loop/update.py), so its ratio
