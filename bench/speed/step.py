@@ -1,12 +1,13 @@
 """One full RL step (rollouts + GSPO update): looprl vs TRL's `GRPOTrainer`, side by side.
 
     .venv/bin/pip install -e ".[bench]" "torch==2.13.0"   # TRL, once (or: make bench)
-    .venv/bin/python bench/step.py                  # the default benchmark (8 x 8, 64 tokens)
-    .venv/bin/python bench/step.py --steps 1 --tasks 4 --group 4 --updates 2 \
+    .venv/bin/python bench/speed/step.py            # the default benchmark (8 x 8, 64 tokens)
+    .venv/bin/python bench/speed/step.py --steps 1 --tasks 4 --group 4 --updates 2 \
         --max-new-tokens 32                          # quick (what `make bench` runs)
 
 Each side runs in its own child process (same interpreter, same CPU threads), one after
-the other, so neither inherits the other's warm caches or memory: first looprl, then TRL.
+the other (looprl as `looprl run`, TRL as bench/speed/step_trl.py), so neither inherits
+the other's warm caches or memory: first looprl, then TRL.
 Each plays `--warmup` (1) + `--steps` (3) RL steps; a step is 8 tasks x group 8 = 64
 completions followed by the GSPO update over them (4 optimizer updates of 16). The
 warm-up step is dropped and the medians of the rest are compared. The last line is
@@ -30,12 +31,12 @@ minutes on a 2-core CPU, most of it on the TRL side.
 
 What is timed
 -------------
-- looprl: `looprl.loop.train.run_training` itself (the code `looprl run` runs), into a temp
-  folder; the per-step time is its own `perf/step_s` from RUN/metrics.jsonl: from
-  sampling the step's tasks to after `update_policy` and the scheduler step. The
-  baseline and final eval (set to 1 episode each), checkpointing and the report are
-  outside `perf/step_s`. The rollout share is derived exactly from the logged
-  `perf/rollout_tokens_per_s` and the episodes' response lengths.
+- looprl: `looprl run CONFIG` in a child process, into a temp folder; the per-step time
+  is its own `perf/step_s` from RUN/metrics.jsonl: from sampling the step's tasks to
+  after the update and the scheduler step. The baseline and final eval (set to 1
+  episode each), checkpointing and the report are outside `perf/step_s`. The rollout
+  share is derived exactly from the logged `perf/rollout_tokens_per_s` and the episodes'
+  response lengths.
 - TRL: `GRPOTrainer.train()`; a `TrainerCallback` takes the time from `on_step_begin` of
   the first optimizer step of a generation round to `on_step_end` of its last one. One
   round = one generation of all completions (inside the first optimizer step, in
@@ -67,7 +68,7 @@ Settings, and how each maps onto both sides (all are flags; defaults shown)
   steps (one micro-batch each, since gradient_accumulation_steps=1). Because
   gradient_accumulation_steps (1) is not a multiple of 4, TRL recomputes the old
   logprobs of all 64 completions once before the updates, as looprl does. looprl splits
-  whole task groups into minibatches (`looprl.loop.update.minibatches`), so it makes
+  whole task groups into minibatches (the update's minibatches), so it makes
   min(updates, tasks) updates; TRL is given that same number.
 - GSPO: looprl `algo.name=gspo` with its defaults eps_low=3e-4, eps_high=4e-4
   (`looprl.config.DEFAULT_CLIP`); TRL `importance_sampling_level="sequence"`,
@@ -77,7 +78,7 @@ Settings, and how each maps onto both sides (all are flags; defaults shown)
   `algo.kl_coef=0`, TRL `beta=0` (no reference model on either side).
 - No gradient checkpointing (TRL's default is on: set off), no mixed precision
   (`bf16=False`), no vLLM, `use_cpu=True`, dropout disabled, no logging/saving.
-- Task: `bench.step_env:MoveInText` (bench/step_env.py) with `tool_choice="auto"` on
+- Task: `bench.speed.step_env:MoveInText` (bench/speed/step_env.py) with `tool_choice="auto"` on
   both sides: `tictactoe-move`'s boards and prompts (tool schema included), with a reward
   the model can earn in free text: 0.8 x the score of the square it names (a valid
   `choose_square` call's square, else the first digit 1-9 of its text; +1 win, +0.8
@@ -98,15 +99,15 @@ Settings, and how each maps onto both sides (all are flags; defaults shown)
 Same prompts, same scoring
 --------------------------
 The TRL dataset is built from the env: step k takes `env.tasks("train", n=8,
-seed=seed*1_000_003 + k)` (the formula of `run_training`), in order (`shuffle_dataset=
-False`), and each prompt is the text looprl's `ChatRenderer` renders for
+seed=looprl.seeds.step_seed(seed, k))` (the seed `looprl run` uses), in order
+(`shuffle_dataset=False`), and each prompt is the text looprl's `ChatRenderer` renders for
 `env.reset(task)` (SmolLM2's template ignores `tools`, so looprl puts the tool schemas in
 the system prompt; TRL gets that text as a plain, non-conversational prompt, and no
 `tools=`, which would start TRL's own tool loop). The script checks, and prints, that
 TRL's own prompt tokenization (`GRPOTrainer._tokenize_prompts`) gives exactly the ids of
 `ChatRenderer.prompt_ids`, that TRL stops on the same EOS ids, and that both sides saw the
 same tasks at every step (looprl's transcripts vs the TRL reward calls). The TRL reward
-function scores a completion as `looprl.loop.rollout._advance` does: decode the completion
+function scores a completion as looprl's rollout does: decode the completion
 ids with the renderer, parse them into an assistant message (`require_call=True`), and
 `env.step(message).reward` in a fresh env reset to the same task.
 
@@ -131,20 +132,19 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from looprl.config import DEFAULT_CLIP
+from looprl.config import DEFAULT_CLIP, config_from_dict, to_yaml
 
-# The workload's env lives next to this script (bench/step_env.py) and is named like a
-# user env, `package.module:Class`; the repository root makes `bench.step_env` importable
-# wherever the script is started from (and in its child processes, which run this file).
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-ENV_NAME = "bench.step_env:MoveInText"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.harness import ROOT, looprl_run, median, read_jsonl, result_line  # noqa: E402
+
+# The workload's env lives next to this script (bench/speed/step_env.py) and is named like
+# a user env, `package.module:Class`: the `looprl run` child and the TRL child import it
+# from the repository root (bench.harness puts it on their path).
+ENV_NAME = "bench.speed.step_env:MoveInText"
 ENV_ARGS: dict[str, Any] = {"tool_choice": "auto"}  # no grammar: see the module docstring
 EPS_LOW, EPS_HIGH = DEFAULT_CLIP["gspo"]
 
@@ -194,20 +194,23 @@ class Settings:
         return self.completions // self.effective_updates
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
-    defaults = Settings()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    for name, value in asdict(defaults).items():
+def settings_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A parser with one flag per `Settings` field (defaults shown)."""
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n", 1)[0])
+    for name, value in asdict(Settings()).items():
         flag = "--" + name.replace("_", "-")
         parser.add_argument(flag, type=type(value), default=value, help=f"default {value}")
-    parser.add_argument(
-        "--side",
-        choices=("both", "looprl", "trl"),
-        default="both",
-        help="both (default): run each side in a child process and compare; looprl/trl: "
-        "run that side in this process and write --result-json (what the children do)",
-    )
-    parser.add_argument("--result-json", type=Path, help="where a single side writes its result")
+    return parser
+
+
+def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Settings:
+    settings = Settings(**{k: getattr(args, k) for k in asdict(Settings())})
+    check_settings(settings, parser)
+    return settings
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
+    parser = settings_parser(__doc__)
     parser.add_argument("--save", type=Path, help="also keep both sides' results in this folder")
     parser.add_argument(
         "--reuse-trl",
@@ -215,11 +218,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
         help="compare against a TRL result saved by --save (same settings) instead of rerunning",
     )
     args = parser.parse_args(argv)
-    settings = Settings(**{k: getattr(args, k) for k in asdict(defaults)})
-    check_settings(settings, parser)
-    if args.side != "both" and args.result_json is None:
-        parser.error("--side looprl/trl needs --result-json")
-    return settings, args
+    return settings_from(args, parser), args
 
 
 def check_settings(s: Settings, parser: argparse.ArgumentParser) -> None:
@@ -246,11 +245,6 @@ def settings_argv(s: Settings) -> list[str]:
     return out
 
 
-def step_seed(s: Settings, step: int) -> int:
-    """The task (and sampling) seed `looprl.loop.train.run_training` uses at `step` (from 1)."""
-    return s.seed * 1_000_003 + step
-
-
 # ============================================================================ looprl side
 
 
@@ -258,8 +252,6 @@ def looprl_config(s: Settings) -> Any:
     """The run config: the shared settings, plus a 1-episode eval and no periodic
     checkpoints or TensorBoard (none of which is inside `perf/step_s` anyway), and every
     episode's transcript kept so the parent can check which tasks each step used."""
-    from looprl.config import config_from_dict
-
     return config_from_dict({
         "model": {
             "name": s.model, "dtype": "float32", "device": "cpu", "gradient_checkpointing": False,
@@ -288,14 +280,16 @@ def looprl_config(s: Settings) -> Any:
 
 
 def run_looprl(s: Settings) -> dict[str, Any]:
-    """`run_training` into a temp folder; per-step numbers from its metrics and samples."""
-    from looprl.loop.train import run_training
-
+    """`looprl run CONFIG` into a temp folder, in a child process; per-step numbers from
+    its metrics and samples."""
     with tempfile.TemporaryDirectory(prefix="looprl-bench-") as tmp:
-        run = Path(tmp) / "run"
-        run_training(looprl_config(s), run, force=True)
-        metrics = read_jsonl(run / "metrics.jsonl")
-        samples = read_jsonl(run / "samples" / "train.jsonl")
+        config = Path(tmp) / "config.yaml"
+        config.write_text(to_yaml(looprl_config(s)))
+        run = looprl_run(Path(tmp) / "run", config)
+        if run.returncode != 0:
+            raise SystemExit(f"looprl run failed with exit code {run.returncode}")
+        metrics = run.metrics
+        samples = read_jsonl(run.out / "samples" / "train.jsonl")
     by_step: dict[int, list[dict[str, Any]]] = {}
     for record in samples:
         by_step.setdefault(int(record["step"]), []).append(record)
@@ -315,221 +309,23 @@ def run_looprl(s: Settings) -> dict[str, Any]:
     return {"steps": steps, "updates": s.effective_updates}
 
 
-# ============================================================================ TRL side
-
-
-def task_prompts(s: Settings, renderer: Any) -> list[dict[str, Any]]:
-    """One dataset row per task per RL step, in looprl's order: the prompt text looprl
-    renders, its ids, and the task itself (for the reward function)."""
-    from looprl.envs import make_env
-
-    probe = make_env(ENV_NAME, ENV_ARGS)
-    rows = []
-    for step in range(1, s.rounds + 1):
-        for task in probe.tasks("train", n=s.tasks, seed=step_seed(s, step)):
-            obs = make_env(ENV_NAME, ENV_ARGS).reset(task)
-            rows.append({
-                "prompt": renderer.render_text(obs.messages, obs.tools),
-                "prompt_ids": renderer.prompt_ids(obs.messages, obs.tools),
-                "task_id": task.id,
-                "task_data": json.dumps(task.data),
-                "task_seed": task.seed,
-            })  # fmt: skip
-    return rows
-
-
-class RewardLog:
-    """The TRL reward function: scores like looprl's rollout, and records per round the
-    tasks, rewards, completion lengths and its own time."""
-
-    __name__ = "looprl_env_reward"  # TRL names reward functions by __name__
-
-    def __init__(self, renderer: Any, group: int) -> None:
-        self.renderer = renderer
-        self.group = group
-        self.rounds: list[dict[str, Any]] = []
-
-    def __call__(
-        self,
-        prompts: list[str],
-        completions: list[str],
-        completion_ids: list[list[int]],
-        task_id: list[str],
-        task_data: list[str],
-        task_seed: list[int],
-        **_: Any,
-    ) -> list[float]:
-        start = time.perf_counter()
-        rewards = [
-            self.score(ids, tid, data, seed)
-            for ids, tid, data, seed in zip(completion_ids, task_id, task_data, task_seed)
-        ]
-        self.rounds.append({
-            "tasks": ordered_unique(task_id),
-            "reward_mean": statistics.fmean(rewards),
-            "completion_tokens": statistics.fmean(len(ids) for ids in completion_ids),
-            "zero_std_groups": self.zero_std_groups(rewards),
-            "reward_s": time.perf_counter() - start,
-        })  # fmt: skip
-        return rewards
-
-    def zero_std_groups(self, rewards: list[float]) -> int:
-        """Groups whose rewards are all equal (advantage 0 for every completion). TRL's
-        sampler repeats each prompt `group` times in a row, so groups are consecutive."""
-        groups = [rewards[i : i + self.group] for i in range(0, len(rewards), self.group)]
-        return sum(len(set(g)) == 1 for g in groups)
-
-    def score(self, ids: list[int], task_id: str, data: str, seed: int) -> float:
-        """What `looprl.loop.rollout._advance` does with a completion, for a one-turn env."""
-        from looprl.envs import make_env
-        from looprl.types import Task
-
-        env = make_env(ENV_NAME, ENV_ARGS)
-        obs = env.reset(Task(id=task_id, data=json.loads(data), seed=seed))
-        message = self.renderer.assistant_message(
-            self.renderer.decode(ids),
-            obs.tools,
-            require_call=bool(obs.tools) and obs.tool_choice != "none",
-        )
-        return float(env.step(message).reward)
-
-
-def round_timer(updates: int) -> Any:
-    """A TrainerCallback timing each generation round: `updates` optimizer steps."""
-    from transformers import TrainerCallback
-
-    class RoundTimer(TrainerCallback):
-        def __init__(self) -> None:
-            self.begin = 0.0
-            self.rounds: list[float] = []
-
-        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if state.global_step % updates == 0:  # the first optimizer step of a round
-                self.begin = time.perf_counter()
-
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if state.global_step % updates == 0:  # global_step already counts this one
-                self.rounds.append(time.perf_counter() - self.begin)
-
-    return RoundTimer()
-
-
-def timed_trainer_class() -> type:
-    """GRPOTrainer whose `_generate` (tokenize, generate, decode) is timed: the rollout
-    share of a round. Nothing else changes."""
-    from trl import GRPOTrainer
-
-    class TimedGRPOTrainer(GRPOTrainer):
-        generate_s: list[float]
-
-        def _generate(self, prompts: list) -> Any:
-            start = time.perf_counter()
-            try:
-                return super()._generate(prompts)
-            finally:
-                self.generate_s.append(time.perf_counter() - start)
-
-    return TimedGRPOTrainer
-
-
-def trl_config(s: Settings, output_dir: str) -> Any:
-    """GRPOConfig for GSPO with the shared settings (mapping in the module docstring)."""
-    from trl import GRPOConfig
-
-    return GRPOConfig(
-        output_dir=output_dir, use_cpu=True, bf16=False, fp16=False, use_vllm=False,
-        seed=s.seed, data_seed=s.seed, shuffle_dataset=False,
-        learning_rate=s.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        optim="adamw_torch", max_grad_norm=1.0,
-        per_device_train_batch_size=s.minibatch, gradient_accumulation_steps=1,
-        steps_per_generation=s.effective_updates, num_iterations=1,
-        max_steps=s.rounds * s.effective_updates,
-        num_generations=s.group, max_completion_length=s.max_new_tokens,
-        temperature=s.temperature, top_p=s.top_p, top_k=0,
-        beta=0.0, epsilon=s.eps_low, epsilon_high=s.eps_high,
-        importance_sampling_level="sequence", loss_type="grpo", scale_rewards="group",
-        mask_truncated_completions=False, gradient_checkpointing=False, disable_dropout=True,
-        logging_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True,
-        dataloader_pin_memory=False, remove_unused_columns=False,
-    )  # fmt: skip
-
-
-def run_trl(s: Settings) -> dict[str, Any]:
-    """GRPOTrainer.train() for `rounds` generation rounds, timed per round."""
-    import torch
-    from datasets import Dataset
-    from peft import LoraConfig
-
-    from looprl.chat import ChatRenderer
-    from looprl.model.load import load_causal_lm, load_tokenizer
-
-    tokenizer = load_tokenizer(s.model)
-    model = load_causal_lm(s.model, torch.float32)
-    renderer = ChatRenderer(tokenizer, model_name=s.model)
-    rows = task_prompts(s, renderer)
-    dataset = Dataset.from_list([{k: v for k, v in r.items() if k != "prompt_ids"} for r in rows])
-    reward = RewardLog(renderer, s.group)
-    timer = round_timer(s.effective_updates)
-    lora = LoraConfig(
-        r=s.lora_rank, lora_alpha=s.lora_alpha, lora_dropout=s.lora_dropout,
-        target_modules="all-linear", task_type="CAUSAL_LM",
-    )  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="trl-bench-") as tmp:
-        trainer = timed_trainer_class()(
-            model=model, reward_funcs=[reward], args=trl_config(s, tmp), train_dataset=dataset,
-            processing_class=tokenizer, peft_config=lora, callbacks=[timer],
-        )  # fmt: skip
-        trainer.generate_s = []
-        checks = trl_checks(trainer, rows, renderer)
-        trainer.train()
-    steps = [
-        {
-            "step_s": seconds,
-            "rollout_s": generate + scored["reward_s"],
-            "reward_mean": scored["reward_mean"],
-            "completion_tokens": scored["completion_tokens"],
-            "zero_std_groups": scored["zero_std_groups"],
-            "tasks": scored["tasks"],
-        }
-        for seconds, generate, scored in zip(timer.rounds, trainer.generate_s, reward.rounds)
-    ]
-    return {"steps": steps, "updates": s.effective_updates, "checks": checks}
-
-
-def trl_checks(trainer: Any, rows: list[dict[str, Any]], renderer: Any) -> dict[str, Any]:
-    """TRL's own prompt tokenization vs looprl's ids, and its stop tokens vs looprl's."""
-    texts = [r["prompt"] for r in rows]
-    trl_ids = [list(map(int, ids)) for ids in trainer._tokenize_prompts(texts)[0]]
-    same = sum(a == r["prompt_ids"] for a, r in zip(trl_ids, rows))
-    return {
-        "prompt_ids_match": same == len(rows),
-        "prompts_checked": len(rows),
-        "prompts_matching": same,
-        "prompt_tokens_mean": statistics.fmean(len(r["prompt_ids"]) for r in rows),
-        "trl_eos_ids": list(trainer.eos_token_ids),
-        "looprl_eos_ids": list(renderer.eos_ids),
-    }
-
-
 # ============================================================================ driver
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def ordered_unique(items: Any) -> list[str]:
     return list(dict.fromkeys(items))
 
 
-def run_child(side: str, s: Settings, workdir: Path) -> dict[str, Any]:
-    """Run one side in a fresh interpreter and read back its result."""
-    out = workdir / f"{side}.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--result-json", str(out)]
+def run_side(side: str, s: Settings, workdir: Path) -> dict[str, Any]:
+    """Run one side in a fresh interpreter: looprl through `looprl run`, TRL through
+    bench/speed/step_trl.py, which writes its result to a JSON file."""
     print(f"\n=== {side}: {s.rounds} RL steps ({s.warmup} warm-up) ===", flush=True)
-    subprocess.run(cmd + settings_argv(s), check=True)
+    if side == "looprl":
+        return run_looprl(s)
+    out = workdir / "trl.json"
+    script = Path(__file__).with_name("step_trl.py")
+    cmd = [sys.executable, str(script), "--result-json", str(out), *settings_argv(s)]
+    subprocess.run(cmd, check=True, cwd=ROOT)
     return json.loads(out.read_text())
 
 
@@ -540,7 +336,7 @@ def side_summary(result: dict[str, Any], warmup: int) -> dict[str, float]:
         raise SystemExit("no measured steps came back")
 
     def med(key: str) -> float:
-        return statistics.median(step[key] for step in measured)
+        return median(step[key] for step in measured)
 
     return {
         "n": len(measured),
@@ -548,7 +344,7 @@ def side_summary(result: dict[str, Any], warmup: int) -> dict[str, float]:
         "min_s": min(step["step_s"] for step in measured),
         "max_s": max(step["step_s"] for step in measured),
         "rollout_s": med("rollout_s"),
-        "update_s": statistics.median(x["step_s"] - x["rollout_s"] for x in measured),
+        "update_s": median(x["step_s"] - x["rollout_s"] for x in measured),
         "completion_tokens": statistics.fmean(x["completion_tokens"] for x in measured),
         "reward_mean": statistics.fmean(x["reward_mean"] for x in measured),
         "zero_std_groups": statistics.fmean(x["zero_std_groups"] for x in measured),
@@ -614,7 +410,7 @@ def print_report(s: Settings, ours: dict[str, Any], trl: dict[str, Any]) -> int:
     why = refusal(s, ours_equal, trl_equal)
     if why is not None:
         print(f"NO RATIO: {why}")
-        print("RESULT ratio=refused " + " ".join(f"{k}={v}" for k, v in fields.items()))
+        print(result_line({"ratio": "refused", **fields}))
         return 1
     ratios = {
         f"{name}_time_ratio_vs_trl": f"{a[key] / b[key]:.3f}"
@@ -622,7 +418,7 @@ def print_report(s: Settings, ours: dict[str, Any], trl: dict[str, Any]) -> int:
     }
     step, rollout, update = ratios.values()
     print(f"looprl / TRL seconds: step {step}, rollout {rollout}, update {update}")
-    print("RESULT " + " ".join(f"{k}={v}" for k, v in {**ratios, **fields}.items()))
+    print(result_line({**ratios, **fields}))
     return 0
 
 
@@ -671,18 +467,14 @@ def reused_trl(path: Path, s: Settings) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     s, args = parse_args(argv)
-    if args.side != "both":
-        result = run_looprl(s) if args.side == "looprl" else run_trl(s)
-        result["workload"] = workload(s)
-        args.result_json.write_text(json.dumps(result))
-        return
     theirs = reused_trl(args.reuse_trl, s) if args.reuse_trl else None
     with tempfile.TemporaryDirectory(prefix="bench-step-") as tmp:
-        ours = run_child("looprl", s, Path(tmp))
+        ours = run_side("looprl", s, Path(tmp))
+        ours["workload"] = workload(s)
         if theirs is not None:
             print(f"\n=== trl: reusing {args.reuse_trl} ===")
         else:
-            theirs = run_child("trl", s, Path(tmp))
+            theirs = run_side("trl", s, Path(tmp))
     if args.save:
         args.save.mkdir(parents=True, exist_ok=True)
         (args.save / f"looprl-{s.looprl_tool_choice}.json").write_text(json.dumps(ours))
