@@ -18,7 +18,8 @@ from looprl.engine import GenerationRequest, SamplingParams
 from looprl.engine.hf import HFEngine
 from looprl.envs.tictactoe import TicTacToeMove
 from looprl.forward.prefix import shared_prefill
-from looprl.loop.policy import add_lora, sequence_logprobs
+from looprl.forward.score import sequence_logprobs
+from looprl.loop.policy import add_lora
 from looprl.model.arch import MATRIX, fast_paths, router_modules
 from looprl.model.tiny import TINY_ARCHITECTURES, build_tiny, perturb_adapters, save_tiny
 

@@ -177,7 +177,7 @@ def test_trainer_logprobs_and_gradients_match_without_cascade(tokenizer, rendere
 def test_half_precision_models_attend_in_float32(tokenizer, renderer):
     """A bfloat16 model: the cascade's scores and softmax run in float32 (as SDPA's do),
     so its logprobs are as close to the float32 model's as with plain SDPA."""
-    from looprl.loop.policy import sequence_logprobs
+    from looprl.forward.score import sequence_logprobs
     from looprl.model.load import load_causal_lm
 
     requests = tictactoe_requests(renderer, n=4)

@@ -40,7 +40,7 @@ def lora_tiny_model(seed: int):
 def scored_with_grads(model, sequences, masks, temperature: float, pack: bool = True):
     """The trainer's logprobs at the loss-masked positions, and the gradients of their
     sum with respect to the trainable parameters."""
-    from looprl.loop.policy import sequence_logprobs
+    from looprl.forward.score import sequence_logprobs
 
     model.zero_grad()
     logp_BS, mask_BS = sequence_logprobs(
@@ -294,7 +294,7 @@ def test_models_with_other_cache_layers_keep_working(tokenizer, renderer, free_r
 def test_trainer_logprobs_only_at_masked_positions(tiny_model, tokenizer, renderer, free_requests):
     """The trainer's masked-position path (hidden states, then the output projection
     in chunks) gives the plain full-logits path's values and gradients."""
-    from looprl.loop.policy import decoder_and_head
+    from looprl.forward.score import decoder_and_head
 
     model = lora_tiny_model(seed=0)
     engine = HFEngine(model, tokenizer, renderer.eos_ids)

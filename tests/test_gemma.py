@@ -94,7 +94,7 @@ def test_engine_matches_generate_and_plain_forward_past_the_window(gemma):
     """Greedy tokens equal `model.generate`'s; sampled tokens' logprobs (engine and
     trainer) equal a plain forward's: a window counted in cache columns over a padding gap
     would miss real tokens (with a shared head the shorter prompt was off by 0.1 nats)."""
-    from looprl.loop.policy import sequence_logprobs
+    from looprl.forward.score import sequence_logprobs
 
     model, tokenizer, renderer = gemma
     assert model.config.sliding_window == 512

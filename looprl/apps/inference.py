@@ -45,10 +45,10 @@ from looprl.config import Config, config_from_dict, load_config
 from looprl.engine import Constraint, GenerationRequest, SamplingParams
 from looprl.engine.hf import HFEngine
 from looprl.engine.requests import check_tools, generation_request
-from looprl.engine.score import prompt_logprobs
 from looprl.errors import ChatError, ConfigError, LoopRLError, RequestError
+from looprl.forward.score import prompt_logprobs
 from looprl.loop.checkpoint import list_checkpoints, load_weights
-from looprl.loop.policy import Policy, load_policy, pick_device, pick_dtype
+from looprl.loop.policy import Policy, load_policy, make_engine, pick_device, pick_dtype
 from looprl.openai.wire import ChatChoice
 from looprl.types import Message
 
@@ -315,13 +315,7 @@ class ChatModel:
                 model_cfg.name, pick_dtype(model_cfg.dtype, device), model_cfg.trust_remote_code
             ).to(device)
             model.eval()
-            self._baseline_engine = HFEngine(
-                model,
-                self.tokenizer,
-                self.renderer.eos_ids,
-                batch_size=self._cfg.rollout.batch_size,
-                jump_forward=self._cfg.rollout.jump_forward,
-            )
+            self._baseline_engine = make_engine(self._cfg, model, self.tokenizer, self.renderer)
         return self._baseline_engine
 
 

@@ -23,7 +23,7 @@ from looprl.loop import dist as ranks
 from looprl.loop import log, preflight
 from looprl.loop.checkpoint import load_weights
 from looprl.loop.dist import main_only
-from looprl.loop.policy import Policy, attach_rollout_engine, check_rollout_engine, load_policy
+from looprl.loop.policy import Policy, load_model
 from looprl.loop.progress import DONE, Progress
 from looprl.loop.rollout import run_episodes
 from looprl.report.stats import reward_with_ci
@@ -375,17 +375,3 @@ def run_eval(
         out.write_text(json.dumps(result, indent=2))
     return result
 
-
-def load_model(cfg: Config, progress: Progress) -> Policy:
-    """`load_policy` as a phase of its own: the first minute of a run on a slow disk."""
-    check_rollout_engine(cfg)
-    with progress.phase("load model") as phase:
-        policy = load_policy(cfg)
-        attach_rollout_engine(cfg, policy)
-        params = list(policy.model.parameters())
-        trained = sum(p.numel() for p in params if p.requires_grad)
-        phase.done(
-            f"{cfg.model.name} on {policy.device} · {trained:,} of "
-            f"{sum(p.numel() for p in params):,} parameters trained"
-        )
-    return policy

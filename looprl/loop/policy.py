@@ -1,5 +1,7 @@
-"""The policy: model + tokenizer + chat renderer + rollout engine, and the trainer's
-log-probability computation over episode token sequences."""
+"""Model loading: the policy (model + tokenizer + chat renderer + rollout engine) as
+training, evaluation and serving load it, and `make_engine`, the one place a model's
+sampling engine is built from a run's config. The trainer's log-probabilities live in
+forward/score.py."""
 
 from __future__ import annotations
 
@@ -11,16 +13,14 @@ from typing import Any
 
 import torch
 
-from looprl.algo import head_logprobs, token_logprobs
 from looprl.chat import ChatRenderer
 from looprl.config import Config
 from looprl.config import LoraConfig as LoraSettings
 from looprl.engine.hf import HFEngine
 from looprl.errors import ConfigError, EngineError
-from looprl.forward import cascade
-from looprl.forward.kv import bufferable
-from looprl.forward.prefix import prefix_kwargs, shared_prefill
+from looprl.forward.score import completion_logprobs
 from looprl.loop.optim import quiet_bitsandbytes
+from looprl.loop.progress import Progress
 from looprl.model.arch import fast_paths, lora_targets
 from looprl.model.load import base_model, load_causal_lm, load_tokenizer
 
@@ -73,7 +73,14 @@ def load_policy(cfg: Config) -> Policy:
         model = add_lora(model, cfg.model.lora)
         if cfg.model.gradient_checkpointing:
             model.enable_input_require_grads()
-    engine = HFEngine(
+    return Policy(model, tokenizer, renderer, make_engine(cfg, model, tokenizer, renderer), device)
+
+
+def make_engine(cfg: Config, model: Any, tokenizer: Any, renderer: ChatRenderer) -> HFEngine:
+    """The engine that samples from `model` under the run's settings: the one factory
+    for training, evaluation and serving (a served run's baseline variant included).
+    `rollout.engine=vllm` swaps it for a vLLM server afterwards (`attach_rollout_engine`)."""
+    return HFEngine(
         model,
         tokenizer,
         renderer.eos_ids,
@@ -83,7 +90,22 @@ def load_policy(cfg: Config) -> Policy:
         cascade_attention=cfg.model.cascade_attention,
         weight_first_linear=cfg.model.weight_first_linear,
     )
-    return Policy(model, tokenizer, renderer, engine, device)
+
+
+def load_model(cfg: Config, progress: Progress) -> Policy:
+    """`load_policy` as a phase of its own (the first minute of a run on a slow disk),
+    with the rollout engine attached: how training and `looprl eval` load the model."""
+    check_rollout_engine(cfg)
+    with progress.phase("load model") as phase:
+        policy = load_policy(cfg)
+        attach_rollout_engine(cfg, policy)
+        params = list(policy.model.parameters())
+        trained = sum(p.numel() for p in params if p.requires_grad)
+        phase.done(
+            f"{cfg.model.name} on {policy.device} · {trained:,} of "
+            f"{sum(p.numel() for p in params):,} parameters trained"
+        )
+    return policy
 
 
 def add_lora(model: Any, lora: LoraSettings) -> Any:
@@ -153,222 +175,15 @@ def attach_rollout_engine(cfg: Config, policy: Policy) -> None:
 
 def policy_rescorer(policy: Policy, budget: int):
     """The vLLM engine's scorer of constrained completions (`rollout.vllm_rescore=policy`):
-    each completion's logprobs under the policy module, unconstrained, at the sampling
-    temperature, in passes of about `budget` tokens (prompts shared as in the update)."""
-    model, pad = policy.model, policy.tokenizer.pad_token_id or 0
+    `completion_logprobs(prompts, completions, temperature)` under the policy module, in
+    passes of about `budget` tokens."""
+    pad = policy.tokenizer.pad_token_id or 0
 
     def score(
         prompts: list[list[int]], completions: list[list[int]], temperature: float
     ) -> list[list[float]]:
-        out: list[list[float]] = [[] for _ in prompts]
-        todo = [i for i, c in enumerate(completions) if c]
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                while todo:
-                    chunk, tokens = [], 0
-                    while todo and (
-                        not chunk
-                        or tokens + len(prompts[todo[0]]) + len(completions[todo[0]]) <= budget
-                    ):
-                        i = todo.pop(0)
-                        chunk.append(i)
-                        tokens += len(prompts[i]) + len(completions[i])
-                    logp_BS, mask_BS = sequence_logprobs(
-                        model, [prompts[i] + completions[i] for i in chunk],
-                        [[0] * len(prompts[i]) + [1] * len(completions[i]) for i in chunk],
-                        pad, policy.device, temperature,
-                    )  # fmt: skip
-                    for row, i in enumerate(chunk):
-                        out[i] = logp_BS[row][mask_BS[row]].float().tolist()
-        finally:
-            model.train(was_training)
-        return out
+        return completion_logprobs(
+            policy.model, prompts, completions, temperature, pad, policy.device, budget
+        )
 
     return score
-
-
-def prompt_length(mask: list[int]) -> int:
-    """Tokens before the first generated one: the episode's initial prompt."""
-    return mask.index(1) if 1 in mask else len(mask)
-
-
-def sequence_logprobs(
-    model: Any,
-    sequences: list[list[int]],
-    masks: list[list[int]],
-    pad_id: int,
-    device: torch.device,
-    temperature: float,
-    pack: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token logprobs of the tokens after each sequence's initial prompt.
-
-    Prefix sharing, exact gradients included: the prompts run through `shared_prefill`
-    (each distinct prompt once, their common head once). With cascade attention the
-    episodes' suffixes (all turns after the prompt, right-padded) attend to the head and
-    to their prompt's tail where they are, one copy each; otherwise the prompt KV rows
-    are copied to every episode that uses them (an indexing op). Either way the gradients
-    from all G episodes flow back into the one prompt pass. With cascade attention and
-    `pack`, suffixes of different lengths are packed: the model runs their real tokens
-    as one row (no padding through the linear layers), and only attention unpacks them
-    (`cascade.Packing`). Positions follow the engine's
-    convention, so trainer and engine logprobs agree. A model training under gradient
-    checkpointing cannot use a cache (transformers drops it), and a model whose cache is
-    not plain keys and values (`arch.fast_paths`: sliding windows, linear attention, an
-    architecture outside the tested matrix) does not share it: both run whole sequences.
-
-    Logits are computed only where the loss needs them: at the loss-masked positions,
-    in chunks (`head_logprobs`), never as a [B, S, vocab] tensor, when the model's logits
-    are a plain projection of its last hidden state (checked once per model).
-    Returns logp_BS (with grad if enabled; 0 off the mask) and mask_BS (bool); callers
-    use only the masked entries, in order.
-    """
-    if _cache_dropped(model) or not fast_paths(base_model(model).config).trainer_prefix:
-        return _whole_sequence_logprobs(model, sequences, masks, pad_id, device, temperature)
-    starts = [prompt_length(m) for m in masks]
-    prefill = shared_prefill(
-        model, [seq[:st] for seq, st in zip(sequences, starts)], pad_id, device
-    )
-    ids_BS, attention_BS, mask_BS = _right_padded(
-        [seq[st:] for seq, st in zip(sequences, starts)],
-        [m[st:] for m, st in zip(masks, starts)],
-        pad_id,
-        device,
-    )
-    width = ids_BS.shape[1]
-    rows = prefill.cache_rows
-    packing = None
-    if cascade.enabled(model) and bufferable(prefill.cache):
-        # cascade attention: the head and each distinct prompt's tail stay one copy each
-        shared = prefill.prefix.levels if prefill.prefix is not None else []
-        tails = cascade.Level(
-            [layer.keys for layer in prefill.cache.layers],
-            [layer.values for layer in prefill.cache.layers],
-            rows_B=rows,
-            valid_NT=prefill.attention_CL[:, : prefill.width].bool(),
-        )
-        positions_BS = prefill.next_pos_C[rows][:, None] + torch.arange(width, device=device)
-        lengths = attention_BS.sum(1).tolist()
-        call_ids, call_mask, call_positions = ids_BS, attention_BS, positions_BS
-        if pack and 0 < sum(lengths) < len(lengths) * width:
-            # one row of the real tokens: no linear layer or norm runs on padding
-            packing = cascade.Packing.of(lengths, device)
-            call_ids = ids_BS[packing.valid_BS][None]
-            call_mask = packing.causal_mask()
-            call_positions = positions_BS[packing.valid_BS][None]
-        inputs = dict(
-            input_ids=call_ids,
-            attention_mask=call_mask,
-            position_ids=call_positions,
-            use_cache=False,
-            **prefix_kwargs(cascade.Prefix([*shared, tails], packing)),
-        )
-        logits_BV = prefill.logits_CV[rows]
-    else:
-        prefill = prefill.expand()
-        inputs = dict(
-            input_ids=ids_BS,
-            attention_mask=torch.cat([prefill.attention_CL, attention_BS], dim=1),
-            position_ids=prefill.next_pos_C[:, None] + torch.arange(width, device=device),
-            cache=prefill.cache,
-            use_cache=True,
-        )
-        logits_BV = prefill.logits_CV
-    # the prompt's last logits predict suffix token 0; suffix position t predicts t + 1
-    first_B = token_logprobs(logits_BV[:, None, :], ids_BS[:, :1], temperature)[:, 0]
-    rest_BS = _next_token_logprobs(model, inputs, ids_BS, mask_BS, temperature, packing)
-    return torch.cat([first_B[:, None], rest_BS], dim=1), mask_BS
-
-
-def _whole_sequence_logprobs(
-    model: Any,
-    sequences: list[list[int]],
-    masks: list[list[int]],
-    pad_id: int,
-    device: torch.device,
-    temperature: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """No cache: each sequence in full (right-padded); position t predicts token t + 1."""
-    ids_BT, attention_BT, mask_BT = _right_padded(sequences, masks, pad_id, device)
-    positions_BT = torch.arange(ids_BT.shape[1], device=device).expand_as(ids_BT)
-    inputs = dict(input_ids=ids_BT, attention_mask=attention_BT, position_ids=positions_BT)
-    logp_BT = _next_token_logprobs(model, inputs, ids_BT, mask_BT, temperature)
-    return logp_BT, mask_BT[:, 1:]
-
-
-def _next_token_logprobs(
-    model: Any,
-    inputs: dict[str, Any],
-    ids_BS: torch.Tensor,
-    mask_BS: torch.Tensor,
-    temperature: float,
-    packing: cascade.Packing | None = None,
-) -> torch.Tensor:
-    """logprobs of ids_BS[:, 1:] from the model's outputs at positions 0..S-2 (a packed
-    call's outputs are one row of real tokens: `packing` maps them back)."""
-    split = decoder_and_head(model)
-    if split is None:
-        logits = model(**inputs).logits
-        logits_BSV = (logits if packing is None else logits[0][packing.index_BS])[:, :-1, :]
-        return token_logprobs(logits_BSV, ids_BS[:, 1:], temperature=temperature)
-    decoder, head = split
-    hidden = decoder(**inputs).last_hidden_state
-    needed_BS = mask_BS[:, 1:]
-    if packing is None:
-        hidden_NH = hidden[:, :-1, :][needed_BS]
-    else:  # only the needed rows of the packed output: no padded copy
-        hidden_NH = hidden[0][packing.index_BS[:, :-1][needed_BS]]
-    picked_N = head_logprobs(hidden_NH, head, ids_BS[:, 1:][needed_BS], temperature)
-    rest_BS = torch.zeros(needed_BS.shape, dtype=picked_N.dtype, device=ids_BS.device)
-    return rest_BS.masked_scatter(needed_BS, picked_N)
-
-
-def _right_padded(
-    seqs: list[list[int]], masks: list[list[int]], pad_id: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    width = max(len(x) for x in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(seqs), width), dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
-    for row, (seq, m) in enumerate(zip(seqs, masks)):
-        ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attention[row, : len(seq)] = 1
-        mask[row, : len(seq)] = torch.tensor(m, dtype=torch.bool)
-    return ids.to(device), attention.to(device), mask.to(device)
-
-
-def _cache_dropped(model: Any) -> bool:
-    """transformers drops the KV cache of a model training under gradient checkpointing."""
-    base = base_model(model)
-    name = "is_activation_checkpointing"  # newer transformers; the older name warns there
-    if not hasattr(type(base), name):
-        name = "is_gradient_checkpointing"
-    checkpointing = getattr(base, name, False)
-    return bool(checkpointing) and model.training and torch.is_grad_enabled()
-
-
-def decoder_and_head(model: Any) -> tuple[Any, Any] | None:
-    """The model's body (returning its final hidden states) and output projection, if
-    its logits are exactly `head(hidden)`: checked once per model on a short input, so a
-    model that scales or soft-caps its logits keeps the plain path."""
-    base = base_model(model)
-    verdict = getattr(base, "_looprl_split_head", None)
-    if verdict is None:
-        verdict = False
-        decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
-        head = base.get_output_embeddings()
-        if decoder is not None and head is not None and decoder is not base:
-            device = next(base.parameters()).device
-            ids = torch.tensor([[1, 2, 3, 4]], device=device)
-            was_training = model.training
-            model.eval()  # no dropout in the comparison
-            with torch.no_grad():
-                want = model(input_ids=ids).logits.float()
-                got = head(decoder(input_ids=ids).last_hidden_state).float()
-            model.train(was_training)
-            if got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4):
-                verdict = (decoder, head)
-        base._looprl_split_head = verdict
-    return verdict or None

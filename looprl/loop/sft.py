@@ -21,9 +21,10 @@ import torch
 
 from looprl.chat import ChatRenderer
 from looprl.config import Config
+from looprl.forward.score import sequence_logprobs
 from looprl.loop.decisions import grammar_masked
 from looprl.loop.guidance import expert_episode
-from looprl.loop.policy import Policy, sequence_logprobs
+from looprl.loop.policy import Policy
 from looprl.loop.update import micro_batches
 from looprl.types import Episode, Task
 

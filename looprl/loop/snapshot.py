@@ -26,7 +26,7 @@ import torch
 
 from looprl.chat import ChatRenderer
 from looprl.errors import LoopRLError
-from looprl.loop.policy import decoder_and_head
+from looprl.forward.score import decoder_and_head
 from looprl.types import Message, ToolCall
 
 SQUARE_TOOL = "choose_square"

@@ -38,11 +38,11 @@ from looprl.loop import log, preflight, sft
 from looprl.loop.curve import EvalCurve
 from looprl.loop.decisions import grammar_cache
 from looprl.loop.dist import Dist, main_only
-from looprl.loop.evaluate import HeldOut, load_model, player
+from looprl.loop.evaluate import HeldOut, player
 from looprl.loop.log import MetricsLogger
 from looprl.loop.optim import make_optimizer
 from looprl.loop.overlap import Overlap, check_overlap
-from looprl.loop.policy import Policy
+from looprl.loop.policy import Policy, load_model
 from looprl.loop.progress import DONE, Progress
 from looprl.loop.replay import check_replay
 from looprl.loop.run_state import (

@@ -29,8 +29,9 @@ from looprl.algo import (
 from looprl.config import AlgoConfig, TrainConfig
 from looprl.errors import LoopRLError
 from looprl.forward.routing import RouterLoad, router_metrics
+from looprl.forward.score import prompt_length, sequence_logprobs
 from looprl.loop.dist import Dist
-from looprl.loop.policy import Policy, prompt_length, sequence_logprobs
+from looprl.loop.policy import Policy
 from looprl.model.memory import release_free_memory
 from looprl.types import Episode
 
