@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 BEFORE_COLOR = "#8c8c8c"
 AFTER_COLOR = "#1f77b4"
+AFTER_SFT_COLOR = "#9ecae1"  # a lighter shade of AFTER_COLOR: the way there
 DPI = 110
 
 
@@ -85,17 +86,23 @@ def plot_before_after(
     after: tuple[float, float, float],
     paired: tuple[float, float, float] | None,
     path: Path,
+    after_sft: tuple[float, float, float] | None = None,
 ) -> Path:
-    """Left: reward mean before and after with 95% CI error bars. Right: the paired
-    difference (after − before) with its bootstrap CI, on its own axis around zero."""
-    fig = _figure(figsize=(9, 3.4))
-    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2, 1]})
-    for x, (mean, lo, hi), color in ((0, before, BEFORE_COLOR), (1, after, AFTER_COLOR)):
+    """Left: reward mean before and after with 95% CI error bars, and after the SFT warm
+    start between them when the run had one. Right: the paired difference (after −
+    before) with its bootstrap CI, on its own axis around zero."""
+    bars = [("before", before, BEFORE_COLOR)]
+    if after_sft is not None:
+        bars.append(("after SFT", after_sft, AFTER_SFT_COLOR))
+    bars.append(("after", after, AFTER_COLOR))
+    fig = _figure(figsize=(9 + 1.5 * (len(bars) - 2), 3.4))
+    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [len(bars), 1.5]})
+    for x, (_, (mean, lo, hi), color) in enumerate(bars):
         left.bar(x, _zero_if_nan(mean), color=color, width=0.6)
         if not math.isnan(mean):
             left.errorbar(x, mean, yerr=_yerr(mean, lo, hi), color="black", capsize=6)
             left.annotate(f"{mean:+.3f}", (x, mean), xytext=(12, 4), textcoords="offset points")
-    left.set_xticks([0, 1], ["before", "after"])
+    left.set_xticks(range(len(bars)), [name for name, _, _ in bars])
     left.axhline(0, color="black", linewidth=0.8)
     left.set_ylabel("held-out reward mean")
     left.set_title("reward mean, 95% CI", fontsize=10)
