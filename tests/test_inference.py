@@ -181,11 +181,11 @@ def test_prompt_longer_than_the_context_is_an_error(model):
 # ---------------------------------------------------------------- runs
 
 
-def fake_run(root: Path, lora: bool) -> Path:
-    """A run folder whose checkpoint moved the weights far from the base model."""
-    cfg = config_from_dict(
-        {"model": {"name": "tiny-random", "device": "cpu", "lora": {"enabled": lora}}}
-    )
+def fake_run(root: Path, lora: bool, **sections: dict) -> Path:
+    """A run folder whose checkpoint moved the weights far from the base model
+    (`sections`: more of the run's config, e.g. rollout={...})."""
+    model = {"name": "tiny-random", "device": "cpu", "lora": {"enabled": lora}}
+    cfg = config_from_dict({**sections, "model": {**model, **sections.pop("model", {})}})
     policy = load_policy(cfg)
     state = trainable_state(policy.model)
     generator = torch.Generator().manual_seed(0)
@@ -215,6 +215,24 @@ def test_run_serves_trained_and_baseline(model, tmp_path, lora):
     assert trained_ids != base_ids or not torch.allclose(trained_lp, base_lp, atol=1e-3)
     again_ids, again_lp = logprobs(run, "trained")  # baseline left the adapters on
     assert again_ids == trained_ids and torch.allclose(again_lp, trained_lp)
+
+
+def test_baseline_engine_has_the_runs_settings(tmp_path):
+    """A full fine-tune's baseline is a second model: its engine samples as the run's
+    does (sampler dtype, cascade attention, weight-first linear layers)."""
+    model = {"cascade_attention": False, "weight_first_linear": False}
+    root = fake_run(tmp_path / "r", False, model=model, rollout={"sampler_dtype": "bfloat16"})
+    run = load_chat_model(str(root), device="cpu")
+    run.chat(HI, max_tokens=2, variant="baseline")
+    baseline = run._baseline_engine
+    assert baseline is not None and baseline.model is not run.engine.model
+    for engine in (run.engine, baseline):
+        assert engine.sampler_dtype == torch.bfloat16
+        assert engine.cascade is False and engine.weight_first_linear is False
+    defaults = load_chat_model(str(fake_run(tmp_path / "d", False)), device="cpu")
+    defaults.chat(HI, max_tokens=2, variant="baseline")
+    assert defaults._baseline_engine.sampler_dtype is None
+    assert defaults._baseline_engine.weight_first_linear is True
 
 
 def test_checkpoint_choice_and_errors(tmp_path):
