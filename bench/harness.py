@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -65,12 +64,6 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def children_peak_rss_gb() -> float:
-    """The largest resident set of any finished child process, from the kernel, in GB
-    of 10^9 bytes (ru_maxrss counts KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / 1e9
-
-
 def rss_gb(pid: int) -> float:
     """The resident set of process `pid` now, in GB (0.0 once it has ended)."""
     try:
@@ -82,15 +75,19 @@ def rss_gb(pid: int) -> float:
 
 @dataclass
 class Run:
-    """A finished `looprl run` child: its folder, exit status, wall-clock, the per-step
-    records of its metrics.jsonl, and the peak resident set of each phase its progress
-    lines named (`load model`, `baseline eval`, `training`, ...; `other` between them)."""
+    """A finished `looprl run` child: its folder, exit status, wall-clock, peak resident
+    set (from the kernel when it ended: the whole run, load and report included), the
+    per-step records of its metrics.jsonl, the peak resident set of each phase its
+    progress lines named (`load model`, `baseline eval`, `training`, ...; `other` between
+    them; sampled every 3 ms), and the last lines of its stderr."""
 
     out: Path
     returncode: int
     wall_s: float
+    peak_rss_bytes: int
     metrics: list[dict[str, Any]]
     phase_peak_gb: dict[str, float] = field(default_factory=dict)
+    stderr_tail: str = ""
 
 
 def looprl_run(
@@ -99,21 +96,26 @@ def looprl_run(
     overrides: Iterable[str] = (),
     echo: bool = True,
 ) -> Run:
-    """`looprl run [CONFIG] --out OUT --force --set ...` in a child process. Its stderr
-    (the progress lines) is echoed when `echo`; a thread samples the child's resident set
-    every 3 ms and keeps the peak of the phase the last progress line opened."""
-    out = Path(out)
+    """`looprl run [CONFIG] --out OUT --force --set ...` in a child process, from the
+    repository root (so an env named `bench.speed.step_env:Class` imports). With `echo`
+    its output shows as it comes; without, its stdout is dropped and its stderr kept for
+    the error message."""
+    out = Path(out).resolve()
     command = [sys.executable, "-m", "looprl.cli", "run"]
-    command += ([str(config)] if config else []) + ["--out", str(out), "--force"]
+    command += ([str(Path(config).resolve())] if config else []) + ["--out", str(out), "--force"]
     for override in overrides:
         command += ["--set", override]
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     state: dict[str, Any] = {"phase": "other", "peak": {}, "done": False}
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
     start = time.perf_counter()
-    child = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    child = subprocess.Popen(
+        command,
+        stdout=None if echo else subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path},
+        cwd=ROOT,
+    )
 
     def sample() -> None:
         while not state["done"]:
@@ -123,17 +125,27 @@ def looprl_run(
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
+    tail: list[str] = []
     assert child.stderr is not None
     for line in child.stderr:
         if echo:
             sys.stderr.write(line)
+        tail = (tail + [line])[-40:]
         state["phase"] = phase_of(line, state["phase"])
-    returncode = child.wait()
+    _, status, usage = os.wait4(child.pid, 0)  # the child's own peak, not every child's
+    child.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - start
     state["done"] = True
     sampler.join()
-    peaks = {k: round(v, 2) for k, v in state["peak"].items() if v > 0}
-    return Run(out, returncode, wall, read_jsonl(out / "metrics.jsonl"), peaks)
+    return Run(
+        out=out,
+        returncode=child.returncode,
+        wall_s=wall,
+        peak_rss_bytes=usage.ru_maxrss * 1024,  # KiB on Linux
+        metrics=read_jsonl(out / "metrics.jsonl"),
+        phase_peak_gb={k: round(v, 2) for k, v in state["peak"].items() if v > 0},
+        stderr_tail="".join(tail),
+    )
 
 
 def phase_of(line: str, current: str) -> str:

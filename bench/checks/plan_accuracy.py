@@ -1,13 +1,14 @@
 """How close `looprl plan` comes to the peak memory of real runs on this CPU.
 
-    .venv/bin/python bench/plan_accuracy.py [--only NAME ...] [--saved runs/plan-accuracy.json]
-    .venv/bin/python bench/plan_accuracy.py --baseline
+    .venv/bin/python bench/checks/plan_accuracy.py [--only NAME ...] \
+        [--saved runs/plan-accuracy.json]
+    .venv/bin/python bench/checks/plan_accuracy.py --baseline
 
 Each row is a short run (2 training steps, a small eval) of a different size or shape:
 tiny-random and SmolLM2-135M, LoRA and full fine-tuning, short and long prompts, short
 and long generations. The run goes in a child process, `looprl run`, whose peak resident
 set the kernel reports when it ends (`wait4`: the whole run, load and report included);
-the prediction is `looprl plan`'s peak for the same config on a CPU device. Two steps,
+the prediction is `looprl plan --json`'s peak for the same config on a CPU device. Two steps,
 because AdamW allocates its state at the first optimizer step, after the first update's
 activations are freed (full fine-tuning: the state then fills their freed blocks); only
 from the second update on does a peak hold both, as every later step of a real run does.
@@ -24,14 +25,15 @@ the LoRA library), the planner's FRAMEWORK_CPU.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.harness import looprl_run, result_line
+from bench.harness import parser as make_parser
 
 SHORT = ["train.steps=2", "train.checkpoint_every=0", "logging.trackers=[]",
          "eval.tasks=8", "eval.greedy_tasks=8"]  # fmt: skip
@@ -72,36 +74,30 @@ print(rss - weights)
 def measure(overrides: list[str]) -> dict:
     """Run `looprl run` for the config; its peak RSS from the kernel and its wall time."""
     out = Path(tempfile.mkdtemp(prefix="plan-accuracy-"))
-    command = [sys.executable, "-m", "looprl.cli", "run", "--out", str(out), "--force"]
-    for item in SHORT + overrides:
-        command += ["--set", item]
-    start = time.perf_counter()
-    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(child.pid, 0)
-    err = child.stderr.read().decode() if child.stderr else ""
-    if os.waitstatus_to_exitcode(status) != 0:
-        sys.exit(f"looprl run failed: {' '.join(overrides)}\n{err[-2000:]}")
-    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    run = looprl_run(out, overrides=SHORT + overrides, echo=False)
+    if run.returncode != 0:
+        sys.exit(f"looprl run failed: {' '.join(overrides)}\n{run.stderr_tail[-2000:]}")
     return {
-        "measured_bytes": usage.ru_maxrss * 1024,  # KiB on Linux
-        "logged_peak_gib": max(m["perf/peak_rss_gb"] for m in logged),
-        "response_len": logged[-1]["response_len"],
-        "wall_s": round(time.perf_counter() - start, 1),
+        "measured_bytes": run.peak_rss_bytes,
+        "logged_peak_gib": max(m["perf/peak_rss_gb"] for m in run.metrics),
+        "response_len": run.metrics[-1]["response_len"],
+        "wall_s": round(run.wall_s, 1),
     }
 
 
 def predict(overrides: list[str]) -> dict:
-    from looprl.config import load_config
-    from looprl.plan.show import make_plan
-
-    result = make_plan(load_config(None, SHORT + overrides), "cpu-24g")
+    """`looprl plan --json` for the same config on a CPU device."""
+    command = [sys.executable, "-m", "looprl.cli", "plan", "--json", "--device", "cpu-24g"]
+    for item in SHORT + overrides:
+        command += ["--set", item]
+    result = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
     phases = {name: phase["total"] for name, phase in result["phases"].items()}
     return {"predicted_bytes": result["peak_bytes"], "peak_phase": result["peak_phase"],
             "persistent_bytes": sum(result["persistent"].values()), "phases": phases}  # fmt: skip
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = make_parser(__doc__)
     parser.add_argument("--only", nargs="*", default=None, help="rows to run")
     parser.add_argument("--saved", default="runs/plan-accuracy.json")
     parser.add_argument("--predict-only", action="store_true", help="use saved measurements")
@@ -114,8 +110,9 @@ def main() -> None:
             done = subprocess.run(command, capture_output=True, text=True, check=True)
             values[lora] = int(done.stdout.strip().splitlines()[-1]) / 1e9
             print(f"framework with model.lora.enabled={lora}: {values[lora]:.3f} GB")
-        print(f"RESULT framework_cpu_gb={values['false']:.3f} "
-              f"lora_library_gb={values['true'] - values['false']:.3f}")  # fmt: skip
+        lora_gb = values["true"] - values["false"]
+        print(result_line({"framework_cpu_gb": f"{values['false']:.3f}",
+                           "lora_library_gb": f"{lora_gb:.3f}"}))  # fmt: skip
         return
     saved_path = Path(args.saved)
     saved = json.loads(saved_path.read_text()) if saved_path.exists() else {}
@@ -136,7 +133,8 @@ def main() -> None:
         print(
             f"{name:<24} {predicted:>12.2f} {measured:>12.2f} {error:>+7.1f}%  {row['peak_phase']}"
         )
-    print(f"RESULT plan_max_abs_error_pct={max(errors, default=0.0):.1f} rows={len(errors)}")
+    worst = max(errors, default=0.0)
+    print(result_line({"plan_max_abs_error_pct": f"{worst:.1f}", "rows": len(errors)}))
 
 
 if __name__ == "__main__":

@@ -139,7 +139,7 @@ from typing import Any
 from looprl.config import DEFAULT_CLIP, config_from_dict, to_yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench.harness import ROOT, looprl_run, median, read_jsonl, result_line  # noqa: E402
+from bench.harness import ROOT, looprl_run, median, read_jsonl, result_line
 
 # The workload's env lives next to this script (bench/speed/step_env.py) and is named like
 # a user env, `package.module:Class`: the `looprl run` child and the TRL child import it

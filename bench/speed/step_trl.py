@@ -26,7 +26,7 @@ from looprl.seeds import step_seed
 from looprl.types import Task
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench.speed.step import (  # noqa: E402
+from bench.speed.step import (
     ENV_ARGS,
     ENV_NAME,
     Settings,
