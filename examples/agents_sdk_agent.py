@@ -26,8 +26,8 @@ from agents import (
 )
 from pydantic import Field
 
+from looprl.agents import AgentResult
 from looprl.envs.tictactoe import CHOOSE_SQUARE_TOOL, TicTacToeGame
-from looprl.openai.agents import AgentResult
 from looprl.types import Message, ToolCall
 
 set_tracing_disabled(True)  # the SDK would otherwise export traces to OpenAI

@@ -11,6 +11,7 @@ looprl run --set env.name=examples.tictactoe_agent:TicTacToeAgent --set model.na
 import json
 import random
 
+from looprl.agents import AgentResult
 from looprl.envs.tictactoe import CHOOSE_SQUARE_TOOL, TicTacToeGame, parse_opponent
 from looprl.envs.tictactoe_board import (
     EMPTY_BOARD,
@@ -23,7 +24,6 @@ from looprl.envs.tictactoe_board import (
     winner,
 )
 from looprl.errors import EnvError
-from looprl.openai.agents import AgentResult
 
 GAME_OVER = {"win": "you win.", "draw": "it is a draw.", "loss": "you lose."}
 REWARDS = {"win": 1.0, "draw": 0.0, "loss": -1.0, "illegal": -1.0}

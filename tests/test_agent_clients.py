@@ -15,10 +15,10 @@ from itertools import count
 import openai
 import pytest
 
-import looprl.openai.agents as agents
+import looprl.agents.runner as agents
 from examples.agents_sdk_agent import TicTacToeSDKAgent
+from looprl.agents import AgentResult, run_agents
 from looprl.engine import SamplingParams
-from looprl.openai.agents import AgentResult, run_agents
 from looprl.types import ENV_ERROR
 from tests.test_agents import (
     ASK,
@@ -299,8 +299,8 @@ def test_run_agents_works_inside_a_running_event_loop(tokenizer, renderer):
 
 def test_the_sync_client_refuses_to_block_the_event_loop(renderer):
     """Called on the rollout's loop, it would wait for that very loop: an error instead."""
-    from looprl.openai.proxy import AgentSession
-    from looprl.openai.sync_proxy import sync_openai_client
+    from looprl.agents.proxy import AgentSession
+    from looprl.agents.sync_proxy import sync_openai_client
 
     async def main():
         session = AgentSession(renderer, None, max_turns=1, max_episode_tokens=64,

@@ -17,16 +17,16 @@ from pathlib import Path
 import openai
 import pytest
 
+import looprl.agents.runner as agents
 import looprl.loop.train as train
-import looprl.openai.agents as agents
 from examples.tictactoe_agent import TicTacToeAgent
+from looprl.agents import AgentResult, run_agents
 from looprl.config import config_from_dict
 from looprl.engine import SamplingParams
 from looprl.engine.hf import HFEngine
 from looprl.envs.check import check_env
 from looprl.envs.tictactoe import TicTacToeGame
 from looprl.loop.rollout import run_episodes
-from looprl.openai.agents import AgentResult, run_agents
 from looprl.types import ENV_ERROR, TRUNCATED, Task
 from tests.test_rollout import ScriptedEngine, encode
 from tests.toy_envs import PICK_TOOL
@@ -245,7 +245,7 @@ def test_agent_errors_and_bad_results_end_only_their_episode(tokenizer, renderer
     assert [e.outcome for e in episodes] == [ENV_ERROR, ENV_ERROR, ENV_ERROR, ENV_ERROR]
     crash, not_a_result, out_of_range, undeclared = (e.error for e in episodes)
     assert "Traceback" in crash and "ValueError: agent bug" in crash
-    assert "must return looprl.openai.agents.AgentResult" in not_a_result
+    assert "must return looprl.agents.AgentResult" in not_a_result
     assert "outside the env's reward_range [-1.0, 1.0]" in out_of_range
     assert "'bogus' is not one of the env's outcomes" in undeclared
     assert all(not e.trainable for e in episodes)

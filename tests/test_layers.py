@@ -18,6 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("forward",),
     ("engine",),
     ("report", "openai"),
+    ("agents",),
     ("loop",),
     ("apps", "plan"),
     ("cli",),

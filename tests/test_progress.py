@@ -9,12 +9,12 @@ import time
 import pytest
 from rich.console import Console
 
+from looprl.agents import AgentResult, run_agents
 from looprl.engine import SamplingParams
 from looprl.engine.hf import HFEngine
 from looprl.envs.tictactoe import TicTacToeGame, TicTacToeMove
 from looprl.loop.progress import Progress, duration
 from looprl.loop.rollout import run_episodes
-from looprl.openai.agents import AgentResult, run_agents
 from tests.test_agents import PARAMS, ScriptedAgentEnv, ask
 from tests.test_rollout import ScriptedEngine, encode, lowest_legal
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from looprl.openai.agents import AgentResult
+from looprl.agents import AgentResult
 from looprl.types import PARSE_FAILURES, Message, Observation, StepResult, Task, ToolCall
 
 PICK_TOOL = {

@@ -52,12 +52,12 @@ from typing import Any
 
 import pydantic
 
+from looprl.agents.routes import answer, httpx
 from looprl.chat import ChatRenderer
 from looprl.engine import Completion, GenerationRequest, ToolConstraint
 from looprl.engine.requests import check_tools, generation_request
 from looprl.errors import ChatError, RequestError
 from looprl.openai.responses import ResponseStore
-from looprl.openai.routes import answer, httpx
 from looprl.openai.wire import (
     APIError,
     ChatChoice,

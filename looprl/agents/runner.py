@@ -6,9 +6,9 @@ An agent environment is a class with `name`, `description`, `outcomes`, `reward_
     async def run_agent(self, client, task) -> AgentResult(reward, outcome, info)
 
 where `client` is an `openai.AsyncOpenAI` answered in-process by the policy being trained
-(see looprl/openai/proxy.py for what a call may ask and how calls become one token trajectory).
+(see looprl/agents/proxy.py for what a call may ask and how calls become one token trajectory).
 A plain `def run_agent(self, client, task)` gets an `openai.OpenAI` instead and runs in a
-thread of its own (looprl/openai/sync_proxy.py); its calls are answered on the event loop
+thread of its own (looprl/agents/sync_proxy.py); its calls are answered on the event loop
 like the async ones, so batching, stitching and limits are the same.
 `run_agents` plays a rollout of such episodes with the same signature as
 `rollout.run_episodes`, so training, evaluation, reports and resume work unchanged.
@@ -192,7 +192,7 @@ async def _play(
     on_progress: Callable[[int], None] | None,
     first_index: int,
 ) -> list[Episode]:
-    from looprl.openai.proxy import AgentSession
+    from looprl.agents.proxy import AgentSession
 
     batcher = _Batcher(engine, params, len(tasks), on_progress, first_index)
     sessions = [
@@ -255,8 +255,8 @@ async def _episode(
 async def _run_agent(env: Any, task: Task, session: Any) -> Any:
     """An `async def run_agent` on the loop with an AsyncOpenAI; a plain one in a thread
     of its own with an OpenAI."""
-    from looprl.openai.proxy import openai_client
-    from looprl.openai.sync_proxy import sync_openai_client
+    from looprl.agents.proxy import openai_client
+    from looprl.agents.sync_proxy import sync_openai_client
 
     if inspect.iscoroutinefunction(env.run_agent):
         client = openai_client(session)
@@ -319,7 +319,7 @@ async def _with_timeout(agent: Any) -> Any:
         await asyncio.gather(running, return_exceptions=True)
         raise AgentResultError(
             f"the agent was still running after {EPISODE_TIMEOUT_S:.0f} s "
-            "(looprl.openai.agents.EPISODE_TIMEOUT_S)"
+            "(looprl.agents.runner.EPISODE_TIMEOUT_S)"
         )
     return running.result()
 
@@ -332,7 +332,7 @@ def _check_result(result: Any, env: Any) -> AgentResult:
     if not isinstance(result, AgentResult):
         raise AgentResultError(
             f"run_agent returned {type(result).__name__} {result!r:.80}; it must return "
-            "looprl.openai.agents.AgentResult(reward, outcome, info)"
+            "looprl.agents.AgentResult(reward, outcome, info)"
         )
     reward, outcome = result.reward, result.outcome
     if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):

@@ -1,7 +1,7 @@
 """A synchronous `openai.OpenAI` for agents written without asyncio.
 
 An agent env whose `run_agent` is a plain `def` is run in a thread of its own (see
-looprl/openai/agents.py) and gets an `openai.OpenAI` whose transport hands each request
+looprl/agents/runner.py) and gets an `openai.OpenAI` whose transport hands each request
 to the rollout's event loop, where the episode's `AgentSession` answers it exactly as it
 answers the async client. The thread blocks until the reply is ready; meanwhile it counts
 as waiting for the model, so the engine batching sees it like a waiting async agent. All
@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from looprl.openai.proxy import PROXY_URL, AgentSession
-from looprl.openai.routes import answer, httpx
+from looprl.agents.proxy import PROXY_URL, AgentSession
+from looprl.agents.routes import answer, httpx
 
 
 class SyncProxyTransport(httpx.BaseTransport):

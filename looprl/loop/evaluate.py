@@ -323,7 +323,7 @@ def player(cfg: Config, policy: Policy, probe: Any) -> Player:
     instances (agent environments, which have `run_agent`, are played by
     looprl.openai.agents); `first_index` is the first episode's index in the whole batch
     when this process plays a share of it (loop/dist.py)."""
-    from looprl.openai.agents import is_agent_env, run_agents
+    from looprl.agents import is_agent_env, run_agents
 
     common = {
         "make_env": lambda: make_env(cfg.env.name, cfg.env.args),

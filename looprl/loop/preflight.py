@@ -31,7 +31,7 @@ ROOM_SAMPLE = 32  # demonstrations measured per split for check_reply_room
 
 def check_env(cfg: Config, probe: Any) -> None:
     """Raise ConfigError naming the env, the split, the task and what failed."""
-    from looprl.openai.agents import is_agent_env
+    from looprl.agents import is_agent_env
 
     name = cfg.env.name
     check_references(cfg, probe)

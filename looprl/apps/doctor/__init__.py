@@ -13,6 +13,7 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
+from looprl.agents import is_agent_env
 from looprl.apps.doctor.check import Check
 from looprl.apps.doctor.machine import (
     check_cache,
@@ -30,7 +31,6 @@ from looprl.apps.doctor.machine import (
 from looprl.apps.doctor.model import check_environment, model_checks
 from looprl.config import Config
 from looprl.model.load import ALIASES
-from looprl.openai.agents import is_agent_env
 
 __all__ = ["Check", "doctor_table", "run_checks"]
 

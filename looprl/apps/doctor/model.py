@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from looprl.agents import is_agent_env
 from looprl.apps.doctor.check import Check, first_line, skipped
 from looprl.chat import ChatRenderer
 from looprl.config import Config, ModelConfig
@@ -19,7 +20,6 @@ from looprl.engine.requests import generation_request, tool_name
 from looprl.envs import make_env
 from looprl.errors import ConfigError, EnvError, LoopRLError, ModelError
 from looprl.model.load import ALIASES, GEMMA3_INSTALL, TINY_CONFIG, load_tokenizer, resolve
-from looprl.openai.agents import is_agent_env
 from looprl.types import Message
 
 MODEL_FIX = (
