@@ -224,6 +224,26 @@ def report(run_dir: Annotated[Path, typer.Argument(help="A run folder.")]) -> No
 
 @app.command()
 @guarded
+def compare(
+    runs: Annotated[list[Path], typer.Argument(help="Run folders, each paired with the first.")],
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="Folder for compare.md, compare.html, plots/.")
+    ] = Path("compare"),
+) -> None:
+    """Compare runs on the same held-out episodes: paired differences, config, curves."""
+    from looprl.report.compare import compare_runs
+
+    if len(runs) < 2:
+        fail("compare takes at least two run folders: looprl compare RUN_A RUN_B [...]")
+    for run_dir in runs:
+        if not (run_dir / "config.yaml").is_file():
+            fail(f"{run_dir} is not a run folder (no config.yaml)")
+    path = compare_runs(runs, out)
+    console.print(f"wrote {path}, {path.with_suffix('.html')} and {path.parent / 'plots'}/")
+
+
+@app.command()
+@guarded
 def serve(
     model: Annotated[str, typer.Argument(help="A model (alias, hub id, path) or a run folder.")],
     host: Annotated[

@@ -1,0 +1,373 @@
+"""`looprl compare RUN_A RUN_B ...`: runs that played the same held-out episodes, each
+paired against the first one: `compare.md`, a self-contained `compare.html` and
+`plots/*.png` in one folder.
+
+Runs are comparable only when their baseline evals played the same episodes: the same
+task ids in the same order, the same task seed and eval temperature, the same env. Then
+the finals are paired episode by episode (the bootstrap of `stats.paired_difference`
+resamples whole tasks), whatever else differs between the runs: the model, the algorithm,
+the learning rate. Runs that did not play the same episodes are refused with the reason,
+and nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from looprl.config import Config, load_config
+from looprl.errors import ConfigError
+from looprl.report.comparisons import load_eval
+from looprl.report.curve import read_curve
+from looprl.report.plots import _figure, _save, ema, finite, render_html, render_markdown
+from looprl.report.stats import Paired, paired_stats, reward_with_ci
+from looprl.report.write import read_metrics
+
+# the evals paired between runs, in the table's order: (file under eval/, label)
+PAIRED_EVALS = (
+    ("baseline", "baseline"),
+    ("after_sft", "after SFT"),
+    ("final", "final"),
+    ("final_greedy", "final, greedy (T = 0)"),
+)
+TRAINING_PLOT = "compare_training.png"
+HELD_OUT_PLOT = "compare_held_out.png"
+# one colour per run, the first run (the reference of every difference) in blue
+COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2")
+LINESTYLES = ("-", "--", ":", "-.")  # runs whose curves coincide stay visible
+
+
+@dataclass
+class Run:
+    """One run folder, read once: its config, its evals, its training and held-out curves."""
+
+    path: Path
+    name: str
+    cfg: Config
+    settings: dict[str, Any]  # config.yaml as dotted keys, for the differences
+    evals: dict[str, dict]  # name under eval/ (without .json) → EvalResult
+    rows: list[dict[str, Any]]  # metrics.jsonl
+    curve: list[dict[str, Any]]  # eval/curve.jsonl (eval.every), [] without one
+
+
+# ============================================================================ reading
+
+
+def load_run(path: Path) -> Run:
+    """A finished run folder; a ConfigError saying what is missing otherwise."""
+    if not (path / "config.yaml").is_file():
+        raise ConfigError(f"{path} is not a run folder (no config.yaml)")
+    evals = {}
+    for name, _ in PAIRED_EVALS:
+        result = load_eval(path / "eval" / f"{name}.json")
+        if result is not None:
+            evals[name] = result
+    missing = {"baseline": "stopped before its baseline evaluation",
+               "final": "is still running or stopped before its final evaluation"}  # fmt: skip
+    for name, why in missing.items():
+        if name not in evals:
+            raise ConfigError(
+                f"{path} has no eval/{name}.json: the run {why}, so it cannot be compared "
+                f"(a stopped run can be finished with `looprl run {path}/config.yaml "
+                f"--out {path} --resume`)"
+            )
+    settings = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8")) or {}
+    return Run(path=path, name=path.name, cfg=load_config(path / "config.yaml"),
+               settings=flatten(settings), evals=evals, rows=read_metrics(path),
+               curve=read_curve(path))  # fmt: skip
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"train": {"lr": 1e-4}} → {"train.lr": 1e-4}; lists stay whole values."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def name_runs(runs: list[Run]) -> None:
+    """Folder names as column names; runs whose folders share a name get their parent's."""
+    counts = Counter(run.path.name for run in runs)
+    for run in runs:
+        if counts[run.path.name] > 1:
+            run.name = f"{run.path.resolve().parent.name}/{run.path.name}"
+    counts = Counter(run.name for run in runs)
+    for i, run in enumerate(runs):  # still equal (the same folder twice): number them
+        if counts[run.name] > 1:
+            run.name = f"{run.name} ({i + 1})"
+
+
+# ============================================================================ the check
+
+
+def episode_difference(first: dict, other: dict) -> str | None:
+    """How two baseline evals differ in the episodes they played; None when they match."""
+    if first.get("env") != other.get("env"):
+        return f"a different env ({other.get('env')} instead of {first.get('env')})"
+    ids, other_ids = first.get("task_ids"), other.get("task_ids")
+    if ids is None or other_ids is None:
+        return "no per-episode task ids in eval/baseline.json (written by an older looprl)"
+    if len(ids) != len(other_ids):
+        return f"a different number of episodes ({len(other_ids)} instead of {len(ids)})"
+    if first.get("task_seed") != other.get("task_seed"):
+        return (f"a different eval seed (task seed {other.get('task_seed')} instead of "
+                f"{first.get('task_seed')})")  # fmt: skip
+    if ids != other_ids:
+        moved = sum(a != b for a, b in zip(ids, other_ids))
+        return f"different task ids ({moved} of {len(ids)} episodes play another task)"
+    if finite(first.get("temperature")) != finite(other.get("temperature")):
+        return (f"a different eval temperature ({other.get('temperature')} instead of "
+                f"{first.get('temperature')})")  # fmt: skip
+    return None
+
+
+def check_same_episodes(runs: list[Run]) -> list[str]:
+    """Raise when a run's baseline did not play the first run's held-out episodes; return
+    the notes worth a line (baselines with the same episodes but other rewards)."""
+    first = runs[0]
+    problems = []
+    for run in runs[1:]:
+        why = episode_difference(first.evals["baseline"], run.evals["baseline"])
+        if why is not None:
+            problems.append(f"{run.path} played {why} in its baseline eval")
+    if problems:
+        raise ConfigError(
+            f"these runs did not play the same held-out episodes as {first.path}, so they "
+            "cannot be paired: " + "; ".join(problems) + ". Compare runs made with the same "
+            "env, eval.tasks, eval.samples_per_task, eval.seed and eval.temperature."
+        )
+    rewards = first.evals["baseline"].get("rewards")
+    differ = [run.name for run in runs[1:] if run.evals["baseline"].get("rewards") != rewards]
+    if not differ:
+        return []
+    return [
+        f"The baselines' rewards differ ({', '.join(differ)} against {first.name}) although "
+        "the episodes match: different models or sampling settings (see the config "
+        "differences). The finals are still paired episode by episode, but each run "
+        "started from its own baseline."
+    ]
+
+
+# ============================================================================ the tables
+
+
+def config_rows(runs: list[Run]) -> list[list[str]]:
+    """One row per dotted config key whose value differs between the runs."""
+    keys = dict.fromkeys(key for run in runs for key in run.settings)
+    rows = []
+    for key in keys:
+        values = [_setting(run.settings, key) for run in runs]
+        if len(set(values)) > 1:
+            rows.append([key, *values])
+    return rows
+
+
+def _setting(settings: dict[str, Any], key: str) -> str:
+    if key not in settings:
+        return "(absent)"
+    value = settings[key]
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def paired_rows(runs: list[Run]) -> list[list[str]]:
+    """Per paired eval: the first run's mean [CI], then each other run's mean [CI] and its
+    paired difference to the first run over the same episodes."""
+    first = runs[0]
+    rows = []
+    for key, label in PAIRED_EVALS:
+        if key not in first.evals:
+            continue
+        reference = first.evals[key]
+        rows.append([label, first.name, _episodes(reference), reward_with_ci(reference),
+                     "(reference)", "-"])  # fmt: skip
+        for run in runs[1:]:
+            result = run.evals.get(key)
+            if result is None:
+                rows.append([label, run.name, "-", f"no eval/{key}.json", "-", "-"])
+                continue
+            paired = paired_stats(reference, result)
+            rows.append([label, run.name, _episodes(result), reward_with_ci(result),
+                         *_difference(paired)])  # fmt: skip
+    return rows
+
+
+def _episodes(result: dict) -> str:
+    return str(result.get("n", len(result.get("rewards") or [])))
+
+
+def _difference(paired: Paired | str) -> list[str]:
+    if isinstance(paired, str):
+        return [f"not paired: {paired}", "-"]
+    return [f"{paired.mean:+.3f} [{paired.lo:+.3f}, {paired.hi:+.3f}]",
+            f"{paired.better} / {paired.same} / {paired.worse}"]  # fmt: skip
+
+
+def outcome_shares(result: dict) -> dict[str, float]:
+    """The share of each `episode_outcomes` label among the eval's episodes."""
+    labels = list(result.get("episode_outcomes") or [])
+    return {label: count / len(labels) for label, count in Counter(labels).items()}
+
+
+def outcome_rows(runs: list[Run], key: str = "final") -> list[list[str]]:
+    """Per outcome label: each run's share in its `key` eval and, for the other runs, the
+    difference to the first run's share (in percentage points)."""
+    shares = [outcome_shares(run.evals[key]) for run in runs]
+    labels = sorted({label for side in shares for label in side})
+    rows = []
+    for label in labels:
+        base = shares[0].get(label, 0.0)
+        cells = [f"{base:.0%}"]
+        for side in shares[1:]:
+            share = side.get(label, 0.0)
+            cells.append(f"{share:.0%} ({100 * (share - base):+.0f} pp)")
+        rows.append([label, *cells])
+    return rows
+
+
+def header_rows(runs: list[Run]) -> list[list[str]]:
+    return [[run.name, str(run.path), run.cfg.model.name, run.cfg.env.name, run.cfg.algo.name,
+             f"{len(run.rows)} of {run.cfg.train.steps}"] for run in runs]  # fmt: skip
+
+
+# ============================================================================ the plots
+
+
+def plot_training(runs: list[Run], path: Path) -> Path | None:
+    """`rollout/rewards_mean` and `response_len` per step, one line per run (EMA, the raw
+    points faint behind it); None when no run logged a step."""
+    if not any(run.rows for run in runs):
+        return None
+    from matplotlib.ticker import MaxNLocator
+
+    panels = (("rollout/rewards_mean", "reward (training rollouts)"),
+              ("response_len", "response length (tokens)"))  # fmt: skip
+    fig = _figure(figsize=(9.5, 3.6))
+    for ax, (key, label) in zip(fig.subplots(1, 2), panels):
+        for i, run in enumerate(runs):
+            steps = [finite(r.get("step")) for r in run.rows]
+            raw = [finite(r.get(key)) for r in run.rows]
+            ax.plot(steps, raw, color=_color(i), alpha=0.25, marker="o", markersize=2)
+            ax.plot(steps, ema(raw), color=_color(i), linestyle=_linestyle(i), linewidth=2,
+                    label=run.name)  # fmt: skip
+        ax.set_title(f"{key} (EMA, β = 0.7)", fontsize=10)
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.legend(fontsize=8, loc="best")
+    return _save(fig, path)
+
+
+def plot_held_out(runs: list[Run], path: Path) -> Path | None:
+    """Each run's held-out curve (eval.every) with its 95% band; None when no run has one."""
+    if not any(run.curve for run in runs):
+        return None
+    from matplotlib.ticker import MaxNLocator
+
+    fig = _figure(figsize=(7.5, 3.6))
+    ax = fig.subplots()
+    for i, run in enumerate(runs):
+        if not run.curve:
+            continue
+        steps = [r["step"] for r in run.curve]
+        ci = [list(r.get("reward_ci95") or [math.nan, math.nan]) for r in run.curve]
+        ax.fill_between(steps, [finite(c[0]) for c in ci], [finite(c[1]) for c in ci],
+                        color=_color(i), alpha=0.15)  # fmt: skip
+        means = [finite(r.get("reward_mean")) for r in run.curve]
+        ax.plot(steps, means, color=_color(i), linestyle=_linestyle(i), marker="o", linewidth=2,
+                label=run.name)  # fmt: skip
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out reward")
+    ax.set_title("held-out reward over the steps, 95% CI bands", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(fontsize=8, loc="best")
+    return _save(fig, path)
+
+
+def _color(i: int) -> str:
+    return COLORS[i % len(COLORS)]
+
+
+def _linestyle(i: int) -> str:
+    return LINESTYLES[i % len(LINESTYLES)]
+
+
+# ============================================================================ the page
+
+
+def compare_runs(paths: list[Path], out: Path) -> Path:
+    """Write OUT/compare.md, OUT/compare.html and OUT/plots/*.png; return compare.md's
+    path. Every run is read and checked first: a refusal writes nothing."""
+    if len(paths) < 2:
+        raise ConfigError("compare needs at least two run folders")
+    runs = [load_run(path) for path in paths]
+    name_runs(runs)
+    notes = check_same_episodes(runs)
+    first, baseline = runs[0], runs[0].evals["baseline"]
+    blocks: list[tuple] = [
+        ("h1", f"looprl compare: {' · '.join(run.name for run in runs)}"),
+        ("table", ["run", "folder", "model", "env", "algo", "steps logged"], header_rows(runs)),
+        ("h2", "Config differences"),
+    ]
+    differences = config_rows(runs)
+    if differences:
+        blocks.append(("table", ["config key", *(run.name for run in runs)], differences))
+    else:
+        blocks.append(("p", "The runs' config.yaml files hold the same values."))
+    blocks += [
+        ("h2", f"Held-out evals, paired against {first.name}"),
+        ("p", f"Every run played the same {_episodes(baseline)} held-out episodes (env "
+              f"{baseline.get('env')}, task seed {baseline.get('task_seed')}, eval "
+              f"temperature {baseline.get('temperature')}). Each run's mean reward with its "
+              f"95% CI, and its paired difference to {first.name} over the same episodes "
+              "with a bootstrap 95% CI that resamples whole tasks; better / same / worse "
+              f"counts the episodes whose reward is above, equal to or below {first.name}'s."),
+        *[("p", note) for note in notes],
+        ("table", ["eval", "run", "episodes", "reward mean [95% CI]",
+                   f"− {first.name} [95% CI]", "better / same / worse"], paired_rows(runs)),
+        ("h2", "Outcomes (final eval)"),
+        ("p", f"The share of the final eval's episodes ending in each outcome, and the "
+              f"difference to {first.name}'s share in percentage points (pp)."),
+        ("table", ["outcome", *(run.name for run in runs)], outcome_rows(runs)),
+    ]  # fmt: skip
+    blocks += _plot_blocks(runs, out / "plots")
+    out.mkdir(parents=True, exist_ok=True)
+    md_path = out / "compare.md"
+    md_path.write_text(render_markdown(blocks), encoding="utf-8")
+    (out / "compare.html").write_text(render_html(blocks, title=blocks[0][1]), encoding="utf-8")
+    return md_path
+
+
+def _plot_blocks(runs: list[Run], plots: Path) -> list[tuple]:
+    """The overlaid curves; a plot from an earlier comparison in the same folder is removed
+    first, so none is left stale."""
+    for name in (TRAINING_PLOT, HELD_OUT_PLOT):
+        (plots / name).unlink(missing_ok=True)
+    blocks: list[tuple] = [("h2", "Training curves")]
+    training = plot_training(runs, plots / TRAINING_PLOT)
+    if training is None:
+        blocks.append(("p", "No run logged a training step (metrics.jsonl missing or empty)."))
+    else:
+        caption = "Training reward and response length per step, per run"
+        blocks += [("p", "Training rollouts at the training temperature on training tasks: "
+                         "not comparable one-to-one with the held-out numbers."),
+                   ("img", training, caption)]  # fmt: skip
+    held_out = plot_held_out(runs, plots / HELD_OUT_PLOT)
+    if held_out is not None:
+        without = [run.name for run in runs if not run.curve]
+        blocks += [("h2", "Held-out curves"),
+                   ("p", "Held-out reward at the steps of each run's eval.every, on the same "
+                         "episodes at every point" + (f" ({', '.join(without)}: no curve, "
+                         "eval.every was off)." if without else ".")),
+                   ("img", held_out, "Held-out reward per evaluated step, per run")]  # fmt: skip
+    return blocks
