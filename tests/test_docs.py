@@ -118,12 +118,18 @@ def documented_layers(text: str) -> set[tuple[int, str]]:
     }
 
 
-def test_import_graph_block_is_what_test_layers_prints():
-    documented, actual = documented_graph(ARCHITECTURE.read_text()), printed_graph()
-    assert documented == actual, (
+def graph_problems(text: str, actual: str) -> list[str]:
+    if documented_graph(text) == actual:
+        return []
+    return [
         "architecture.md's import graph is stale; replace the block under '## Import graph' "
         "with the output of `python tests/test_layers.py`:\n" + actual
-    )
+    ]
+
+
+def test_import_graph_block_is_what_test_layers_prints():
+    problems = graph_problems(ARCHITECTURE.read_text(), printed_graph())
+    assert not problems, problems[0]
 
 
 def layer_problems(text: str) -> list[str]:
@@ -256,14 +262,17 @@ def test_the_checks_catch_what_they_guard(tmp_path):
     """A missing and a stale entry of each list, a wrong graph and a broken link are named."""
     text = ARCHITECTURE.read_text()
     extra = dict(long_modules(), **{"looprl/loop/huge.py": 812})
-    assert long_module_problems(text, extra)[0].startswith("add `looprl/loop/huge.py`")
+    assert "add `looprl/loop/huge.py` (≈ 812 lines)" in "\n".join(long_module_problems(text, extra))
     listed = next(iter(listed_long_modules(text)))
     fewer = {p: n for p, n in long_modules().items() if p != listed}
     assert any(f"remove `{listed}`" in p for p in long_module_problems(text, fewer))
 
     planted = text.replace("`looprl/config/`", "`looprl/config/`, `looprl/nowhere/`", 1)
-    assert "remove rank 1 `nowhere`" in layer_problems(planted)[0]
-    assert documented_graph(text.replace("─► cli\n", "─► cli, loop\n", 1)) != printed_graph()
+    assert "remove rank 1 `nowhere`" not in "\n".join(layer_problems(text))
+    assert "remove rank 1 `nowhere`" in "\n".join(layer_problems(planted))
+    graph = documented_graph(text)
+    assert graph_problems(text, graph) == []
+    assert graph_problems(text.replace("─► cli\n", "─► cli, loop\n", 1), graph)
 
     (tmp_path / "config").mkdir()
     for name in ("__init__.py", "sections.py", "load.py", "extra.py"):
@@ -295,3 +304,16 @@ def test_the_checks_catch_what_they_guard(tmp_path):
         ]
     finally:
         page.unlink()
+
+
+def test_readme_result_is_short():
+    """The README's result: at most 15 lines, a picture and a link to the demo's page."""
+    readme = (REPO / "README.md").read_text()
+    result = section(readme, "The demo's result").strip("\n").splitlines()
+    assert len(result) <= 14, (
+        f"README's 'The demo's result' has {len(result) + 1} lines; 15 at most"
+    )
+    assert any(line.startswith("![") for line in result), "README's result: add its picture"
+    assert "(docs/learning/demo.md)" in "\n".join(result), "README's result: link the demo's page"
+    lines = len(readme.splitlines())
+    assert lines <= 250, f"README.md has {lines} lines; keep it at 250 or fewer"
