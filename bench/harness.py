@@ -15,6 +15,7 @@ repository root on `sys.path` (two lines at its top), so it runs as
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -27,8 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[1]
-PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def parser(doc: str | None) -> argparse.ArgumentParser:
@@ -64,28 +66,31 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def rss_gb(pid: int) -> float:
-    """The resident set of process `pid` now, in GB (0.0 once it has ended)."""
-    try:
-        with open(f"/proc/{pid}/statm") as statm:
-            return int(statm.read().split()[1]) * PAGE / 1e9
-    except (FileNotFoundError, ProcessLookupError):
-        return 0.0
+def tree_rss_bytes(root: psutil.Process) -> int:
+    """The resident sets of a process and all its descendants now, summed (a vLLM engine's
+    sampler is a server process with workers of its own)."""
+    total = 0
+    for proc in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            total += proc.memory_info().rss
+    return total
 
 
 @dataclass
 class Run:
     """A finished `looprl run` child: its folder, exit status, wall-clock, peak resident
     set (from the kernel when it ended: the whole run, load and report included), the
-    per-step records of its metrics.jsonl, the peak resident set of each phase its
-    progress lines named (`load model`, `baseline eval`, `training`, ...; `other` between
-    them; sampled every 3 ms), and the last lines of its stderr."""
+    per-step records of its metrics.jsonl, the largest resident set of its whole process
+    tree seen at one moment, the same for each phase its progress lines named (`load
+    model`, `baseline eval`, `training`, ...; `other` between them), and the last lines
+    of its stderr. The tree figures are sampled every `sample_s`."""
 
     out: Path
     returncode: int
     wall_s: float
     peak_rss_bytes: int
     metrics: list[dict[str, Any]]
+    tree_peak_bytes: int = 0
     phase_peak_gb: dict[str, float] = field(default_factory=dict)
     stderr_tail: str = ""
 
@@ -95,6 +100,7 @@ def looprl_run(
     config: Path | str | None = None,
     overrides: Iterable[str] = (),
     echo: bool = True,
+    sample_s: float = 0.003,
 ) -> Run:
     """`looprl run [CONFIG] --out OUT --force --set ...` in a child process, from the
     repository root (so an env named `bench.speed.step_env:Class` imports). With `echo`
@@ -118,10 +124,12 @@ def looprl_run(
     )
 
     def sample() -> None:
-        while not state["done"]:
-            rss, phase = rss_gb(child.pid), state["phase"]
-            state["peak"][phase] = max(rss, state["peak"].get(phase, 0.0))
-            time.sleep(0.003)
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(child.pid)
+            while not state["done"]:
+                rss, phase = tree_rss_bytes(root), state["phase"]
+                state["peak"][phase] = max(rss, state["peak"].get(phase, 0))
+                time.sleep(sample_s)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -132,18 +140,19 @@ def looprl_run(
             sys.stderr.write(line)
         tail = (tail + [line])[-40:]
         state["phase"] = phase_of(line, state["phase"])
+    state["done"] = True  # stderr closed: the run has ended, or is ending
+    sampler.join()
     _, status, usage = os.wait4(child.pid, 0)  # the child's own peak, not every child's
     child.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - start
-    state["done"] = True
-    sampler.join()
     return Run(
         out=out,
         returncode=child.returncode,
         wall_s=wall,
         peak_rss_bytes=usage.ru_maxrss * 1024,  # KiB on Linux
         metrics=read_jsonl(out / "metrics.jsonl"),
-        phase_peak_gb={k: round(v, 2) for k, v in state["peak"].items() if v > 0},
+        tree_peak_bytes=max(state["peak"].values(), default=0),
+        phase_peak_gb={k: round(v / 1e9, 2) for k, v in state["peak"].items() if v > 0},
         stderr_tail="".join(tail),
     )
 

@@ -1,8 +1,8 @@
 """A whole `looprl run` with each rollout engine, one after the other on the same config:
 wall-clock, steps per minute, peak memory and the held-out result.
 
-    .venv/bin/python bench/engine_run.py [--engines hf vllm] [--out runs/bench-engines]
-                                         [--set KEY=VALUE ...]
+    .venv/bin/python bench/speed/engine_run.py [--engines hf vllm] [--out runs/bench-engines]
+                                               [--set KEY=VALUE ...]
 
 With no `--set`, each engine trains the default task (`looprl run`'s defaults). Memory is
 sampled every 0.5 s over the whole process tree, since the `vllm` engine's sampler is a
@@ -16,51 +16,22 @@ vLLM server's start, both evaluations, the report). Ends with
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
-import psutil
-
-
-def tree_rss(root: psutil.Process) -> int:
-    total = 0
-    for proc in [root, *root.children(recursive=True)]:
-        with contextlib.suppress(psutil.Error):
-            total += proc.memory_info().rss
-    return total
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.harness import looprl_run, parser, result_line
 
 
 def run(engine: str, out: Path, overrides: list[str]) -> dict:
-    command = [sys.executable, "-m", "looprl.cli", "run", "--out", str(out), "--force",
-               "--set", f"rollout.engine={engine}"]  # fmt: skip
-    for item in overrides:
-        command += ["--set", item]
-    start = time.perf_counter()
-    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    root, peak = psutil.Process(child.pid), [0]
-
-    def sample() -> None:
-        while child.poll() is None:
-            with contextlib.suppress(psutil.Error):
-                peak[0] = max(peak[0], tree_rss(root))
-            time.sleep(0.5)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    _, err = child.communicate()
-    wall = time.perf_counter() - start
-    sampler.join()
-    if child.returncode != 0:
-        sys.exit(f"looprl run with rollout.engine={engine} failed:\n{err[-3000:]}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    result = {"wall_s": wall, "tree_peak_gb": peak[0] / 1e9, "steps": len(rows),
-              "step_s": sum(r["perf/step_s"] for r in rows),
+    done = looprl_run(out, overrides=[f"rollout.engine={engine}", *overrides], echo=False,
+                      sample_s=0.5)  # fmt: skip
+    if done.returncode != 0:
+        sys.exit(f"looprl run with rollout.engine={engine} failed:\n{done.stderr_tail[-3000:]}")
+    rows = done.metrics
+    result = {"wall_s": done.wall_s, "tree_peak_gb": done.tree_peak_bytes / 1e9,
+              "steps": len(rows), "step_s": sum(r["perf/step_s"] for r in rows),
               "looprl_peak_gb": max(r["perf/peak_rss_gb"] for r in rows) * 2**30 / 1e9}  # fmt: skip
     for name in ("baseline", "final", "baseline_greedy", "final_greedy"):
         path = out / "eval" / f"{name}.json"
@@ -71,11 +42,11 @@ def run(engine: str, out: Path, overrides: list[str]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--engines", nargs="+", default=["hf", "vllm"])
-    parser.add_argument("--out", default="runs/bench-engines")
-    parser.add_argument("--set", action="append", default=[], dest="overrides")
-    args = parser.parse_args()
+    args = parser(__doc__)
+    args.add_argument("--engines", nargs="+", default=["hf", "vllm"])
+    args.add_argument("--out", default="runs/bench-engines")
+    args.add_argument("--set", action="append", default=[], dest="overrides")
+    args = args.parse_args()
     results = {}
     for engine in args.engines:
         results[engine] = run(engine, Path(args.out) / engine, args.overrides)
@@ -91,15 +62,15 @@ def main() -> None:
         print(f"{engine:<7} {r['wall_s']:>7.0f}s {rate:>9.2f} {r['tree_peak_gb']:>8.2f}GB "
               f"{r['looprl_peak_gb']:>9.2f}GB  {fmt(r.get('baseline'))} -> {fmt(r.get('final'))}; "
               f"{fmt(r.get('baseline_greedy'))} -> {fmt(r.get('final_greedy'))}")  # fmt: skip
-    line = []
+    fields = {}
     for engine, r in results.items():
-        line += [f"{engine}_wall_s={r['wall_s']:.0f}",
-                 f"{engine}_steps_per_min={r['steps'] / (r['step_s'] / 60):.2f}",
-                 f"{engine}_tree_peak_gb={r['tree_peak_gb']:.2f}",
-                 f"{engine}_lift={r['final'][0] - r['baseline'][0]:+.3f}"]  # fmt: skip
+        fields[f"{engine}_wall_s"] = f"{r['wall_s']:.0f}"
+        fields[f"{engine}_steps_per_min"] = f"{r['steps'] / (r['step_s'] / 60):.2f}"
+        fields[f"{engine}_tree_peak_gb"] = f"{r['tree_peak_gb']:.2f}"
+        fields[f"{engine}_lift"] = f"{r['final'][0] - r['baseline'][0]:+.3f}"
     if "hf" in results and "vllm" in results:
-        line.append(f"vllm_vs_hf_wall={results['vllm']['wall_s'] / results['hf']['wall_s']:.2f}")
-    print("RESULT " + " ".join(line))
+        fields["vllm_vs_hf_wall"] = f"{results['vllm']['wall_s'] / results['hf']['wall_s']:.2f}"
+    print(result_line(fields))
 
 
 if __name__ == "__main__":

@@ -1,18 +1,21 @@
 """The update phase's memory alone: live tensors against the resident set.
 
-    .venv/bin/python bench/update_memory.py [--profile] [--trim] [--response N] [KEY=VALUE ...]
+    .venv/bin/python bench/speed/update_memory.py [--profile] [--trim] [--response N] \
+        [KEY=VALUE ...]
 
 Loads the policy of the config (`KEY=VALUE` overrides, as `--set`), builds one step's
 episodes of the workload's shape without sampling (each task's real prompt and N random
 generated tokens, advantages ±1 so every episode learns), and runs `update_policy` on
 them: the old-logprob pass, then `algo.num_minibatches` optimizer steps over
 micro-batches of `train.micro_batch_tokens`. A thread reads /proc/self/statm every 2 ms
-and keeps the peak resident set of the forward passes, the backward passes and the
-whole update. With `--profile` the update runs under torch's profiler with
+and keeps the peak resident set of the model's forward passes (marked by forward hooks on
+the model, not by patching looprl), the rest of the update (backward passes and optimizer
+steps) and the whole update. With `--profile` the update runs under torch's profiler with
 `profile_memory`, and the peak of the live tensor bytes it reports ("Total Allocated")
 is printed beside the resident peak: the difference is memory the allocator holds that
 no tensor uses. `--trim` returns freed heap pages (`malloc_trim`) before every forward
-pass, to see how much of that difference the freed blocks of earlier micro-batches are.
+pass (a forward pre-hook), to see how much of that difference the freed blocks of
+earlier micro-batches are.
 Setting glibc's `MALLOC_MMAP_THRESHOLD_` or `MALLOC_ARENA_MAX` in the environment shows
 the share of its dynamic mmap threshold and of its per-thread arenas. Ends with
 
@@ -24,26 +27,26 @@ set after the update and its trim: what every phase holds).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
-import looprl.loop.update as update
 from looprl.config import load_config
 from looprl.envs import make_env
 from looprl.loop.optim import make_optimizer
 from looprl.loop.policy import load_policy
+from looprl.loop.update import UpdateState, update_policy
 from looprl.model.memory import release_free_memory
 from looprl.types import Episode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.harness import parser, result_line
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 state: dict[str, Any] = {"phase": "load", "peak": {}}
@@ -61,18 +64,20 @@ def sample() -> None:
         time.sleep(0.002)
 
 
-def labelled(fn: Callable, phase: str, trim: bool = False) -> Callable:
-    def run(*args: Any, **kwargs: Any) -> Any:
-        previous = state["phase"]
-        state["phase"] = phase
+def label_forward_passes(model: Any, trim: bool) -> None:
+    """Forward hooks on the model: the phase is "forward" while it runs, and back to
+    "update" after; with `trim`, freed heap pages are returned before each pass."""
+
+    def before(*_: Any) -> None:
         if trim:
             release_free_memory()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            state["phase"] = previous
+        state["phase"] = "forward"
 
-    return run
+    def after(*_: Any) -> None:
+        state["phase"] = "update"
+
+    model.register_forward_pre_hook(before)
+    model.register_forward_hook(after)
 
 
 def episodes(cfg: Any, policy: Any, response: int) -> list[tuple[Episode, float]]:
@@ -100,27 +105,26 @@ def live_peak_gb(trace: Path) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("overrides", nargs="*", help="config KEY=VALUE, as --set")
-    parser.add_argument("--profile", action="store_true", help="live tensor bytes too")
-    parser.add_argument("--trim", action="store_true", help="malloc_trim before each forward")
-    parser.add_argument("--response", type=int, default=32, help="generated tokens per episode")
-    args = parser.parse_args()
+    args = parser(__doc__)
+    args.add_argument("overrides", nargs="*", help="config KEY=VALUE, as --set")
+    args.add_argument("--profile", action="store_true", help="live tensor bytes too")
+    args.add_argument("--trim", action="store_true", help="malloc_trim before each forward")
+    args.add_argument("--response", type=int, default=32, help="generated tokens per episode")
+    args = args.parse_args()
     cfg = load_config(None, args.overrides)
     threading.Thread(target=sample, daemon=True).start()
     policy = load_policy(cfg)
     batch = episodes(cfg, policy, args.response)
     optimizer = make_optimizer(policy.trainable_parameters(), cfg.train.optimizer, 1e-6, 0.0)
-    update.sequence_logprobs = labelled(update.sequence_logprobs, "forward", args.trim)
-    torch.Tensor.backward = labelled(torch.Tensor.backward, "backward")
+    label_forward_passes(policy.model, args.trim)
     release_free_memory()
     before = rss_gb()
 
     def run() -> None:
-        update.update_policy(
+        update_policy(
             policy, optimizer, batch, cfg.algo, cfg.train, group_size=cfg.rollout.group_size,
             max_tokens=args.response, seed=0,
-            state=update.UpdateState(cfg.train.micro_batch_tokens),
+            state=UpdateState(cfg.train.micro_batch_tokens),
         )  # fmt: skip
 
     state["phase"] = "update"
@@ -139,13 +143,13 @@ def main() -> None:
     time.sleep(0.05)
     after = rss_gb()
     peaks = state["peak"]
-    top = max(peaks.get(k, 0.0) for k in ("update", "forward", "backward"))
+    top = max(peaks.get(k, 0.0) for k in ("update", "forward"))
     print(f"{len(batch)} episodes; resident before the update {before:.3f} GB, after {after:.3f}")
     print(
         "peak resident set by phase (GB): " + json.dumps({k: round(v, 3) for k, v in peaks.items()})
     )
-    extra = f" update_live_gb={live:.3f}" if live is not None else ""
-    print(f"RESULT update_rss_gb={top:.3f}{extra} after_gb={after:.3f}")
+    live_field = {"update_live_gb": f"{live:.3f}"} if live is not None else {}
+    print(result_line({"update_rss_gb": f"{top:.3f}", **live_field, "after_gb": f"{after:.3f}"}))
 
 
 if __name__ == "__main__":
