@@ -268,11 +268,11 @@ def test_inference_kernel_path_equals_the_autograd_path(q_len):
 def test_trainer_packs_suffixes_of_different_lengths(tokenizer, renderer, monkeypatch, split_head):
     """Suffixes of different lengths run as one row of their real tokens (no padding
     through the linear layers); logprobs and LoRA gradients equal the padded call's."""
-    from looprl.loop import policy
+    from looprl.forward import score
 
     model = lora_tiny_model(seed=3)
     if not split_head:  # the plain path: full logits from the model, then unpacked
-        monkeypatch.setattr(policy, "decoder_and_head", lambda model: None)
+        monkeypatch.setattr(score, "decoder_and_head", lambda model: None)
     assert cascade.enable(model)
     requests = tictactoe_requests(renderer, n=3)
     sequences, masks = [], []
