@@ -33,7 +33,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def parser(doc: str | None) -> argparse.ArgumentParser:
+def arguments(doc: str | None) -> argparse.ArgumentParser:
     """An argument parser whose description is the first line of the script's docstring."""
     return argparse.ArgumentParser(description=(doc or "").strip().split("\n", 1)[0])
 

@@ -11,13 +11,14 @@ model: prefill, then one cached decode step per token) and the update (the train
 model, one full forward), on one sampled sequence per prompt: the mismatch routing replay
 would remove.
 
-    python bench/architectures.py [--sampler-dtype bfloat16] [--archs qwen3_moe,mixtral]
+    python bench/checks/architectures.py [--sampler-dtype bfloat16] [--archs qwen3_moe,mixtral]
 """
 
 from __future__ import annotations
 
-import argparse
+import sys
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -25,11 +26,15 @@ from looprl.chat import ChatRenderer
 from looprl.config import LoraConfig
 from looprl.engine import GenerationRequest, SamplingParams
 from looprl.engine.hf import HFEngine
-from looprl.envs.tictactoe import TicTacToeMove
-from looprl.loop.policy import add_lora, sequence_logprobs
+from looprl.envs import make_env
+from looprl.forward.score import sequence_logprobs
+from looprl.loop.policy import add_lora
 from looprl.model.arch import router_modules
 from looprl.model.load import load_tokenizer
 from looprl.model.tiny import TINY_ARCHITECTURES, build_tiny, perturb_adapters
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.harness import arguments, result_line
 
 
 def chosen_experts(model, sequence: list[int], prompt_len: int | None) -> list[torch.Tensor]:
@@ -63,7 +68,7 @@ def chosen_experts(model, sequence: list[int], prompt_len: int | None) -> list[t
 
 def measure(arch: str, tokenizer, renderer, sampler_dtype: str | None) -> dict[str, float]:
     model = perturb_adapters(add_lora(build_tiny(arch, tokenizer), LoraConfig(rank=8, alpha=16.0)))
-    env = TicTacToeMove(tool_choice="auto")
+    env = make_env("tictactoe-move", {"tool_choice": "auto"})
     requests = []
     for task in env.tasks("train", n=4, seed=3):
         obs = env.reset(task)
@@ -89,7 +94,7 @@ def measure(arch: str, tokenizer, renderer, sampler_dtype: str | None) -> dict[s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--sampler-dtype", default=None, choices=[None, "bfloat16", "float16"])
     parser.add_argument("--archs", default=",".join(TINY_ARCHITECTURES))
     args = parser.parse_args()
@@ -106,8 +111,8 @@ def main() -> None:
               f"{routing:>16}")  # fmt: skip
     worst = max(row["gap_max"] for row in results.values())
     routed = [row["routing_differs"] for row in results.values() if "routing_differs" in row]
-    print(f"RESULT sampler_dtype={args.sampler_dtype or 'model'} gap_max={worst:.3e} "
-          f"routing_differs_max={max(routed, default=0.0):.4f}")  # fmt: skip
+    print(result_line({"sampler_dtype": args.sampler_dtype or "model", "gap_max": f"{worst:.3e}",
+                       "routing_differs_max": f"{max(routed, default=0.0):.4f}"}))  # fmt: skip
 
 
 if __name__ == "__main__":

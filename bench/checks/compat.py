@@ -1,7 +1,7 @@
 """Client compatibility: drive `looprl serve` through client libraries' default paths.
 
-    .venv/bin/python bench/compat.py [--model smollm2-135m]    # starts the server itself
-    python bench/compat.py --url http://127.0.0.1:8000 --model NAME   # a running server
+    .venv/bin/python bench/checks/compat.py [--model smollm2-135m]    # starts the server itself
+    python bench/checks/compat.py --url http://127.0.0.1:8000 --model NAME   # a running server
 
 Each check makes real requests and prints one line: library, what was tried, OK or FAIL
 (with the error) or SKIP (library not installed). The official `openai` client is always
@@ -16,15 +16,19 @@ parses into its type, streams arrive in pieces), not what the model says. Ends w
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.harness import arguments, result_line
 
 SQUARE = {
     "type": "function",
@@ -401,7 +405,7 @@ def run(target: Target, libraries: set[str] | None) -> tuple[int, int, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--url", help="a running server (default: start one on 127.0.0.1)")
     parser.add_argument("--model", default="smollm2-135m", help="model id (or model to serve)")
     parser.add_argument("--device", default="cpu")
@@ -413,7 +417,7 @@ def main() -> None:
     else:
         with own_server(args.model, args.device) as target:
             ok, failed, skipped = run(target, libraries)
-    print(f"RESULT compat_ok={ok} compat_fail={failed} compat_skip={skipped}")
+    print(result_line({"compat_ok": ok, "compat_fail": failed, "compat_skip": skipped}))
 
 
 if __name__ == "__main__":

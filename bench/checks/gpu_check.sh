@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Short GPU check (for a machine with one CUDA device): the bf16 policy, engine and
 # trainer paths on the GPU, end to end, in a few minutes. Not part of `make test`.
-#   bash bench/gpu_check.sh
+#   bash bench/checks/gpu_check.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 make setup >/dev/null
 .venv/bin/python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(0))"
 out=$(mktemp -d)
@@ -35,13 +35,13 @@ import torch
 from looprl.chat import ChatRenderer
 from looprl.engine import GenerationRequest, SamplingParams
 from looprl.engine.hf import HFEngine
-from looprl.envs.tictactoe import TicTacToeMove
+from looprl.envs import make_env
 from looprl.model.load import load_causal_lm, load_tokenizer
-from looprl.loop.policy import sequence_logprobs
+from looprl.forward.score import sequence_logprobs
 
 tok = load_tokenizer("smollm2-135m")
 renderer = ChatRenderer(tok, model_name="smollm2-135m")
-env = TicTacToeMove(tool_choice="auto")
+env = make_env("tictactoe-move", {"tool_choice": "auto"})
 prompts = []
 for task in env.tasks("train", n=8, seed=3):
     obs = env.reset(task)
@@ -79,9 +79,9 @@ for dtype in (torch.float32, torch.bfloat16):
         assert mine <= 1.25 * theirs + 1e-3
 PY
 # rollout throughput on the GPU: the exact float32 engine against `generate`, batch 32
-# (the 5x target of bench/rollout.py, measured where the CPU's matrix products are not
+# (the 5x target of bench/speed/rollout.py, measured where the CPU's matrix products are not
 # the limit)
-.venv/bin/python bench/rollout.py --device cuda --batches 32 --repeats 2
+.venv/bin/python bench/speed/rollout.py --device cuda --batches 32 --repeats 2
 # the vllm engine on CUDA (make setup-vllm installs the CUDA `vllm` where nvidia-smi is
 # found): 3 steps with LoRA and 3 with full fine-tuning, each pushing its weights to the
 # server after every update; bf16 on both sides, so the gap is bf16's, not zero. Then
@@ -101,4 +101,4 @@ for name in ("vllm-lora", "vllm-full"):
     print(f"RESULT run={name} logprob_gap_max={gap:.2e}")
     assert gap < 5e-2, "vLLM's and the trainer's logprobs disagree: did the weights reach it?"
 PY
-.venv/bin/python bench/rollout.py --device cuda --batches 32 --repeats 2 --vllm on
+.venv/bin/python bench/speed/rollout.py --device cuda --batches 32 --repeats 2 --vllm on

@@ -32,8 +32,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench.harness import looprl_run, result_line
-from bench.harness import parser as make_parser
+from bench.harness import arguments, looprl_run, result_line
 
 SHORT = ["train.steps=2", "train.checkpoint_every=0", "logging.trackers=[]",
          "eval.tasks=8", "eval.greedy_tasks=8"]  # fmt: skip
@@ -97,7 +96,7 @@ def predict(overrides: list[str]) -> dict:
 
 
 def main() -> None:
-    parser = make_parser(__doc__)
+    parser = arguments(__doc__)
     parser.add_argument("--only", nargs="*", default=None, help="rows to run")
     parser.add_argument("--saved", default="runs/plan-accuracy.json")
     parser.add_argument("--predict-only", action="store_true", help="use saved measurements")

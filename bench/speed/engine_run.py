@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench.harness import looprl_run, parser, result_line
+from bench.harness import arguments, looprl_run, result_line
 
 
 def run(engine: str, out: Path, overrides: list[str]) -> dict:
@@ -42,7 +42,7 @@ def run(engine: str, out: Path, overrides: list[str]) -> dict:
 
 
 def main() -> None:
-    args = parser(__doc__)
+    args = arguments(__doc__)
     args.add_argument("--engines", nargs="+", default=["hf", "vllm"])
     args.add_argument("--out", default="runs/bench-engines")
     args.add_argument("--set", action="append", default=[], dest="overrides")

@@ -1,6 +1,6 @@
 """Decoding's matrix products: the BLAS in PyTorch's CPU wheel against a hand-written kernel.
 
-    .venv/bin/python bench/gemm_probe.py [--model smollm2-135m] [--rows 8,32,64] [--repeats 5]
+    .venv/bin/python bench/speed/gemm_probe.py [--model smollm2-135m] [--rows 8,32,64] [--repeats 5]
 
 One decode step's products at a few rows (every linear layer and the output projection,
 with the model's own float32 weights, random activations, one row per sequence), timed
@@ -10,18 +10,17 @@ built here with g++, without and with software prefetch of the weights. A second
 times the same products on one layer's weights, reused (in cache), which bounds what any
 kernel can do once the weights are no longer read from memory. The hand-written kernel
 is a probe, not part of looprl: it answers whether the engine's floor in
-`bench/rollout.py` (the faster BLAS form) is the BLAS's or the machine's. Ends with
+`bench/speed/rollout.py` (the faster BLAS form) is the BLAS's or the machine's. Ends with
 `RESULT custom_vs_blas_bN=` (fastest BLAS form's ms / fastest custom ms; > 1 means
 the custom kernel is faster).
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import shutil
-import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +28,9 @@ from pathlib import Path
 import torch
 
 from looprl.model.load import load_causal_lm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.harness import arguments, median, result_line
 
 SOURCE = Path(__file__).with_name("gemm_probe.cpp")
 PREFETCH = 4  # weight blocks ahead
@@ -80,12 +82,12 @@ def time_step(ways: dict, weights: list, inputs: list, repeats: int) -> dict[str
             for w, x in zip(weights, inputs):
                 fn(x, w)
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: median(t) for name, t in times.items()}
 
 
 @torch.inference_mode()
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = arguments(__doc__)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--rows", default="8,32,64")
     ap.add_argument("--repeats", type=int, default=5)
@@ -104,7 +106,7 @@ def main() -> None:
             f"{params / 1e6:.1f} M float32 weights ({4 * params / 1e6:.0f} MB) per step"
         )
         head = "".join(f"{name:>18}" for name in ways)
-        result = []
+        result: dict[str, str] = {}
         for title, mats in (
             ("model weights (from memory)", weights),
             ("one layer's weights, reused (in cache)", layer * 8),
@@ -128,8 +130,8 @@ def main() -> None:
                 if mats is weights and "custom" in ways:
                     blas = min(took["F.linear"], took["W@x^T"])
                     mine = min(took["custom"], took["custom+prefetch"])
-                    result.append(f"custom_vs_blas_b{rows}={blas / mine:.2f}")
-        print("RESULT " + (" ".join(result) if result else "custom_kernel=skipped"))
+                    result[f"custom_vs_blas_b{rows}"] = f"{blas / mine:.2f}"
+        print(result_line(result or {"custom_kernel": "skipped"}))
 
 
 if __name__ == "__main__":

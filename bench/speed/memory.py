@@ -24,11 +24,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench.harness import looprl_run, parser, print_result
+from bench.harness import arguments, looprl_run, print_result
 
 
 def main() -> None:
-    args = parser(__doc__)
+    args = arguments(__doc__)
     args.add_argument("--out", default="runs/bench-memory")
     args.add_argument("--set", action="append", default=[], dest="overrides")
     args.add_argument("--phases", action="store_true", help="peak RSS of each phase")

@@ -1,6 +1,7 @@
 """The trainer's scoring pass with and without sequence packing, side by side.
 
-    .venv/bin/python bench/packing.py [--env tictactoe-game] [--tasks 8] [--group 8] [--repeats 3]
+    .venv/bin/python bench/speed/packing.py [--env tictactoe-game] [--tasks 8] [--group 8] \
+        [--repeats 3]
 
 Plays one rollout batch of the env with the default `looprl run` policy (SmolLM2-135M
 float32 with its LoRA adapters, the run's sampling settings and engine), splits it into
@@ -21,22 +22,26 @@ passes included), the largest logprob difference between the two, and ends with
 
 from __future__ import annotations
 
-import argparse
-import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from looprl.config import load_config
 from looprl.engine import SamplingParams
 from looprl.envs import make_env
+from looprl.forward.score import prompt_length, sequence_logprobs
 from looprl.loop.evaluate import player
-from looprl.loop.policy import load_policy, prompt_length, sequence_logprobs
+from looprl.loop.policy import load_policy
 from looprl.loop.update import micro_batches, minibatches
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.harness import arguments, median, result_line
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = arguments(__doc__)
     parser.add_argument("--env", default="tictactoe-game")
     parser.add_argument("--tasks", type=int, default=8)
     parser.add_argument("--group", type=int, default=8)
@@ -52,11 +57,13 @@ def main() -> None:
     start = time.perf_counter()
     episodes = player(cfg, policy, probe)(tasks, params=params)
     rollout_s = time.perf_counter() - start
-    batch = [(e, 0.0) for e in episodes]
+    by_task: dict[str, list] = {}  # whole groups go to one minibatch, as in the update
+    for episode in episodes:
+        by_task.setdefault(episode.task.id, []).append(episode)
     chunks = [
         chunk
-        for minibatch in minibatches(batch, cfg.algo.num_minibatches, seed=0)
-        for chunk in micro_batches([e for e, _ in minibatch], cfg.train.micro_batch_tokens)
+        for minibatch in minibatches(list(by_task.values()), cfg.algo.num_minibatches, seed=0)
+        for chunk in micro_batches(minibatch, cfg.train.micro_batch_tokens)
     ]
     real = padded = 0
     for chunk in chunks:
@@ -107,12 +114,11 @@ def main() -> None:
     print(f"suffix positions: {real} real of {padded} padded ({share:.1%} padding)")
     print(f"{'':>7} {'seconds':>8} {'positions run':>14}")
     for name, values in times.items():
-        print(f"{name:>7} {statistics.median(values):>8.2f} {positions[name]:>14}")
+        print(f"{name:>7} {median(values):>8.2f} {positions[name]:>14}")
     print(f"largest |logprob difference|: {gap:.2e}")
-    a, b = statistics.median(times["packed"]), statistics.median(times["padded"])
-    print(
-        f"RESULT pack_speedup={b / a:.2f} packed_s={a:.2f} padded_s={b:.2f} pad_share={share:.3f}"
-    )
+    a, b = median(times["packed"]), median(times["padded"])
+    print(result_line({"pack_speedup": f"{b / a:.2f}", "packed_s": f"{a:.2f}",
+                       "padded_s": f"{b:.2f}", "pad_share": f"{share:.3f}"}))  # fmt: skip
 
 
 if __name__ == "__main__":

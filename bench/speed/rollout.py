@@ -1,6 +1,6 @@
 """Rollout throughput: looprl's hf engine vs transformers `generate`, side by side.
 
-    .venv/bin/python bench/rollout.py [--model smollm2-135m] [--batches 8,32,64] [--repeats 3]
+    .venv/bin/python bench/speed/rollout.py [--model smollm2-135m] [--batches 8,32,64] [--repeats 3]
                                       [--device cpu|cuda] [--vllm auto|on|off]
 
 Same model (float32), same tic-tac-toe prompts (distinct boards: no two requests share
@@ -39,24 +39,28 @@ the GPU's).
 
 from __future__ import annotations
 
-import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from looprl.chat import ChatRenderer
 from looprl.engine import GenerationRequest, SamplingParams
 from looprl.engine.hf import HFEngine
-from looprl.envs.tictactoe import TicTacToeMove
+from looprl.envs import make_env
 from looprl.forward import weight_first
 from looprl.model.load import load_causal_lm, load_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.harness import ROOT, arguments, median, result_line
 
 NEW_TOKENS = 64
 
 
 def prompts(renderer: ChatRenderer, n: int) -> list[list[int]]:
-    env = TicTacToeMove(tool_choice="auto")
+    env = make_env("tictactoe-move", {"tool_choice": "auto"})
     out = []
     for task in env.tasks("train", n=n, seed=7):
         obs = env.reset(task)
@@ -110,7 +114,7 @@ def matmul_floor(model, rows: int, repeats: int = 5) -> tuple[float, float]:
                 torch.mm(w, x.t()) if first else torch.nn.functional.linear(x, w)
             sync(device)
             times[first].append(time.perf_counter() - start)
-    return statistics.median(times[False][1:]), statistics.median(times[True][1:])
+    return median(times[False][1:]), median(times[True][1:])
 
 
 @torch.inference_mode()
@@ -124,7 +128,7 @@ def prefill_seconds(engine: HFEngine, batch: list[list[int]], repeats: int = 3) 
         shared_prefill(engine.model, batch, engine.pad_id, engine.device)
         sync(engine.device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median(times)
 
 
 @torch.inference_mode()
@@ -154,7 +158,7 @@ def run_generate(model, tokenizer, batch: list[list[int]], seed: int) -> tuple[i
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = arguments(__doc__)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--batches", default="8,32,64")
     parser.add_argument("--repeats", type=int, default=3)
@@ -205,20 +209,20 @@ def main() -> None:
             if vllm is not None:
                 n, s = run_looprl(vllm, batch, r)
                 served.append(n / s)
-        a, f, b = statistics.median(ours), statistics.median(fast), statistics.median(theirs)
-        plain = f"{statistics.median(linear):>9.1f}" if linear else f"{'-':>9}"
+        a, f, b = median(ours), median(fast), median(theirs)
+        plain = f"{median(linear):>9.1f}" if linear else f"{'-':>9}"
         print(
             f"{size:>5} {a:>8.1f} {plain} {f:>13.1f} {b:>9.1f} {a / b:>6.2f} {f / b:>11.2f}"
             f" {statistics.mean(gaps):>11.4f}"
-            + (f" {statistics.median(served):>7.1f}" if served else f" {'-':>7}")
+            + (f" {median(served):>7.1f}" if served else f" {'-':>7}")
         )
         if served:
-            v = statistics.median(served)
+            v = median(served)
             result[f"vllm_tokens_per_s_b{size}"] = f"{v:.1f}"
             result[f"looprl_vs_vllm_b{size}"] = f"{a / v:.2f}"
         if linear:
-            result[f"weight_first_speedup_b{size}"] = f"{a / statistics.median(linear):.2f}"
-        floors.append((size, a, b, statistics.median(produced), exact, batch))
+            result[f"weight_first_speedup_b{size}"] = f"{a / median(linear):.2f}"
+        floors.append((size, a, b, median(produced), exact, batch))
         result[f"rollout_speedup_b{size}"] = f"{a / b:.2f}"
         result[f"rollout_speedup_bf16_b{size}"] = f"{f / b:.2f}"
         result[f"looprl_tok_s_b{size}"] = f"{a:.1f}"
@@ -251,7 +255,7 @@ def main() -> None:
         result[f"floor_speedup_b{size}"] = f"{ratio:.2f}"
         result[f"step_budget_5x_ms_b{size}"] = f"{budget * 1e3:.1f}"
         result[f"looprl_step_ms_b{size}"] = f"{took * 1e3:.1f}"
-    print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()))
+    print(result_line(result))
     if vllm is not None:
         vllm.close()
 
@@ -260,7 +264,7 @@ def start_vllm(mode: str, model, tokenizer, renderer: ChatRenderer, longest: int
     """The vllm engine on this model (float32, eager), or None when off or not installed."""
     from pathlib import Path
 
-    python = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+    python = ROOT / ".venv-vllm" / "bin" / "python"
     if mode == "off" or (mode == "auto" and not python.is_file()):
         return None
     from looprl.engine.vllm import VLLMEngine

@@ -1,6 +1,6 @@
 """Multi-turn rollouts with and without keeping each episode's KV between turns.
 
-    .venv/bin/python bench/sessions.py [--tasks 16] [--group 4] [--repeats 2]
+    .venv/bin/python bench/speed/sessions.py [--tasks 16] [--group 4] [--repeats 2]
 
 Plays `tictactoe-game` (whole games against the scripted opponent: up to 5 model turns,
 a forced `choose_square` call each turn) with SmolLM2-135M in float32, through the
@@ -21,19 +21,22 @@ episodes token for token, and ends with
 
 from __future__ import annotations
 
-import argparse
-import statistics
+import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
 
 from looprl.chat import ChatRenderer
 from looprl.engine import SamplingParams
 from looprl.engine.hf import HFEngine
-from looprl.envs.tictactoe import TicTacToeGame
+from looprl.envs import make_env
 from looprl.loop.rollout import run_episodes
 from looprl.model.load import load_causal_lm, load_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.harness import arguments, median, result_line
 
 
 class WithoutSession:
@@ -44,7 +47,7 @@ class WithoutSession:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = arguments(__doc__)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--tasks", type=int, default=16)
     parser.add_argument("--group", type=int, default=4)
@@ -54,7 +57,7 @@ def main() -> None:
     model = load_causal_lm(args.model, torch.float32).eval()
     renderer = ChatRenderer(tokenizer, model_name=args.model)
     engine = HFEngine(model, tokenizer, renderer.eos_ids, batch_size=64)
-    env = TicTacToeGame()
+    env = make_env("tictactoe-game")
     tasks = [t for t in env.tasks("train", n=args.tasks, seed=3) for _ in range(args.group)]
     params = SamplingParams(temperature=1.0, max_new_tokens=64, seed=11)
     fed = [0]
@@ -67,7 +70,13 @@ def main() -> None:
         fed[0] = 0
         start = time.perf_counter()
         episodes = run_episodes(
-            tasks, partial(TicTacToeGame), runner, renderer, params, env.max_turns, 4096
+            tasks,
+            partial(make_env, "tictactoe-game"),
+            runner,
+            renderer,
+            params,
+            env.max_turns,
+            4096,
         )
         return time.perf_counter() - start, fed[0], episodes
 
@@ -87,10 +96,11 @@ def main() -> None:
     print(f"{len(tasks)} episodes, {turns} model turns; {torch.get_num_threads()} threads")
     print(f"{'':>11} {'seconds':>8} {'tokens run':>11}")
     for name in times:
-        print(f"{name:>11} {statistics.median(times[name]):>8.1f} {tokens[name]:>11}")
+        print(f"{name:>11} {median(times[name]):>8.1f} {tokens[name]:>11}")
     print(f"same episodes token for token: {same}")
-    a, b = statistics.median(times["session"]), statistics.median(times["re-prefill"])
-    print(f"RESULT session_speedup={b / a:.2f} session_s={a:.1f} reprefill_s={b:.1f}")
+    a, b = median(times["session"]), median(times["re-prefill"])
+    print(result_line({"session_speedup": f"{b / a:.2f}", "session_s": f"{a:.1f}",
+                       "reprefill_s": f"{b:.1f}"}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The workload of bench/step.py: a tic-tac-toe move read from the answer's text.
+"""The workload of bench/speed/step.py: a tic-tac-toe move read from the answer's text.
 
     looprl envs check bench.step_env:MoveInText    # from the repository root
 

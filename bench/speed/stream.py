@@ -1,6 +1,6 @@
 """Streaming latency over HTTP: time to the first content token vs the whole reply.
 
-    .venv/bin/python bench/stream.py [--model smollm2-135m] [--max-tokens 128] [--repeats 5]
+    .venv/bin/python bench/speed/stream.py [--model smollm2-135m] [--max-tokens 128] [--repeats 5]
                                      [--device cpu|cuda]
 
 Starts `looprl serve`'s app on 127.0.0.1 (a free port) and asks it, with the official
@@ -14,14 +14,17 @@ reply_tokens=…`. Streaming pays off when `stream_first_token_ms` is a small pa
 
 from __future__ import annotations
 
-import argparse
-import statistics
+import sys
 import time
+from pathlib import Path
 
 import openai
 
 from looprl.apps.inference import load_chat_model
 from looprl.apps.serve import create_app, serving
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.harness import arguments, median, result_line
 
 PROMPT = "Write a short story about a robot who learns to play tic-tac-toe."
 
@@ -55,7 +58,7 @@ def timed_whole(client: openai.OpenAI, model: str, max_tokens: int, seed: int):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
@@ -78,15 +81,15 @@ def main() -> None:
                 f"repeat {repeat}: first token {first_ms:7.0f} ms, stream end {stream_ms:7.0f} ms, "
                 f"whole reply {whole_ms:7.0f} ms, {tokens} tokens, streamed text {same}"
             )
-    first, total, whole, tokens = (statistics.median(column) for column in zip(*rows))
+    first, total, whole, tokens = (median(column) for column in zip(*rows))
     print(f"{args.model} on {args.device}, median of {args.repeats}:")
     print(f"  first content token  {first:8.0f} ms")
     print(f"  streamed reply       {total:8.0f} ms")
     print(f"  whole reply          {whole:8.0f} ms  ({tokens:.0f} tokens)")
-    print(
-        f"RESULT stream_first_token_ms={first:.0f} whole_reply_ms={whole:.0f} "
-        f"stream_total_ms={total:.0f} reply_tokens={tokens:.0f}"
-    )
+    print(result_line({
+        "stream_first_token_ms": f"{first:.0f}", "whole_reply_ms": f"{whole:.0f}",
+        "stream_total_ms": f"{total:.0f}", "reply_tokens": f"{tokens:.0f}",
+    }))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ from looprl.model.memory import release_free_memory
 from looprl.types import Episode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench.harness import parser, result_line
+from bench.harness import arguments, result_line
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 state: dict[str, Any] = {"phase": "load", "peak": {}}
@@ -105,7 +105,7 @@ def live_peak_gb(trace: Path) -> float:
 
 
 def main() -> None:
-    args = parser(__doc__)
+    args = arguments(__doc__)
     args.add_argument("overrides", nargs="*", help="config KEY=VALUE, as --set")
     args.add_argument("--profile", action="store_true", help="live tensor bytes too")
     args.add_argument("--trim", action="store_true", help="malloc_trim before each forward")
