@@ -25,12 +25,14 @@ import math
 import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from looprl.config import load_config
 from looprl.envs import make_env
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.harness import looprl_run, result_line
 
 HERE = Path(__file__).parent
 GREEDY = ["eval.temperature=0", "eval.samples_per_task=1"]
@@ -93,6 +95,9 @@ def extra_evals(name: str, out: Path) -> None:
 
 
 def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        return
     if sys.argv[1] == "--extra-only":  # re-test a finished benchmark run
         extra_evals(sys.argv[2], Path("runs") / f"bench-{sys.argv[2]}")
         return
@@ -102,12 +107,13 @@ def main() -> None:
         )
         return
     name, extra = sys.argv[1], sys.argv[2:]
-    config = HERE / f"{name}.yaml"
+    if len(extra) % 2 or any(flag != "--set" for flag in extra[::2]):
+        sys.exit(f"after the benchmark's name, only `--set KEY=VALUE` pairs: {' '.join(extra)}")
     out = Path("runs") / f"bench-{name}"
-    started = time.time()
-    cmd = [sys.executable, "-m", "looprl.cli", "run", str(config), "--out", str(out), "--force"]
-    subprocess.run([*cmd, *extra], check=True)
-    print_result(name, out, (time.time() - started) / 60)
+    run = looprl_run(out, HERE / f"{name}.yaml", overrides=extra[1::2])
+    if run.returncode != 0:
+        sys.exit(f"looprl run failed with exit code {run.returncode}")
+    print_result(name, out, run.wall_s / 60)
     extra_evals(name, out)
 
 
@@ -158,7 +164,7 @@ def print_result(name: str, out: Path, minutes: float | None = None) -> None:
             samples = out / "samples" / f"{stage}.jsonl"
             if samples.exists():
                 fields[f"distinct_{side}"] = str(distinct_transcripts(samples))
-    print("RESULT " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
+    print(result_line(fields), flush=True)
 
 
 if __name__ == "__main__":

@@ -262,7 +262,6 @@ def main() -> None:
 
 def start_vllm(mode: str, model, tokenizer, renderer: ChatRenderer, longest: int):
     """The vllm engine on this model (float32, eager), or None when off or not installed."""
-    from pathlib import Path
 
     python = ROOT / ".venv-vllm" / "bin" / "python"
     if mode == "off" or (mode == "auto" and not python.is_file()):
