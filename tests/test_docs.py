@@ -1,7 +1,8 @@
 """The hand-kept lists in the docs stay true to the tree: architecture.md's layer table,
-import graph and modules over 400 lines, testing.md's table of test files, and every
-relative link (and its anchor) in docs/ and README.md. Each check names what to add or
-remove; `test_the_checks_catch_what_they_guard` plants a mistake of each kind."""
+import graph and modules over 400 lines, testing.md's table of test files, the module
+paths the pages name, every relative link (and its anchor) in docs/ and README.md, and the
+README's short result. Each check names what to add or remove;
+`test_the_checks_catch_what_they_guard` plants a mistake of each kind."""
 
 from __future__ import annotations
 
@@ -250,6 +251,26 @@ def doc_pages() -> list[Path]:
     return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 
 
+PACKAGES = "|".join(p.name for p in LOOPRL.iterdir() if (p / "__init__.py").is_file())
+MODULE_PATH = re.compile(rf"`((?:looprl/)?(?:{PACKAGES})/[\w/]+\.py)`")
+
+
+def stale_module_paths(page: Path) -> list[str]:
+    """Module paths a page names in code spans (`looprl/loop/train.py`, `loop/train.py`)
+    that are not in the tree."""
+    named = sorted(set(MODULE_PATH.findall(page.read_text())))
+    return [
+        f"{page.relative_to(REPO)}: `{name}` is not in looprl/; name where it is now"
+        for name in named
+        if not (LOOPRL / name.removeprefix("looprl/")).is_file()
+    ]
+
+
+def test_module_paths_in_the_docs_exist():
+    problems = [p for page in doc_pages() for p in stale_module_paths(page)]
+    assert not problems, "\n".join(problems)
+
+
 def test_relative_links_point_at_files_and_headings():
     problems = [p for page in doc_pages() for p in link_problems(page)]
     assert not problems, "broken links:\n" + "\n".join(problems)
@@ -293,6 +314,13 @@ def test_the_checks_catch_what_they_guard(tmp_path):
     ]
 
     page = REPO / "docs" / "_docs_probe.md"
+    page.write_text("`loop/train.py`, `looprl/loop/gone.py`, `bench/learning/run.py`\n")
+    try:
+        assert stale_module_paths(page) == [
+            "docs/_docs_probe.md: `looprl/loop/gone.py` is not in looprl/; name where it is now"
+        ]
+    finally:
+        page.unlink()
     page.write_text(
         "# Probe\n\n## A `code` heading, too\n\n[a](#a-code-heading-too) [b](#nope) "
         "[c](missing.md) [d](architecture.md#layers) `[e](inline.md)`\n"
