@@ -50,7 +50,8 @@ from looprl.chat import ChatRenderer
 from looprl.engine import GenerationRequest, SamplingParams
 from looprl.engine.hf import HFEngine
 from looprl.envs import make_env
-from looprl.forward import weight_first
+from looprl.forward.weight_first import enable as enable_weight_first
+from looprl.forward.weight_first import enabled as weight_first_enabled
 from looprl.model.load import load_causal_lm, load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -183,7 +184,7 @@ def main() -> None:
     print(f"{where}, {torch.get_num_threads()} threads; tokens/s, median of {args.repeats}")
     print(
         f"weight-first linear layers: float32 engine {exact.weight_first},"
-        f" bf16 sampler {weight_first.enabled(bf16.model)}"
+        f" bf16 sampler {weight_first_enabled(bf16.model)}"
     )
     header = f"{'batch':>5} {'looprl':>8} {'F.linear':>9} {'bf16 sampler':>13} {'generate':>9}"
     print(header + f" {'ratio':>6} {'ratio bf16':>11} {'bf16 |gap|':>11} {'vllm':>7}")
@@ -197,10 +198,10 @@ def main() -> None:
             ours.append(n / s)
             produced.append(n)
             if exact.weight_first:  # the same engine with nn.Linear's own form
-                weight_first.enable(model, force=False)
+                enable_weight_first(model, force=False)
                 n, s = run_looprl(exact, batch, r)
                 linear.append(n / s)
-                weight_first.enable(model, force=True)
+                enable_weight_first(model, force=True)
             n, s, outs = run_looprl_outputs(bf16, batch, r)
             fast.append(n / s)
             gaps.append(logprob_gap(reference, batch, outs))
