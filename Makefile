@@ -91,7 +91,8 @@ format: setup
 	$(BIN)/ruff format looprl tests bench examples
 	$(BIN)/ruff check --fix looprl tests bench examples
 
-# Benchmarks (bench/): quick sizes by default (a few minutes each on 2 cores), the sizes
+# Benchmarks (bench/speed: timings and memory; bench/checks: correctness): quick sizes by
+# default (a few minutes each on 2 cores), the sizes
 # the README quotes with FULL=1. Each prints its table and ends with a `RESULT` line.
 # The learning benchmarks (bench/learning/) are whole training runs; run them by name.
 BENCH_STAMP := $(VENV)/.bench-installed
@@ -114,36 +115,36 @@ BENCH_STEP     := --steps 1 --warmup 1 --tasks 4 --group 4 --updates 2 --max-new
 BENCH_STREAM   := --repeats 1 --max-tokens 64
 endif
 
-# TRL and datasets for bench/step.py (the `bench` extra), torch pinned as in setup.
+# TRL and datasets for bench/speed/step.py (the `bench` extra), torch pinned as in setup.
 $(BENCH_STAMP): $(STAMP) pyproject.toml
 	$(BIN)/pip install -e ".[bench]" $(TORCH)
 	touch $(BENCH_STAMP)
 
 bench: setup $(BENCH_STAMP)
-	@echo "== bench/rollout.py: rollout tokens/s, looprl's engine vs transformers generate"
-	$(BIN)/python bench/rollout.py $(BENCH_ROLLOUT)
+	@echo "== bench/speed/rollout.py: rollout tokens/s, looprl's engine vs transformers generate"
+	$(BIN)/python bench/speed/rollout.py $(BENCH_ROLLOUT)
 	@if command -v g++ >/dev/null 2>&1 && grep -qs avx512f /proc/cpuinfo; then \
-	  echo "== bench/gemm_probe.py: decoding's matrix products, BLAS vs a hand-written kernel"; \
-	  $(BIN)/python bench/gemm_probe.py $(BENCH_GEMM); \
+	  echo "== bench/speed/gemm_probe.py: decoding's matrix products, BLAS vs a hand-written kernel"; \
+	  $(BIN)/python bench/speed/gemm_probe.py $(BENCH_GEMM); \
 	else \
-	  echo "== bench/gemm_probe.py: skipped (it builds an AVX-512 kernel: needs g++ and an AVX-512 CPU)"; \
+	  echo "== bench/speed/gemm_probe.py: skipped (it builds an AVX-512 kernel: needs g++ and an AVX-512 CPU)"; \
 	fi
-	@echo "== bench/sessions.py: multi-turn rollouts with and without KV kept between turns"
-	$(BIN)/python bench/sessions.py $(BENCH_SESSIONS)
-	@echo "== bench/packing.py: the update's passes with and without sequence packing"
-	$(BIN)/python -W ignore bench/packing.py $(BENCH_PACKING)
-	@echo "== bench/memory.py: peak memory of a looprl run, by phase"
-	$(BIN)/python bench/memory.py $(BENCH_MEMORY)
+	@echo "== bench/speed/sessions.py: multi-turn rollouts with and without KV kept between turns"
+	$(BIN)/python bench/speed/sessions.py $(BENCH_SESSIONS)
+	@echo "== bench/speed/packing.py: the update's passes with and without sequence packing"
+	$(BIN)/python -W ignore bench/speed/packing.py $(BENCH_PACKING)
+	@echo "== bench/speed/memory.py: peak memory of a looprl run, by phase"
+	$(BIN)/python bench/speed/memory.py $(BENCH_MEMORY)
 	@if $(BIN)/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
-	  echo "== bench/gpu_check.sh: the GPU paths end to end"; \
-	  bash bench/gpu_check.sh; \
+	  echo "== bench/checks/gpu_check.sh: the GPU paths end to end"; \
+	  bash bench/checks/gpu_check.sh; \
 	else \
-	  echo "== bench/gpu_check.sh: skipped (no CUDA device)"; \
+	  echo "== bench/checks/gpu_check.sh: skipped (no CUDA device)"; \
 	fi
-	@echo "== bench/stream.py: first streamed token vs the whole reply, over HTTP"
-	$(BIN)/python bench/stream.py $(BENCH_STREAM)
-	@echo "== bench/step.py: one RL step (rollouts + GSPO update), looprl vs TRL's GRPOTrainer"
-	$(BIN)/python bench/step.py $(BENCH_STEP)
+	@echo "== bench/speed/stream.py: first streamed token vs the whole reply, over HTTP"
+	$(BIN)/python bench/speed/stream.py $(BENCH_STREAM)
+	@echo "== bench/speed/step.py: one RL step (rollouts + GSPO update), looprl vs TRL's GRPOTrainer"
+	$(BIN)/python bench/speed/step.py $(BENCH_STEP)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VF_VENV) $(VFC_VENV) .pytest_cache .ruff_cache
