@@ -92,8 +92,8 @@ format: setup
 	$(BIN)/ruff check --fix looprl tests bench examples
 
 # Benchmarks (bench/speed: timings and memory; bench/checks: correctness): quick sizes by
-# default (a few minutes each on 2 cores), the sizes
-# the README quotes with FULL=1. Each prints its table and ends with a `RESULT` line.
+# default (a few minutes each on 2 cores), the sizes the README quotes with FULL=1. Each
+# prints its table and ends with a `RESULT` line (bench/harness.py writes it).
 # The learning benchmarks (bench/learning/) are whole training runs; run them by name.
 BENCH_STAMP := $(VENV)/.bench-installed
 ifeq ($(FULL),1)
