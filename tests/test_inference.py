@@ -14,6 +14,7 @@ from looprl.config import config_from_dict, to_yaml
 from looprl.errors import RequestError
 from looprl.loop.checkpoint import trainable_state
 from looprl.loop.policy import load_policy
+from looprl.openai.wire import ChatRequest
 from looprl.types import Message, ToolCall
 
 SQUARE = {
@@ -93,7 +94,10 @@ def test_tool_choice_none_renders_no_tools(model):
 def test_seeded_requests_do_not_depend_on_the_batch(model):
     alone = model.chat(HI, n=2, max_tokens=10, seed=7)
     again = model.chat_many(
-        [dict(messages=HI, max_tokens=10), dict(messages=HI, n=2, max_tokens=10, seed=7)]
+        [
+            ChatRequest(messages=HI, max_tokens=10),
+            ChatRequest(messages=HI, n=2, max_tokens=10, seed=7),
+        ]
     )[1]
     assert [c.completion_ids for c in alone] == [c.completion_ids for c in again]
     assert [c.completion_ids for c in alone] != [
@@ -106,9 +110,11 @@ def test_chat_many_shares_engine_calls(model, monkeypatch):
     other = [Message(role="user", content="Something else, please.")]
     results = model.chat_many(
         [
-            dict(messages=HI, max_tokens=6),
-            dict(messages=other, tools=TOOLS, tool_choice="choose_square", n=2, max_tokens=40),
-            dict(messages=HI, max_tokens=6, temperature=0.0),  # other settings: own call
+            ChatRequest(messages=HI, max_tokens=6),
+            ChatRequest(
+                messages=other, tools=TOOLS, tool_choice="choose_square", n=2, max_tokens=40
+            ),
+            ChatRequest(messages=HI, max_tokens=6, temperature=0.0),  # other settings: own call
         ]
     )
     assert calls == [3, 1]
@@ -145,7 +151,11 @@ def test_bad_requests_name_the_field(model, kwargs, param):
 
 def test_return_exceptions_keeps_the_good_requests(model):
     good, bad, odd = model.chat_many(
-        [dict(messages=HI, max_tokens=3), dict(messages=HI, n=0), dict(messages=HI, beam=4)],
+        [
+            ChatRequest(messages=HI, max_tokens=3),
+            ChatRequest(messages=HI, n=0),
+            ChatRequest(prompt=[]),  # an empty raw prompt
+        ],
         return_exceptions=True,
     )
     assert isinstance(good, list) and len(good) == 1

@@ -54,15 +54,17 @@ import pydantic
 
 from looprl.agents.routes import answer, httpx
 from looprl.chat import ChatRenderer
-from looprl.engine import Completion, GenerationRequest, ToolConstraint
+from looprl.engine import Completion, GenerationRequest
 from looprl.engine.requests import check_tools, generation_request
 from looprl.errors import ChatError, RequestError
+from looprl.openai.replies import chat_choice
 from looprl.openai.responses import ResponseStore
 from looprl.openai.wire import (
     APIError,
     ChatChoice,
     ChatCompletionRequest,
-    chat_kwargs,
+    ChatRequest,
+    chat_request,
     completion_response,
     validation_error,
 )
@@ -91,9 +93,8 @@ class ModelCall:
 class AgentCall:
     """One agent call, validated and stitched, ready for the engine (nothing recorded yet)."""
 
-    request: ChatCompletionRequest
-    messages: list[Message]
-    tools: list[dict[str, Any]] | None
+    request: ChatRequest
+    tools: list[dict[str, Any]] | None  # those rendered and parsed
     generation: GenerationRequest
     extends: bool  # the call continues the trajectory
     mismatch: dict[str, Any] | None  # why it does not, when it is the first to break it
@@ -146,28 +147,28 @@ class AgentSession:
         logprobs = bool(request.logprobs)
         return completion_response(choices, request.model, tokenizer, logprobs, "looprl-rollout")
 
-    def _prepare(self, request: ChatCompletionRequest) -> AgentCall:
+    def _prepare(self, body: ChatCompletionRequest) -> AgentCall:
         """Validate, apply the limits and build the prompt; nothing is recorded yet."""
         if self.closed:
             raise APIError(400, "this episode is over: its agent has returned", code=LIMIT_CODE)
         if self.truncated:
             raise APIError(400, self.truncated, code=LIMIT_CODE)
-        kwargs = chat_kwargs(request, "policy", self.max_new_tokens)
-        if kwargs["stop"]:
+        request = chat_request(body, "policy", self.max_new_tokens)
+        if request.stop:
             raise APIError(
                 400,
                 "stop strings are not supported while looprl trains: the trainer needs the "
                 "sampled tokens whole; stop in your agent's code instead",
                 "stop",
             )
-        tool_choice = kwargs["tool_choice"]
+        tool_choice = request.tool_choice
         try:
-            tools = check_tools(kwargs["tools"], tool_choice)
+            tools = check_tools(request.tools, tool_choice)
         except RequestError as err:
             raise APIError(400, str(err), err.param) from None
         if self.accepted >= self.max_turns:
             self._truncate(f"the episode reached max_turns={self.max_turns} model calls")
-        messages = kwargs["messages"]
+        messages = request.messages or []
         prompt_ids, extends, mismatch = self._prompt(messages, tools)
         room = self.max_episode_tokens - len(prompt_ids)
         if room < 1:
@@ -175,18 +176,16 @@ class AgentSession:
                 f"the prompt has {len(prompt_ids)} tokens, the episode's limit is "
                 f"rollout.max_episode_tokens={self.max_episode_tokens}"
             )
-        limit = min(kwargs["max_tokens"], self.max_new_tokens, room)
+        limit = min(request.max_tokens, self.max_new_tokens, room)
         try:
             generation = generation_request(
                 prompt_ids, tools, tool_choice, self.renderer.format, limit, self.engine,
-                kwargs["response_format"],
+                request.response_format,
             )  # fmt: skip
         except RequestError as err:
             raise APIError(400, str(err), err.param) from None
         self.accepted += 1
-        return AgentCall(
-            request, messages, tools, generation, extends, mismatch, self.trajectory_calls
-        )
+        return AgentCall(request, tools, generation, extends, mismatch, self.trajectory_calls)
 
     def _truncate(self, why: str) -> None:
         self.truncated = f"{why}; looprl ends this episode as truncated"
@@ -293,7 +292,7 @@ class AgentSession:
         prompt_ids = prepared.generation.prompt_ids
         self.calls.append(
             ModelCall(
-                prepared.messages,
+                list(prepared.request.messages or []),
                 prepared.tools,
                 first.message,
                 list(prompt_ids),
@@ -326,17 +325,13 @@ class AgentSession:
 
     def _choice(self, prepared: AgentCall, completion: Completion, k: int, i: int) -> ChatChoice:
         """Choice `i` of call `k` as the agent sees it (tool call ids `call_K_J`, or
-        `call_K_I_J` for the choices after the first)."""
-        text = self.renderer.decode(completion.ids)
+        `call_K_I_J` for the choices after the first): the policy's text as sampled."""
         prefix = f"call_{k}" if i == 0 else f"call_{k}_{i}"
-        reply, reasoning = self.renderer.assistant_reply(
-            text, prepared.tools, isinstance(prepared.generation.constraint, ToolConstraint),
-            lambda j, _call: f"{prefix}_{j}",
-        )  # fmt: skip
-        finish = "tool_calls" if reply.tool_calls else completion.finish_reason
-        return ChatChoice(
-            reply, text, list(prepared.generation.prompt_ids), list(completion.ids),
-            list(completion.logprobs), finish, reasoning,
+        g = prepared.generation
+        return chat_choice(
+            self.renderer, completion, g.prompt_ids, prepared.tools, g.constraint,
+            g.max_new_tokens or self.max_new_tokens, lambda j, _call: f"{prefix}_{j}",
+            as_sampled=True,
         )  # fmt: skip
 
     def trajectory_messages(self) -> list[Message]:

@@ -78,9 +78,3 @@ def check_messages(messages: list[Message]) -> None:
                 f"messages[{i}] has role {m.role!r}; known roles: {', '.join(ROLES)}",
                 f"messages[{i}].role",
             )
-
-
-def cut_at_stop(text: str, stop: list[str]) -> str:
-    """Text up to the first stop string (which is left out, as OpenAI does)."""
-    cuts = [text.find(s) for s in stop if s in text]
-    return text[: min(cuts)] if cuts else text

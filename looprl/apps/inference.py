@@ -24,58 +24,42 @@ greedy; unconstrained even when a call is forced; see engine/hf.py).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from looprl.apps.checks import (
-    check_messages,
-    check_sampling,
-    cut_at_stop,
-    for_choice,
-    raw_prompt_ids,
-)
-from looprl.apps.replies import reply_for
+from looprl.apps.checks import check_messages, check_sampling, for_choice, raw_prompt_ids
 from looprl.chat import ChatRenderer
 from looprl.config import Config, config_from_dict, load_config
-from looprl.engine import Constraint, GenerationRequest, SamplingParams
+from looprl.engine import Completion, GenerationRequest, SamplingParams
 from looprl.engine.hf import HFEngine
 from looprl.engine.requests import check_tools, generation_request
 from looprl.errors import ChatError, ConfigError, LoopRLError, RequestError
 from looprl.forward.score import prompt_logprobs
 from looprl.loop.checkpoint import list_checkpoints, load_weights
 from looprl.loop.policy import Policy, load_policy, make_engine, pick_device, pick_dtype
-from looprl.openai.wire import ChatChoice
-from looprl.types import Message
+from looprl.openai.replies import chat_choice
+from looprl.openai.wire import ChatChoice, ChatRequest
+from looprl.types import Message, ToolCall
 
 
 @dataclass
-class ChatRequest:
-    """One validated request, rendered to prompt ids, ready for the engine."""
+class Prepared:
+    """One validated request, rendered to prompt ids, with its engine request."""
 
-    prompt_ids: list[int]
-    tools: list[dict[str, Any]] | None  # tools rendered and parsed (None for "none")
-    tool_choice: str
-    constraint: Constraint | None
-    n: int
-    max_tokens: int
+    request: ChatRequest
     variant: str
-    temperature: float
-    top_p: float
-    stop: list[str] = field(default_factory=list)
-    seed: int | None = None
-    top_logprobs: int = 0
-    on_token: Callable[[int, int, float, Any], None] | None = None
-    prompt_logprobs: bool = False
+    tools: list[dict[str, Any]] | None  # tools rendered and parsed (None for "none")
+    generation: GenerationRequest  # prompt ids, constraint, token limit: each choice's
 
     def batch_key(self) -> tuple:
         """Requests with equal keys share one engine call (per-request max_tokens and
         constraints are per-row in the engine; the rest are call-wide settings)."""
-        return (self.variant, self.temperature, self.top_p, tuple(self.stop), self.seed)
+        r = self.request
+        return (self.variant, float(r.temperature), float(r.top_p), tuple(r.stop), r.seed)
 
 
 class ChatModel:
@@ -126,11 +110,13 @@ class ChatModel:
         top_logprobs: int = 0,
         on_token: Callable[[int, int, float, Any], None] | None = None,
     ) -> list[ChatChoice]:
-        """`n` sampled replies to one conversation. `response_format`: OpenAI's
-        json_object / json_schema dict; `top_logprobs`: alternatives per token (up to
-        20); `on_token(choice, token_id, logprob, alternatives)`: streaming."""
-        request = dict(locals())
-        del request["self"]
+        """`n` sampled replies to one conversation (the fields are `ChatRequest`'s)."""
+        request = ChatRequest(
+            messages=messages, tools=tools, tool_choice=tool_choice,
+            response_format=response_format, n=n, temperature=temperature, top_p=top_p,
+            max_tokens=max_tokens, stop=list(stop or []), seed=seed,
+            top_logprobs=top_logprobs, variant=variant, on_token=on_token,
+        )  # fmt: skip
         return self.chat_many([request])[0]  # type: ignore[return-value]
 
     def complete(
@@ -149,16 +135,18 @@ class ChatModel:
         prompt_logprobs: bool = False,
     ) -> list[ChatChoice]:
         """`n` continuations of a raw prompt (text, or token ids), no chat template.
-        `prompt_logprobs`: also score the prompt's own tokens (`ChatChoice.prompt_logprobs`).
-        `chat_many` takes these keyword arguments too (a dict with "prompt")."""
-        request = dict(locals())
-        del request["self"]
+        `prompt_logprobs`: also score the prompt's own tokens (`ChatChoice.prompt_logprobs`)."""
+        request = ChatRequest(
+            prompt=prompt, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+            stop=list(stop or []), seed=seed, top_logprobs=top_logprobs, variant=variant,
+            on_token=on_token, prompt_logprobs=prompt_logprobs,
+        )  # fmt: skip
         return self.chat_many([request])[0]  # type: ignore[return-value]
 
     def chat_many(
-        self, requests: list[dict], return_exceptions: bool = False
+        self, requests: list[ChatRequest], return_exceptions: bool = False
     ) -> list[list[ChatChoice]]:
-        """Several chat() calls (kwargs dicts) batched into one engine call where their
+        """Several requests (chats, or raw prompts) batched into one engine call where their
         sampling settings and variant agree. Every request is validated and rendered
         before anything is generated. A seeded request gets an engine call of its own, so
         its samples do not depend on what else was asked at the same time.
@@ -166,7 +154,7 @@ class ChatModel:
         With `return_exceptions`, a request that fails puts its exception in its slot
         instead of failing the others (the server relies on this)."""
         with self._lock:  # rendering and grammar compiling share state with the engine
-            prepared: list[ChatRequest | Exception] = []
+            prepared: list[Prepared | Exception] = []
             for request in requests:
                 try:
                     prepared.append(self._prepare(request))
@@ -176,8 +164,8 @@ class ChatModel:
                     prepared.append(err)
             groups: dict[tuple, list[int]] = {}
             for i, item in enumerate(prepared):
-                if isinstance(item, ChatRequest):
-                    key = item.batch_key() if item.seed is None else (item.batch_key(), i)
+                if isinstance(item, Prepared):
+                    key = item.batch_key() if item.request.seed is None else (item.batch_key(), i)
                     groups.setdefault(key, []).append(i)
             results: list[Any] = list(prepared)
             for indices in groups.values():
@@ -193,40 +181,32 @@ class ChatModel:
 
     # ------------------------------------------------------------ preparing
 
-    def _prepare(self, request: dict[str, Any]) -> ChatRequest:
-        """Validate one request (chat()'s keyword arguments, or complete()'s when it has
-        a "prompt"; their defaults fill the gaps) and render its prompt."""
-        method = self.complete if "prompt" in request else self.chat
-        try:
-            bound = inspect.signature(method).bind(**request)
-        except TypeError as err:
-            raise RequestError(f"bad {method.__name__}() arguments: {err}") from None
-        bound.apply_defaults()
-        args = bound.arguments
-        n, temperature, top_p = args["n"], args["temperature"], args["top_p"]
-        max_tokens, stop, seed = args["max_tokens"], args["stop"], args["seed"]
-        variant = self.variants[0] if args["variant"] is None else args["variant"]
+    def _prepare(self, request: ChatRequest) -> Prepared:
+        """Validate one request, render its prompt and build its engine request."""
+        r = request
+        variant = self.variants[0] if r.variant is None else r.variant
         if variant not in self.variants:
             raise RequestError(
                 f"unknown variant {variant!r}; {self.name} has: {', '.join(self.variants)}",
                 "model",
             )
-        check_sampling(n, temperature, top_p, max_tokens, stop, args["top_logprobs"])
-        if "prompt" in args:
-            tools, tool_choice, constraint = None, "none", None
-            prompt_ids = raw_prompt_ids(self.tokenizer, args["prompt"])
+        check_sampling(r.n, r.temperature, r.top_p, r.max_tokens, r.stop, r.top_logprobs)
+        if r.prompt is not None:
+            tools, tool_choice, response_format = None, "none", None
+            prompt_ids = raw_prompt_ids(self.tokenizer, r.prompt)
         else:
-            check_messages(args["messages"])
-            tool_choice = args["tool_choice"]
-            tools = check_tools(args["tools"], tool_choice)
+            check_messages(r.messages)  # type: ignore[arg-type]
+            tool_choice, response_format = r.tool_choice, r.response_format
+            tools = check_tools(r.tools, tool_choice)
             try:
-                prompt_ids = self.renderer.prompt_ids(args["messages"], tools)
+                prompt_ids = self.renderer.prompt_ids(r.messages, tools)  # type: ignore[arg-type]
             except ChatError as err:
                 raise RequestError(str(err), "messages") from None
-            constraint = generation_request(
-                prompt_ids, tools, tool_choice, self.renderer.format, engine=self.engine,
-                response_format=args["response_format"],
-            ).constraint  # fmt: skip
+        generation = generation_request(
+            prompt_ids, tools, tool_choice, self.renderer.format, r.max_tokens, self.engine,
+            response_format,
+        )  # fmt: skip
+        generation.top_logprobs = r.top_logprobs
         if self.context_length is not None:
             room = self.context_length - len(prompt_ids)
             if room < 1:
@@ -235,63 +215,55 @@ class ChatModel:
                     f"most {self.context_length}; shorten the conversation",
                     "messages",
                 )
-            max_tokens = min(max_tokens, room)
-        return ChatRequest(
-            prompt_ids, tools, tool_choice, constraint, n, max_tokens, variant,
-            float(temperature), float(top_p), list(stop or []), seed,
-            args["top_logprobs"], args["on_token"], bool(args.get("prompt_logprobs")),
-        )  # fmt: skip
+            generation.max_new_tokens = min(r.max_tokens, room)
+        return Prepared(request, variant, tools, generation)
 
     # ------------------------------------------------------------ generating
 
-    def _generate(self, batch: list[ChatRequest]) -> list[list[ChatChoice]]:
-        first = batch[0]
+    def _generate(self, batch: list[Prepared]) -> list[list[ChatChoice]]:
+        first = batch[0].request
         params = SamplingParams(
-            temperature=first.temperature,
-            top_p=first.top_p,
-            max_new_tokens=max(p.max_tokens for p in batch),
+            temperature=float(first.temperature),
+            top_p=float(first.top_p),
+            max_new_tokens=max(p.generation.max_new_tokens for p in batch),  # type: ignore[type-var]
             seed=first.seed,
             stop=list(first.stop),
         )
         requests = [
-            GenerationRequest(
-                list(p.prompt_ids),
-                p.constraint,
-                p.max_tokens,
-                top_logprobs=p.top_logprobs,
-                on_token=None if p.on_token is None else for_choice(p.on_token, k),
-            )  # fmt: skip
+            replace(
+                p.generation,
+                prompt_ids=list(p.generation.prompt_ids),
+                on_token=None if p.request.on_token is None else for_choice(p.request.on_token, k),
+            )
             for p in batch
-            for k in range(p.n)
+            for k in range(p.request.n)
         ]
-        temperature = first.temperature if first.temperature > 0 else 1.0
-        with self._engine_for(first.variant) as engine:
+        temperature = float(first.temperature) if first.temperature > 0 else 1.0
+        with self._engine_for(batch[0].variant) as engine:
             completions = engine.generate(requests, params)
             scored = [
-                prompt_logprobs(engine.model, p.prompt_ids, temperature, p.top_logprobs)
-                if p.prompt_logprobs
+                prompt_logprobs(
+                    engine.model, p.generation.prompt_ids, temperature, p.request.top_logprobs
+                )
+                if p.request.prompt_logprobs
                 else None
                 for p in batch
             ]
         out: list[list[ChatChoice]] = []
         pos = 0
         for p, prompt_scores in zip(batch, scored):
-            choices = [self._choice(p, c) for c in completions[pos : pos + p.n]]
+            choices = [self._choice(p, c) for c in completions[pos : pos + p.request.n]]
             for choice in choices:
                 choice.prompt_logprobs = prompt_scores
             out.append(choices)
-            pos += p.n
+            pos += p.request.n
         return out
 
-    def _choice(self, p: ChatRequest, completion: Any) -> ChatChoice:
-        text = cut_at_stop(self.renderer.decode(completion.ids), p.stop)
-        message, reasoning, finish, error = reply_for(
-            self.renderer, text, p.tools, p.constraint, completion.finish_reason,
-            p.max_tokens, lambda j, call: call.id or f"call_{uuid.uuid4().hex[:24]}",
-        )  # fmt: skip
-        return ChatChoice(
-            message, text, list(p.prompt_ids), list(completion.ids),
-            list(completion.logprobs), finish, reasoning, error, completion.top_logprobs,
+    def _choice(self, p: Prepared, completion: Completion) -> ChatChoice:
+        g = p.generation
+        return chat_choice(
+            self.renderer, completion, g.prompt_ids, p.tools, g.constraint,
+            g.max_new_tokens or p.request.max_tokens, _call_id, p.request.stop,
         )  # fmt: skip
 
     @contextlib.contextmanager
@@ -320,6 +292,11 @@ class ChatModel:
 
 
 # ---------------------------------------------------------------- loading
+
+
+def _call_id(j: int, call: ToolCall) -> str:
+    """A served tool call's id: the one the template wrote, else a fresh `call_…`."""
+    return call.id or f"call_{uuid.uuid4().hex[:24]}"
 
 
 def load_chat_model(spec: str, checkpoint: Path | None = None, device: str = "auto") -> ChatModel:

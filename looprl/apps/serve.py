@@ -37,6 +37,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -49,7 +50,7 @@ from looprl.errors import RequestError
 from looprl.openai import responses as responses_api
 from looprl.openai.completions import (
     CompletionRequest,
-    completion_kwargs,
+    completion_requests,
     echo_text,
     legacy_logprobs,
     text_completion,
@@ -58,7 +59,8 @@ from looprl.openai.streaming import ChatStream, CompletionStream
 from looprl.openai.wire import (
     APIError,
     ChatCompletionRequest,
-    chat_kwargs,
+    ChatRequest,
+    chat_request,
     completion_response,
     error_body,
     model_list,
@@ -76,7 +78,7 @@ class Batcher:
         self.model = model
         self.window_s = window_s
         self.max_requests = max_requests
-        self._queue: queue.Queue[tuple[dict, Future] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[ChatRequest, Future] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="looprl-batcher", daemon=True)
 
     def start(self) -> None:
@@ -86,8 +88,8 @@ class Batcher:
         self._queue.put(None)
         self._thread.join(timeout=30)
 
-    def submit(self, request: dict) -> Future:
-        """Queue `ChatModel.chat` kwargs; the future holds the choices or the error."""
+    def submit(self, request: ChatRequest) -> Future:
+        """Queue a request; the future holds its choices or the error."""
         future: Future = Future()
         self._queue.put((request, future))
         return future
@@ -111,7 +113,7 @@ class Batcher:
             if stopping:
                 return
 
-    def _answer(self, batch: list[tuple[dict, Future]]) -> None:
+    def _answer(self, batch: list[tuple[ChatRequest, Future]]) -> None:
         live = [
             (request, future) for request, future in batch if future.set_running_or_notify_cancel()
         ]
@@ -208,17 +210,18 @@ def create_app(
         variant_of(model_id)
         return model_list([model_id])["data"][0]
 
-    def chat_request(body: ChatCompletionRequest) -> tuple[str, dict[str, Any]]:
-        """The variant a chat request asks for, and its `ChatModel.chat` arguments."""
+    def typed(body: ChatCompletionRequest) -> ChatRequest:
+        """The typed request of a chat body: its variant, token limit and arguments."""
         variant = variant_of(body.model)
         asked = body.max_completion_tokens or body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        return variant, chat_kwargs(body, variant, check_max_tokens(asked, param))
+        return chat_request(body, variant, check_max_tokens(asked, param))
 
     async def answer(body: ChatCompletionRequest) -> dict[str, Any]:
         """The whole `chat.completion` body for a request (the Responses route's path)."""
-        variant, kwargs = chat_request(body)
-        choices = await asyncio.wrap_future(batcher.submit(kwargs))
+        request = typed(body)
+        variant = request.variant
+        choices = await asyncio.wrap_future(batcher.submit(request))
         return completion_response(
             choices, body.model, model.tokenizer, bool(body.logprobs), f"looprl-{variant}"
         )
@@ -237,8 +240,8 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest) -> Any:
         if not body.stream:
             return await answer(body)
-        variant, kwargs = chat_request(body)
-        fingerprint = f"looprl-{variant}"
+        request = typed(body)
+        fingerprint = f"looprl-{request.variant}"
         logprobs = bool(body.logprobs)
 
         def respond(results: list[Any]) -> dict[str, Any]:
@@ -249,20 +252,20 @@ def create_app(
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": body.model,
                 "system_fingerprint": fingerprint}  # fmt: skip
-        live = not kwargs["tools"] or kwargs["tool_choice"] == "none"
+        live = not request.tools or request.tool_choice == "none"
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         writer = ChatStream(
-            head, body.n, live, logprobs, model.tokenizer, kwargs["stop"], include_usage
+            head, body.n, live, logprobs, model.tokenizer, request.stop, include_usage
         )
-        return await _stream(batcher, [kwargs], body.n, writer, respond)
+        return await _stream(batcher, [request], body.n, writer, respond)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Any:
         variant = variant_of(body.model)
         check_max_tokens(body.max_tokens)
-        requests = completion_kwargs(body, variant)
+        requests = completion_requests(body, variant)
         tokenizer = model.tokenizer
-        echoes = [echo_text(r["prompt"], tokenizer) if body.echo else "" for r in requests]
+        echoes = [echo_text(r.prompt, tokenizer) if body.echo else "" for r in requests]  # type: ignore[arg-type]
         fingerprint = f"looprl-{variant}"
         logprobs = body.logprobs is not None
 
@@ -277,7 +280,7 @@ def create_app(
                 "system_fingerprint": fingerprint}  # fmt: skip
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         choice_echoes = [echo for echo in echoes for _ in range(body.n)]
-        stops = [r["stop"] for r in requests for _ in range(body.n)]
+        stops = [r.stop for r in requests for _ in range(body.n)]
 
         def legacy(entries: list, offset: int) -> dict[str, Any]:
             return legacy_logprobs(entries, offset, tokenizer)
@@ -292,7 +295,7 @@ def create_app(
 
 async def _stream(
     batcher: Batcher,
-    requests: list[dict[str, Any]],
+    requests: list[ChatRequest],
     n: int,
     writer: ChatStream | CompletionStream,
     respond: Callable[[list[Any]], dict[str, Any]],
@@ -311,7 +314,7 @@ async def _stream(
 
     futures = []
     for i, request in enumerate(requests):
-        future = batcher.submit({**request, "on_token": on_token(i * n)})
+        future = batcher.submit(replace(request, on_token=on_token(i * n)))
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
         futures.append(future)
     first = await events.get()

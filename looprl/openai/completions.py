@@ -19,7 +19,14 @@ from typing import Any
 
 from pydantic import Field
 
-from looprl.openai.wire import APIError, ChatChoice, StreamOptions, _Strict
+from looprl.openai.wire import (
+    APIError,
+    ChatChoice,
+    ChatRequest,
+    StreamOptions,
+    _Strict,
+    stop_strings,
+)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -56,8 +63,8 @@ def prompts(request: CompletionRequest) -> list[str | list[int]]:
     return list(prompt)  # type: ignore[arg-type]
 
 
-def completion_kwargs(request: CompletionRequest, variant: str) -> list[dict[str, Any]]:
-    """`ChatModel.complete` keyword arguments, one dict per prompt."""
+def completion_requests(request: CompletionRequest, variant: str) -> list[ChatRequest]:
+    """The typed requests of this body, one per prompt."""
     unsupported = {
         "suffix": request.suffix,
         "logit_bias": request.logit_bias,
@@ -75,15 +82,14 @@ def completion_kwargs(request: CompletionRequest, variant: str) -> list[dict[str
             "echo with logprobs is not available when streaming; leave out stream",
             "stream",
         )
-    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     return [
-        dict(
+        ChatRequest(
             prompt=prompt,
             n=request.n,
             temperature=1.0 if request.temperature is None else request.temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
             max_tokens=request.max_tokens or DEFAULT_MAX_TOKENS,
-            stop=stop,
+            stop=stop_strings(request.stop),
             seed=request.seed,
             variant=variant,
             top_logprobs=request.logprobs or 0,

@@ -1,5 +1,9 @@
-"""From a completion's text to the reply a client gets: the message, its finish reason,
-and, when a forced reply could not be finished, an error instead of its broken text.
+"""From the engine's `Completion` to the reply a client gets (`ChatChoice`): the one
+reply builder of `looprl serve` and the agent proxy.
+
+`chat_choice` decodes the completion, cuts it at the request's stop strings, parses it
+into an assistant message (tool calls, `<think>` reasoning) and sets its finish reason;
+the choice keeps the exact prompt and sampled token ids and their logprobs.
 
 A forced tool call or a `response_format` JSON reply is grammar-constrained, so it
 always parses once the model has written it whole. Cut short (by `max_tokens` or a stop
@@ -7,6 +11,12 @@ string), it is a fragment of call syntax or JSON. The client then gets
 `finish_reason: "length"` (or "stop") and either what still parses (the calls, or JSON
 that satisfies the schema) or empty content with `error` saying what happened: never the
 raw template text of a half-written call.
+
+One difference, `as_sampled=True`, is the agent proxy's: a rollout's reply is the
+policy's text parsed as is, whatever it is, because the episode records what the policy
+wrote and the agent goes on from that (a cut forced call comes back with no tool calls
+rather than an `error`; the JSON of a `response_format` is not checked; the finish
+reason is "tool_calls" whenever calls parse).
 """
 
 from __future__ import annotations
@@ -18,8 +28,45 @@ from typing import Any
 import jsonschema
 
 from looprl.chat import ChatRenderer
-from looprl.engine import Constraint, JsonConstraint, ToolConstraint
+from looprl.engine import Completion, Constraint, JsonConstraint, ToolConstraint
+from looprl.openai.wire import ChatChoice
 from looprl.types import Message, ToolCall
+
+
+def chat_choice(
+    renderer: ChatRenderer,
+    completion: Completion,
+    prompt_ids: list[int],
+    tools: list[dict[str, Any]] | None,
+    constraint: Constraint | None,
+    max_tokens: int,
+    call_id: Callable[[int, ToolCall], str],
+    stop: list[str] | None = None,
+    as_sampled: bool = False,
+) -> ChatChoice:
+    """The reply for one `completion` of a request rendered to `prompt_ids` with `tools`
+    (those rendered and parsed) under `constraint`. `call_id(j, call)`: the id of the
+    reply's j-th tool call; `as_sampled`: the agent proxy's parsing (module doc)."""
+    text = cut_at_stop(renderer.decode(completion.ids), stop or [])
+    if as_sampled:
+        forced = isinstance(constraint, ToolConstraint)
+        message, reasoning = renderer.assistant_reply(text, tools, forced, call_id)
+        finish = "tool_calls" if message.tool_calls else completion.finish_reason
+        error = None
+    else:
+        message, reasoning, finish, error = reply_for(
+            renderer, text, tools, constraint, completion.finish_reason, max_tokens, call_id
+        )
+    return ChatChoice(
+        message, text, list(prompt_ids), list(completion.ids), list(completion.logprobs),
+        finish, reasoning, error, completion.top_logprobs,
+    )  # fmt: skip
+
+
+def cut_at_stop(text: str, stop: list[str]) -> str:
+    """Text up to the first stop string (which is left out, as OpenAI does)."""
+    cuts = [text.find(s) for s in stop if s in text]
+    return text[: min(cuts)] if cuts else text
 
 
 def reply_for(

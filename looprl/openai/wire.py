@@ -4,7 +4,8 @@ Used by `looprl serve` and by anything else that speaks the OpenAI API in front 
 `ChatModel` (e.g. an in-process proxy for bring-your-own agents):
 - `ChatCompletionRequest`: the request body (pydantic, strict types; unknown fields
   are ignored, as many clients send extras);
-- `to_messages`, `chat_kwargs`: request → `ChatModel.chat` keyword arguments;
+- `ChatRequest`: one request, typed, as `ChatModel` and the agent proxy take it, built
+  once from the parsed body by `chat_request` (`to_messages` converts the messages);
 - `completion_response`, `stream_events`: `ChatChoice`s → response body / SSE stream;
 - `APIError`, `error_body`: OpenAI-style errors `{"error": {message, type, param, code}}`.
 
@@ -17,7 +18,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -43,6 +45,32 @@ class ChatChoice:
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: (id, logprob)
     # completions with echo + logprobs: per prompt token (logprob, alternatives)
     prompt_logprobs: list[tuple[float | None, Any]] | None = None
+
+
+@dataclass
+class ChatRequest:
+    """One request as looprl serves it: a chat (`messages`) or a raw completion (`prompt`:
+    text or token ids, no chat template). Built once from the wire's parsed body (or by
+    `ChatModel.chat` / `complete`) and passed as is to the engine's request."""
+
+    messages: list[Message] | None = None  # the conversation (a chat request)
+    prompt: str | list[int] | None = None  # the raw prompt (a completion request)
+    tools: list[dict[str, Any]] | None = None  # OpenAI function-format tool schemas
+    tool_choice: str = "auto"  # "auto" | "none" | "required" | a tool's name
+    response_format: dict[str, Any] | None = None  # OpenAI json_object / json_schema
+    n: int = 1  # replies to sample
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256  # the most tokens of each reply
+    stop: list[str] = field(default_factory=list)  # stop strings, cut off the reply
+    seed: int | None = None  # a seeded request samples alone, independent of the batch
+    top_logprobs: int = 0  # alternatives returned per token (up to 20)
+    prompt_logprobs: bool = False  # also score the prompt's own tokens (completions)
+    variant: str | None = None  # "trained" / "baseline" of a run; None: the first
+    # streaming: told of each token as it is sampled, as (choice, token id, logprob, top)
+    on_token: Callable[[int, int, float, Any], None] | None = field(
+        default=None, compare=False, repr=False
+    )
 
 
 # ---------------------------------------------------------------- errors
@@ -193,9 +221,8 @@ def _text(content: str | list[ContentPart] | None, where: str) -> str:
     return "\n".join(texts)
 
 
-def chat_kwargs(request: ChatCompletionRequest, variant: str, max_tokens: int) -> dict[str, Any]:
-    """Keyword arguments of `ChatModel.chat` for this request (`max_tokens`: the default
-    when the request sets none)."""
+def chat_request(request: ChatCompletionRequest, variant: str, max_tokens: int) -> ChatRequest:
+    """The typed request for this body (`max_tokens`: the default when it sets none)."""
     if request.top_logprobs and not request.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     for penalty in ("presence_penalty", "frequency_penalty"):
@@ -207,21 +234,24 @@ def chat_kwargs(request: ChatCompletionRequest, variant: str, max_tokens: int) -
         tool_choice = choice.function.name
     else:
         tool_choice = choice or ("auto" if tools else "none")
-    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-    return dict(
+    return ChatRequest(
         messages=to_messages(request.messages),
         tools=tools,
         tool_choice=tool_choice,
+        response_format=request.response_format,
         n=request.n,
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
         max_tokens=request.max_completion_tokens or request.max_tokens or max_tokens,
-        stop=stop,
+        stop=stop_strings(request.stop),
         seed=request.seed,
-        variant=variant,
-        response_format=request.response_format,
         top_logprobs=request.top_logprobs or 0,
+        variant=variant,
     )
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
 
 
 def validation_error(
