@@ -58,6 +58,7 @@ def _table_row(md: str, *first_cells: str) -> list[str]:
     return [cell.strip() for cell in rows[0].strip("|").split(" | ")]
 
 
+@pytest.mark.slow  # the module's four tiny training runs
 def test_each_run_is_paired_against_the_first_on_the_same_episodes(runs, tmp_path):
     out = tmp_path / "cmp"
     result = _compare(str(runs["a"]), str(runs["b"]), "--out", str(out))
@@ -94,6 +95,7 @@ def test_each_run_is_paired_against_the_first_on_the_same_episodes(runs, tmp_pat
     )
 
 
+@pytest.mark.slow
 def test_the_config_differences_and_the_curves(runs, tmp_path):
     out = tmp_path / "cmp"
     assert _compare(str(runs["a"]), str(runs["b"]), "--out", str(out)).exit_code == 0
@@ -113,19 +115,28 @@ def test_the_config_differences_and_the_curves(runs, tmp_path):
     assert "<script" not in page and "http://" not in page and "https://" not in page
 
 
-def test_without_a_held_out_curve_there_is_no_held_out_plot(runs, tmp_path):
+@pytest.mark.slow
+def test_without_curves_or_differences_and_an_eval_only_one_run_has(runs, tmp_path):
     out = tmp_path / "cmp"
     (out / "plots").mkdir(parents=True)
     (out / "plots" / HELD_OUT_PLOT).write_bytes(b"stale")  # from an earlier comparison
-    seed_twin = tmp_path / "b2"
-    shutil.copytree(runs["b"], seed_twin)
-    assert _compare(str(runs["b"]), str(seed_twin), "--out", str(out)).exit_code == 0
+    twin = tmp_path / "b2"
+    shutil.copytree(runs["b"], twin)
+    shutil.copy(twin / "eval" / "final.json", twin / "eval" / "final_greedy.json")
+    assert _compare(str(runs["b"]), str(twin), "--out", str(out)).exit_code == 0
     md = (out / "compare.md").read_text()
+    # an eval only the second run has: its own numbers, nothing to pair with
+    greedy = "final, greedy (T = 0)"
+    assert _table_row(md, greedy, "b")[3] == "no eval/final_greedy.json"
+    assert _table_row(md, greedy, "b2")[3:] == [
+        reward_with_ci(_eval(twin, "final")), "not paired: b has no eval/final_greedy.json", "-"
+    ]  # fmt: skip
     assert not (out / "plots" / HELD_OUT_PLOT).exists() and "Held-out curves" not in md
     assert "The runs' config.yaml files hold the same values." in md
     assert "rewards differ" not in md
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("other", "reason"),
     [("seed", "a different eval seed (task seed 99 instead of 1234)"),
@@ -139,6 +150,7 @@ def test_runs_on_other_held_out_episodes_are_refused(runs, tmp_path, other, reas
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_a_folder_that_is_not_a_run_an_unfinished_run_and_one_run_are_refused(runs, tmp_path):
     out = tmp_path / "cmp"
     result = _compare(str(runs["a"]), str(tmp_path), "--out", str(out))

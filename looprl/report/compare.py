@@ -179,24 +179,26 @@ def _setting(settings: dict[str, Any], key: str) -> str:
 
 
 def paired_rows(runs: list[Run]) -> list[list[str]]:
-    """Per paired eval: the first run's mean [CI], then each other run's mean [CI] and its
-    paired difference to the first run over the same episodes."""
+    """Per paired eval that any run has: the first run's mean [CI], then each other run's
+    mean [CI] and its paired difference to the first run over the same episodes."""
     first = runs[0]
     rows = []
     for key, label in PAIRED_EVALS:
-        if key not in first.evals:
+        if not any(key in run.evals for run in runs):
             continue
-        reference = first.evals[key]
-        rows.append([label, first.name, _episodes(reference), reward_with_ci(reference),
-                     "(reference)", "-"])  # fmt: skip
-        for run in runs[1:]:
+        reference = first.evals.get(key)
+        for run in runs:
             result = run.evals.get(key)
             if result is None:
                 rows.append([label, run.name, "-", f"no eval/{key}.json", "-", "-"])
-                continue
-            paired = paired_stats(reference, result)
-            rows.append([label, run.name, _episodes(result), reward_with_ci(result),
-                         *_difference(paired)])  # fmt: skip
+            elif run is first:
+                rows.append([label, run.name, _episodes(result), reward_with_ci(result),
+                             "(reference)", "-"])  # fmt: skip
+            else:
+                paired = (paired_stats(reference, result) if reference is not None
+                          else f"{first.name} has no eval/{key}.json")  # fmt: skip
+                rows.append([label, run.name, _episodes(result), reward_with_ci(result),
+                             *_difference(paired)])  # fmt: skip
     return rows
 
 
@@ -205,8 +207,8 @@ def _episodes(result: dict) -> str:
 
 
 def _difference(paired: Paired | str) -> list[str]:
-    if isinstance(paired, str):
-        return [f"not paired: {paired}", "-"]
+    if isinstance(paired, str):  # paired_stats speaks of one run's baseline and final
+        return [f"not paired: {paired.replace('baseline and final', 'the two runs')}", "-"]
     return [f"{paired.mean:+.3f} [{paired.lo:+.3f}, {paired.hi:+.3f}]",
             f"{paired.better} / {paired.same} / {paired.worse}"]  # fmt: skip
 
