@@ -8,6 +8,12 @@ Responses API, translated to the chat path by `looprl/openai/responses.py`;
 answers to three model ids: "NAME" (the variant chosen with `--variant`, "trained" by default),
 "NAME:trained" and "NAME:baseline".
 
+A request's path: the parsed body (`ChatCompletionRequest`, or `CompletionRequest` with
+one request per prompt) → one typed `ChatRequest` (`openai/wire.py` `chat_request`) →
+`ChatModel.chat_many`, which validates and renders it and builds its engine
+`GenerationRequest` once → the engine's `Completion`s → `ChatChoice`s
+(`openai/replies.py` `chat_choice`, the builder the agent proxy uses too) → the body.
+
 Batching: one worker thread owns the model. It takes the first waiting request, keeps
 collecting the ones that arrive within `batch_window_s` (and all that queued up while
 the engine was busy), and answers them with one `ChatModel.chat_many` call, which
