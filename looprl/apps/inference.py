@@ -1,5 +1,6 @@
-"""Chat inference on a model or a run: the layer under `looprl serve`, `looprl play`
-and the bring-your-own-agent proxy.
+"""Chat inference on a model or a run: the layer under `looprl serve` and `looprl play`.
+A request is one typed `ChatRequest` (openai/wire.py); `chat()` and `complete()` build
+it from their arguments, `chat_many` takes it as the server built it.
 
 `load_chat_model(spec)` takes a model (alias, hub id, local folder, `gguf:PATH`) or a run
 folder. A run is served as two *variants* of one model: "trained" (the base model plus
