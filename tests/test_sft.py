@@ -56,6 +56,8 @@ def test_sft_teaches_a_free_form_tool_call(tmp_path):
     assert losses[-1] < losses[0] / 2
     report = (run / "report.md").read_text()
     assert "| metric | before | after SFT | after |" in report
+    # the before/after plot has the after-SFT bar between them
+    assert "![Held-out reward before, after SFT and after, and the paired difference]" in report
     starts = [line for line in shown.getvalue().splitlines() if line.startswith("▶ ")]
     assert starts == [
         "▶ load model",

@@ -20,7 +20,7 @@ elsewhere (slow I/O) holds a batch back at most `BATCH_WAIT_S`. A sync agent's t
 that waits for its reply counts as waiting; every sync agent has its own thread (no pool),
 so all of them can wait at once. Generation runs on the loop's thread (the tokenizer is
 shared with rendering), so async agents pause meanwhile.
-Batch k samples with seed `params.seed + 7919 * k`, as run_episodes seeds turn k: agents
+Batch k samples with seed `turn_seed(params.seed, k)`, as run_episodes seeds turn k: agents
 that call in lock-step get the very tokens the built-in rollout would give them.
 
 Errors. An agent that raises (an openai error it does not handle included), returns
@@ -51,6 +51,7 @@ from typing import Any
 
 from looprl.chat import ChatRenderer
 from looprl.engine import Completion, GenerationRequest, RolloutEngine, SamplingParams
+from looprl.seeds import turn_seed
 from looprl.types import ENV_ERROR, TRUNCATED, Episode, Task, Turn
 
 BATCH_WAIT_S = 0.25  # longest a batch waits for an agent that is neither calling nor done
@@ -140,7 +141,7 @@ class _Batcher:
         batch = sorted(self.pending, key=lambda p: p.episode)  # the order run_episodes uses
         self.pending = []
         seed = self.params.seed
-        params = replace(self.params, seed=None if seed is None else seed + 7919 * self.batches)
+        params = replace(self.params, seed=turn_seed(seed, self.batches))
         self.batches += 1
         for p in batch:  # an agent may call again: keep its KV for that call (see _play)
             p.request.keep_kv = True

@@ -97,7 +97,7 @@ def make_env(name: str, args: dict[str, Any] | None = None) -> Any:
 
 def _import_class(spec: str) -> type:
     cls = import_attribute(spec, "environment")
-    # An agent environment (looprl.openai.agents) has `run_agent` instead of `reset` and `step`.
+    # An agent environment (looprl.agents) has `run_agent` instead of `reset` and `step`.
     needed = ("tasks", "run_agent") if hasattr(cls, "run_agent") else ("tasks", "reset", "step")
     missing = [m for m in needed if not callable(getattr(cls, m, None))]
     if missing:

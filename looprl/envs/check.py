@@ -297,7 +297,7 @@ def check_env(
         )
     )
 
-    if callable(getattr(env, "run_agent", None)):  # an agent env (looprl.openai.agents)
+    if callable(getattr(env, "run_agent", None)):  # an agent env (looprl.agents)
         detail = "run_agent needs a model: play it with `looprl eval` or `looprl run`"
         return CheckReport(name, [*checks, Check("agent env: tasks only", True, detail)], {})
 

@@ -1,8 +1,8 @@
 """Evaluation on fixed held-out tasks: the same tasks, seeds and sampling before and
 after training, so the before/after comparison is paired. Also what training and
-`looprl eval` share: loading the model as a phase, and `player`, which plays episodes
-with a policy (built-in envs through loop/rollout.py, agent envs through
-looprl/openai/agents.py)."""
+`looprl eval` share: `HeldOut`, a run's held-out evals, and `player`, which plays
+episodes with a policy (built-in envs through loop/rollout.py, agent envs through
+looprl/agents/runner.py)."""
 
 from __future__ import annotations
 
@@ -321,7 +321,7 @@ class Player(Protocol):
 def player(cfg: Config, policy: Policy, probe: Any) -> Player:
     """`play(tasks, params=..., first_index=0) -> episodes` with this policy, in fresh env
     instances (agent environments, which have `run_agent`, are played by
-    looprl.openai.agents); `first_index` is the first episode's index in the whole batch
+    looprl.agents); `first_index` is the first episode's index in the whole batch
     when this process plays a share of it (loop/dist.py)."""
     from looprl.agents import is_agent_env, run_agents
 

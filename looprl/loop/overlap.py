@@ -41,7 +41,7 @@ from looprl.errors import ConfigError, EngineError
 from looprl.loop.dist import Dist
 from looprl.loop.evaluate import player
 from looprl.loop.groups import StepGroups, play_step
-from looprl.loop.policy import Policy, policy_rescorer
+from looprl.loop.policy import Policy, make_engine, policy_rescorer
 from looprl.types import Episode, Task
 
 History = dict[str, list[list[float]]]
@@ -199,13 +199,5 @@ def replica_of(cfg: Config, policy: Policy) -> Policy:
             rescore = policy_rescorer(replica, cfg.train.micro_batch_tokens)
         replica.engine = policy.engine.replica(model, rescore)
         return replica
-    from looprl.engine.hf import HFEngine  # TODO(factory)
-
-    engine = HFEngine(
-        model, policy.tokenizer, policy.renderer.eos_ids, batch_size=cfg.rollout.batch_size,
-        jump_forward=cfg.rollout.jump_forward,
-        sampler_dtype=None if cfg.rollout.sampler_dtype == "model" else cfg.rollout.sampler_dtype,
-        cascade_attention=cfg.model.cascade_attention,
-        weight_first_linear=cfg.model.weight_first_linear,
-    )  # fmt: skip
+    engine = make_engine(cfg, model, policy.tokenizer, policy.renderer)
     return Policy(model, policy.tokenizer, policy.renderer, engine, policy.device)

@@ -28,6 +28,7 @@ from looprl.algo import (
 )
 from looprl.config import AlgoConfig, TrainConfig
 from looprl.errors import LoopRLError
+from looprl.forward import score
 from looprl.forward.routing import RouterLoad, router_metrics
 from looprl.forward.score import prompt_length, sequence_logprobs
 from looprl.loop.dist import Dist
@@ -316,35 +317,19 @@ def minibatches(
 
 def scored_chunks(samples: list[Scored], token_budget: int) -> list[list[Scored]]:
     """`micro_batches` of the samples' episodes, as samples."""
-    chunks: list[list[Scored]] = []
-    at = 0
-    for chunk in micro_batches([s.episode for s in samples], token_budget):
-        chunks.append(samples[at : at + len(chunk)])
-        at += len(chunk)
-    return chunks
+    split = episode_micro_batches([s.episode for s in samples], token_budget)
+    return [[samples[i] for i in chunk] for chunk in split]
 
 
 def micro_batches(episodes: list[Episode], token_budget: int) -> list[list[Episode]]:
-    """Greedy split, in order, so that the tokens one forward pass processes stay within
-    the budget: each distinct prompt once plus (rows × longest suffix). A forward pass
-    scores at one temperature: episodes scored at another start a new micro-batch (greedy
-    ones are scored at 1, as those sampled at 1)."""
-    chunks: list[list[Episode]] = []
-    current: list[Episode] = []
+    """Episodes split for one forward pass each (forward/score.py `micro_batches`):
+    in order, under the token budget, one scoring temperature a micro-batch (greedy
+    episodes are scored at 1, as those sampled at 1)."""
+    return [[episodes[i] for i in chunk] for chunk in episode_micro_batches(episodes, token_budget)]
 
-    def cost(chunk: list[Episode]) -> int:
-        prompts = {tuple(e.token_ids[: prompt_length(e.loss_mask)]) for e in chunk}
-        suffix = max(len(e.token_ids) - prompt_length(e.loss_mask) for e in chunk)
-        return sum(len(p) for p in prompts) + len(chunk) * suffix
 
-    for episode in episodes:
-        if current and (
-            scoring_temperature(episode.temperature) != scoring_temperature(current[0].temperature)
-            or cost(current + [episode]) > token_budget
-        ):
-            chunks.append(current)
-            current = []
-        current.append(episode)
-    if current:
-        chunks.append(current)
-    return chunks
+def episode_micro_batches(episodes: list[Episode], token_budget: int) -> list[list[int]]:
+    return score.micro_batches(
+        [e.token_ids for e in episodes], [prompt_length(e.loss_mask) for e in episodes],
+        [scoring_temperature(e.temperature) for e in episodes], token_budget,
+    )  # fmt: skip

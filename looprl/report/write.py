@@ -184,8 +184,10 @@ def write_report(
             after,
             None if isinstance(paired, str) else (paired.mean, paired.lo, paired.hi),
             plots / "before_after.png",
+            after_sft=None if mid is None else mean_ci(mid),
         )
-        blocks.append(("img", png, "Held-out reward before and after, and the paired difference"))
+        caption = "Held-out reward before" + (", after SFT" if mid is not None else "")
+        blocks.append(("img", png, f"{caption} and after, and the paired difference"))
     solved = tuple(baseline.get("solved_outcomes") or ())
     outcomes_png = plot_outcomes(sides, plots / "outcomes.png", solved)
     blocks.append(("img", outcomes_png, "Outcome shares"))
