@@ -142,14 +142,14 @@ def merge(parts: list[Part], keep: list[torch.Tensor], room: int) -> Part:
     chosen = [(part, part.cache_rows[rows]) for part, rows in zip(parts, keep) if len(rows)]
     prefixes = {p.prefix.tokens if p.prefix is not None else None for p, _ in chosen}
     shared = chosen[0][0].prefix if len(prefixes) == 1 else None
-    inline = {}  # prefix columns copied into each part's rows
+    inline = []  # prefix columns copied into each chosen part's rows
     for part, _ in chosen:
-        inline[id(part)] = 0
+        inline.append(0)
         if shared is None and part.prefix is not None:
             if len(part.prefix.levels) != 1:
                 raise ValueError("only single-level prefixes can be copied into rows")
-            inline[id(part)] = part.prefix.levels[0].width
-    width = max(part.width + inline[id(part)] for part, _ in chosen)
+            inline[-1] = part.prefix.levels[0].width
+    width = max(part.width + extra for (part, _), extra in zip(chosen, inline))
     total = sum(len(source) for _, source in chosen)
     first = chosen[0][0]
     device = first.attention_CL.device
@@ -159,11 +159,11 @@ def merge(parts: list[Part], keep: list[torch.Tensor], room: int) -> Part:
     if all(part.logits_CV is not None for part, _ in chosen):
         logits = torch.cat([part.logits_CV[source] for part, source in chosen])
     start = 0
-    for part, source in chosen:
+    for (part, source), extra in zip(chosen, inline):
         end = start + len(source)
         own = part.attention_CL[source, : part.width]
         attention[start:end, width - part.width : width] = own
-        attention[start:end, width - part.width - inline[id(part)] : width - part.width] = 1
+        attention[start:end, width - part.width - extra : width - part.width] = 1
         start = end
     layers = []
     for index, layer in enumerate(first.cache.layers):
@@ -171,21 +171,22 @@ def merge(parts: list[Part], keep: list[torch.Tensor], room: int) -> Part:
         keys = torch.zeros((total, heads, width + room, dim), dtype=layer.keys.dtype, device=device)
         values = torch.zeros_like(keys)
         start = 0
-        for part, source in chosen:
+        for (part, source), extra in zip(chosen, inline):
             src = part.cache.layers[index]
             columns = slice(width - part.width, width)
-            before = slice(width - part.width - inline[id(part)], width - part.width)
+            before = slice(width - part.width - extra, width - part.width)
             for n, row in enumerate(source.tolist()):  # row by row: no gathered temporary
                 keys[start + n, :, columns] = src.keys[row, :, : part.width]
                 values[start + n, :, columns] = src.values[row, :, : part.width]
-                if inline[id(part)]:
+                if extra:
                     level = part.prefix.levels[0]  # type: ignore[union-attr]
                     keys[start + n, :, before] = level.keys[index][0]
                     values[start + n, :, before] = level.values[index][0]
             start += len(source)
         layers.append(BufferLayer(keys, values, width))
-        for part in {id(p): p for p, _ in chosen}.values():
-            _release(part.cache.layers[index])
+        for j, (part, _) in enumerate(chosen):
+            if not any(part is other for other, _ in chosen[:j]):  # each part once
+                _release(part.cache.layers[index])
     cache = DynamicCache()
     cache.layers = layers
     index_C = torch.arange(total, device=device)
