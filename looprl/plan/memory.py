@@ -180,7 +180,7 @@ def activation_width(cfg: Config, shape: ModelShape) -> float:
 
 
 def update_phase(cfg: Config, shape: ModelShape, work: Workload, device: Device) -> Phase:
-    """One micro-batch's forward and backward (loop/update.py, loop/policy.py): the
+    """One micro-batch's forward and backward (loop/update.py, forward/score.py): the
     gradients of the trainable parameters, the activations autograd saves, the output
     projection's chunks and the backward pass's own temporaries."""
     b = DTYPE_BYTES[dtype_name(cfg, device)]
