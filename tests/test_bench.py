@@ -51,6 +51,7 @@ AWAITING_EXPORT: set[tuple[str, str]] = {
     ("looprl.forward.score", "prompt_length"),
     ("looprl.forward.score", "sequence_logprobs"),
     ("looprl.loop.evaluate", "player"),
+    ("looprl.loop.groups", "Group"),
     ("looprl.loop.optim", "make_optimizer"),
     ("looprl.loop.policy", "add_lora"),
     ("looprl.loop.policy", "load_policy"),

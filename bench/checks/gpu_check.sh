@@ -102,3 +102,8 @@ for name in ("vllm-lora", "vllm-full"):
     assert gap < 5e-2, "vLLM's and the trainer's logprobs disagree: did the weights reach it?"
 PY
 .venv/bin/python bench/speed/rollout.py --device cuda --batches 32 --repeats 2 --vllm on
+
+# Overlapped rollouts on the GPU: the vLLM server samples the next steps while the trainer
+# steps (rollout.max_staleness 0, 1, 2 side by side; docs/training.md#overlapped-rollouts).
+.venv/bin/python bench/speed/async.py --engine vllm --steps 8 --out "$out/async" \
+  --set model.device=cuda

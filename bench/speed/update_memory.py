@@ -39,6 +39,7 @@ from typing import Any
 
 from looprl.config import load_config
 from looprl.envs import make_env
+from looprl.loop.groups import Group
 from looprl.loop.optim import make_optimizer
 from looprl.loop.policy import load_policy
 from looprl.loop.update import UpdateState, update_policy
@@ -80,20 +81,24 @@ def label_forward_passes(model: Any, trim: bool) -> None:
     model.register_forward_hook(after)
 
 
-def episodes(cfg: Any, policy: Any, response: int) -> list[tuple[Episode, float]]:
+def episodes(cfg: Any, policy: Any, response: int) -> list[Group]:
+    """One group a task, every member learning (advantages ±1)."""
     env = make_env(cfg.env.name, cfg.env.args)
     rng = random.Random(0)
-    batch = []
+    groups = []
     for task in env.tasks("train", n=cfg.rollout.tasks_per_step, seed=0):
         obs = env.reset(task)
         ids = policy.renderer.prompt_ids(obs.messages, obs.tools)
+        group = Group(task, [])
         for g in range(cfg.rollout.group_size):
             generated = [rng.randrange(100, len(policy.tokenizer) - 1) for _ in range(response)]
             episode = Episode(task=task, messages=[], token_ids=ids + generated,
                               loss_mask=[0] * len(ids) + [1] * response,
                               logprobs=[0.0] * len(ids) + [-1.0] * response)  # fmt: skip
-            batch.append((episode, 1.0 if g % 2 else -1.0))
-    return batch
+            group.episodes.append(episode)
+            group.advantages.append(1.0 if g % 2 else -1.0)
+        groups.append(group)
+    return groups
 
 
 def live_peak_gb(trace: Path) -> float:
@@ -144,7 +149,8 @@ def main() -> None:
     after = rss_gb()
     peaks = state["peak"]
     top = max(peaks.get(k, 0.0) for k in ("update", "forward"))
-    print(f"{len(batch)} episodes; resident before the update {before:.3f} GB, after {after:.3f}")
+    count = sum(len(g.episodes) for g in batch)
+    print(f"{count} episodes; resident before the update {before:.3f} GB, after {after:.3f}")
     print(
         "peak resident set by phase (GB): " + json.dumps({k: round(v, 3) for k, v in peaks.items()})
     )

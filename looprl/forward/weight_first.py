@@ -6,7 +6,7 @@ right operand of x @ W^T. For a few rows, the MKL in PyTorch's CPU wheel runs th
 markedly slower on this project's 2-core AMD EPYC than the same product with the weight
 on the left, W @ x^T, whose result is read back transposed: the same dot products, a
 different loop order. With SmolLM2-135M's own weights, one decode step's products took
-1.15-1.6x less time that way at 8-64 rows (`bench/rollout.py` prints both), and the
+1.15-1.6x less time that way at 8-64 rows (`bench/speed/rollout.py` prints both), and the
 engine decoded 1.15-1.2x more tokens/s with them at batch 8; from batch 32 on the gain
 (0.99-1.15x) is within the run-to-run noise of that machine.
 

@@ -5,7 +5,7 @@ Three phases reach a peak: the held-out eval and the training rollouts (the engi
 KV cache and its logits) and the update (gradients and saved activations of one
 micro-batch). The weights, the framework, the adapters and, from the first optimizer
 step on, the optimizer state are there in every phase; the peak is the largest phase.
-Each figure names the code it follows; `bench/plan_accuracy.py` checks the sum against
+Each figure names the code it follows; `bench/checks/plan_accuracy.py` checks the sum against
 the peak resident set of real runs.
 """
 
@@ -27,7 +27,7 @@ from looprl.plan.workload import Workload
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # What a looprl process holds before its model: Python, torch, transformers, the
 # tokenizer, xgrammar's vocabulary tables; and peft's import with LoRA. Measured on the
-# CPU with `bench/plan_accuracy.py --baseline` (framework_cpu_gb, lora_library_gb).
+# CPU with `bench/checks/plan_accuracy.py --baseline` (framework_cpu_gb, lora_library_gb).
 FRAMEWORK_CPU = 0.59e9
 LORA_LIBRARY = 0.058e9
 # Not measured here (no GPU at hand): a CUDA context with cuBLAS's workspaces on the
@@ -225,7 +225,7 @@ def heap_retention(saved: float, temporaries: float, refill: float) -> float:
     after the rollouts and the update. The old-logprob pass and each micro-batch before
     the last leave freed blocks; the next micro-batch reuses them only where its blocks
     fit the holes, so the resident set grows past the live tensors. Measured with
-    `bench/update_memory.py` (SmolLM2-135M, LoRA, 850-token micro-batches): torch's live
+    `bench/speed/update_memory.py` (SmolLM2-135M, LoRA, 850-token micro-batches): torch's live
     tensor bytes peak at 1.32 GB, what `update_phase` counts without this term; the
     resident set over what stays after the update peaks at 1.60 GB after one micro-batch
     (1.41 GB with glibc's mmap threshold fixed at 128 KiB) and 2.01 GB after seven
@@ -236,7 +236,7 @@ def heap_retention(saved: float, temporaries: float, refill: float) -> float:
     (allocated at the first optimizer step, once the first update's activations are
     freed) are per-parameter tensors that land in those holes. With LoRA they are small
     and the holes stay; with full fine-tuning they are larger than the holes, which are
-    then all refilled. This is the model `bench/plan_accuracy.py` checks against the
+    then all refilled. This is the model `bench/checks/plan_accuracy.py` checks against the
     peak resident set of two-step runs (SmolLM2-135M LoRA: 0.74 GB of excess measured,
     1.04 GB counted; full fine-tuning with AdamW: 0.17 GB measured, none counted; with
     8-bit AdamW, whose state is a quarter of AdamW's: 0.56 GB measured, 0.40 GB

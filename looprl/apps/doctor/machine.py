@@ -355,7 +355,7 @@ def check_trl() -> Check:
     return check_module(
         "TRL",
         "trl",
-        "bench/step.py times a step against TRL's GRPOTrainer",
+        "bench/speed/step.py times a step against TRL's GRPOTrainer",
         fix="pip install 'looprl[bench]' (with torch pinned)",
         required=False,
     )
