@@ -11,6 +11,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,37 +63,28 @@ def save_checkpoint(
     for stale in root.glob(".tmp-*"):  # left by a writer that was killed mid-write
         shutil.rmtree(stale, ignore_errors=True)
     final = root / f"{PREFIX}{step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
-    try:
-        save_file(trainable_state(model), str(tmp / "trainable.safetensors"))
-        torch.save(
-            {
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "rng": rng_state(),
-            },
-            tmp / "state.pt",
-        )
-        (tmp / "meta.json").write_text(json.dumps({"step": step, **extra}, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+             "rng": rng_state()}  # fmt: skip
+    save_weights(final, model, {"step": step, **extra},
+                 also=lambda folder: torch.save(state, folder / "state.pt"))  # fmt: skip
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def save_weights(folder: Path, model: Any, meta: dict[str, Any]) -> Path:
-    """The model's trainable weights and `meta` alone (no optimizer state: not resumable,
-    but loadable wherever a checkpoint is: eval, chat, serve, export), written whole or not
-    at all over what `folder` held."""
+def save_weights(
+    folder: Path, model: Any, meta: dict[str, Any], also: Callable[[Path], None] | None = None
+) -> Path:
+    """The model's trainable weights and `meta` (and what `also` writes beside them: a
+    checkpoint's optimizer state), written into a temporary folder renamed to `folder`:
+    whole or not at all over what `folder` held. Weights alone are not resumable, but
+    load wherever a checkpoint does (eval, chat, serve, export)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
     try:
         save_file(trainable_state(model), str(tmp / "trainable.safetensors"))
+        if also is not None:
+            also(tmp)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         if folder.exists():
             shutil.rmtree(folder)

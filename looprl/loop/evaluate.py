@@ -374,4 +374,3 @@ def run_eval(
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
     return result
-
