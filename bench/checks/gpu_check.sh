@@ -2,23 +2,35 @@
 # Short GPU check (for a machine with one CUDA device): the bf16 policy, engine and
 # trainer paths on the GPU, end to end, in a few minutes. Not part of `make test`.
 #   bash bench/checks/gpu_check.sh
+# On a machine without a package index (an air-gapped GPU node): PYTHON=python3 uses that
+# interpreter's torch and the packages beside it instead of `make setup`'s .venv (looprl
+# importable from this checkout), and VLLM=0 leaves out the vLLM steps, running the
+# overlapped-rollouts benchmark on the hf engine instead.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-make setup >/dev/null
-.venv/bin/python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(0))"
-out=$(mktemp -d)
+VLLM=${VLLM:-1}
+if [ -n "${PYTHON:-}" ]; then
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  py=("$PYTHON"); looprl=("$PYTHON" -m looprl); torchrun=("$PYTHON" -m torch.distributed.run)
+else
+  make setup >/dev/null
+  py=(.venv/bin/python); looprl=(.venv/bin/looprl); torchrun=(.venv/bin/torchrun)
+fi
+"${py[@]}" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(0))"
+out=${GPU_CHECK_OUT:-$(mktemp -d)}  # GPU_CHECK_OUT keeps the run folders where you say
+mkdir -p "$out"
 # tiny model, bf16 on cuda (dtype auto), 3 steps: the run folder contract must hold
-.venv/bin/looprl run --set model.name=tiny-random --set model.device=cuda --set train.steps=3 \
+"${looprl[@]}" run --set model.name=tiny-random --set model.device=cuda --set train.steps=3 \
   --set rollout.tasks_per_step=4 --set eval.tasks=8 --out "$out/tiny" --force
 # one GPU through torchrun (NCCL, one rank): the multi-process path end to end
-.venv/bin/torchrun --nproc_per_node 1 -m looprl run --set model.name=tiny-random \
+"${torchrun[@]}" --nproc_per_node 1 -m looprl run --set model.name=tiny-random \
   --set model.device=cuda --set train.steps=2 --set rollout.tasks_per_step=4 \
   --set eval.tasks=8 --out "$out/torchrun" --force
 test -s "$out/torchrun/metrics.jsonl" && echo "RESULT torchrun_1gpu=ok"
 # the default model on the GPU for 3 steps: logprob parity between engine and trainer
-.venv/bin/looprl run --set model.device=cuda --set train.steps=3 --set eval.tasks=16 \
+"${looprl[@]}" run --set model.device=cuda --set train.steps=3 --set eval.tasks=16 \
   --out "$out/smollm2" --force
-.venv/bin/python - "$out" <<'PY'
+"${py[@]}" - "$out" <<'PY'
 import json, sys
 for name in ("tiny", "smollm2"):
     rows = [json.loads(l) for l in open(f"{sys.argv[1]}/{name}/metrics.jsonl")]
@@ -30,7 +42,7 @@ PY
 # cascade attention on the GPU: the trainer's logprobs with and without it (float32:
 # equal; bfloat16: no further from the float32 reference than plain SDPA's), and with
 # its suffixes packed and padded
-.venv/bin/python - <<'PY'
+"${py[@]}" - <<'PY'
 import torch
 from looprl.chat import ChatRenderer
 from looprl.engine import GenerationRequest, SamplingParams
@@ -81,19 +93,22 @@ PY
 # rollout throughput on the GPU: the exact float32 engine against `generate`, batch 32
 # (the 5x target of bench/speed/rollout.py, measured where the CPU's matrix products are not
 # the limit)
-.venv/bin/python bench/speed/rollout.py --device cuda --batches 32 --repeats 2
+"${py[@]}" bench/speed/rollout.py --device cuda --batches 32 --repeats 2
 # the vllm engine on CUDA (make setup-vllm installs the CUDA `vllm` where nvidia-smi is
 # found): 3 steps with LoRA and 3 with full fine-tuning, each pushing its weights to the
 # server after every update; bf16 on both sides, so the gap is bf16's, not zero. Then
 # its column in the rollout benchmark.
+if [ "$VLLM" = 0 ]; then
+  echo "vLLM steps left out (VLLM=0)"
+else
 make setup-vllm >/dev/null
 for mode in lora full; do
   lora=true; [ "$mode" = full ] && lora=false
-  .venv/bin/looprl run --set model.device=cuda --set rollout.engine=vllm \
+  "${looprl[@]}" run --set model.device=cuda --set rollout.engine=vllm \
     --set rollout.vllm_kv_cache_gb=8 --set model.lora.enabled=$lora --set train.steps=3 \
     --set eval.tasks=16 --set algo.tis_cap=2.0 --out "$out/vllm-$mode" --force
 done
-.venv/bin/python - "$out" <<'PY'
+"${py[@]}" - "$out" <<'PY'
 import json, sys
 for name in ("vllm-lora", "vllm-full"):
     rows = [json.loads(l) for l in open(f"{sys.argv[1]}/{name}/metrics.jsonl")]
@@ -101,9 +116,11 @@ for name in ("vllm-lora", "vllm-full"):
     print(f"RESULT run={name} logprob_gap_max={gap:.2e}")
     assert gap < 5e-2, "vLLM's and the trainer's logprobs disagree: did the weights reach it?"
 PY
-.venv/bin/python bench/speed/rollout.py --device cuda --batches 32 --repeats 2 --vllm on
+"${py[@]}" bench/speed/rollout.py --device cuda --batches 32 --repeats 2 --vllm on
+fi
 
 # Overlapped rollouts on the GPU: the vLLM server samples the next steps while the trainer
 # steps (rollout.max_staleness 0, 1, 2 side by side; docs/training.md#overlapped-rollouts).
-.venv/bin/python bench/speed/async.py --engine vllm --steps 8 --out "$out/async" \
+engine=vllm; [ "$VLLM" = 0 ] && engine=hf
+"${py[@]}" bench/speed/async.py --engine $engine --steps 8 --out "$out/async" \
   --set model.device=cuda
