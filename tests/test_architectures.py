@@ -180,6 +180,20 @@ def test_export_merges_lora_losslessly(arch, tokenizer, tmp_path):
         torch.testing.assert_close(loaded(ids).logits, want, rtol=1e-4, atol=1e-4)
 
 
+def test_a_loaded_model_never_swaps_in_hub_kernels(tokenizer, tmp_path):
+    """A model loaded from a folder (or the hub) is not kernelized: with `kernels`
+    installed, transformers would otherwise fetch hub kernels on each train/eval switch
+    on a GPU (an offline GPU machine failed right there) and run other layers in the
+    engine than in the trainer."""
+    from looprl.model.load import load_causal_lm
+
+    save_tiny("llama", tmp_path / "tiny")
+    model = load_causal_lm(str(tmp_path / "tiny"), torch.float32)
+    model.train()
+    model.eval()
+    assert model.use_kernels is False and model.kernels_mode is None
+
+
 def test_fast_paths_per_architecture(tokenizer):
     """Every tiny architecture is in the matrix; one outside it gets the generic path and
     a one-line notice saying so."""
