@@ -18,13 +18,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from looprl.engine.json_schema import safe_lengths
+from looprl.engine.json_schema import relocated, safe_lengths
 from looprl.errors import ChatError
 
 # parameters keywords the grammar honours; any other (anyOf at the top, patternProperties,
 # ...) could let through a call that the schema rejects, so such a tool is refused
 _OBJECT_KEYS = {"type", "properties", "required", "additionalProperties", "description",
                 "title", "$defs", "definitions", "$schema", "strict"}  # fmt: skip
+# where a JSON value's document keeps the tool's parameters, for the references into them
+_PARAMETERS = "/$defs/looprl_parameters"
 
 
 def _literal(text: str) -> Any:
@@ -60,20 +62,23 @@ def _text_value(prop: dict[str, Any]) -> Any:
     return xgr.Grammar.from_ebnf("root ::= [^<]*")
 
 
-def _json_value(prop: dict[str, Any], defs: dict[str, Any]) -> Any:
-    """One compact JSON value of a non-string property (its `$ref`s resolve against the
-    tool's own `$defs`)."""
+def _json_value(prop: dict[str, Any], params: dict[str, Any]) -> Any:
+    """One compact JSON value of a non-string property. Its `$ref`s point into the tool's
+    parameters (`#/$defs/...`, `#`): the value's document holds them under `$defs`, with
+    every reference relocated there (`json_schema.relocated`)."""
     import xgrammar as xgr
 
-    schema = {**safe_lengths(prop), **safe_lengths(defs)}
+    own = relocated(safe_lengths(prop), _PARAMETERS)
+    inner = relocated(safe_lengths(params), _PARAMETERS)
+    schema = {**own, "$defs": {**own.get("$defs", {}), _PARAMETERS.rsplit("/", 1)[1]: inner}}
     return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
 
 
-def _argument(key: str, prop: Any, defs: dict[str, Any]) -> Any:
+def _argument(key: str, prop: Any, params: dict[str, Any]) -> Any:
     import xgrammar as xgr
 
     prop = prop if isinstance(prop, dict) else {}
-    value = _text_value(prop) if _is_text(prop) else _json_value(prop, defs)
+    value = _text_value(prop) if _is_text(prop) else _json_value(prop, params)
     return xgr.Grammar.concat(
         _literal(f"<arg_key>{key}</arg_key>\n<arg_value>"), value, _literal("</arg_value>\n")
     )
@@ -92,10 +97,9 @@ def _one_tool(fn: dict[str, Any]) -> Any:
             "forced; use tool_choice=auto or simplify the schema"
         )
     required = set(params.get("required") or ())
-    defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
     parts = [_literal(f"<tool_call>{name}\n")]
     for key, prop in (params.get("properties") or {}).items():
-        argument = _argument(key, prop, defs)
+        argument = _argument(key, prop, params)
         parts.append(argument if key in required else xgr.Grammar.union(argument, _literal("")))
     parts.append(_literal("</tool_call>"))
     return xgr.Grammar.concat(*parts)

@@ -30,7 +30,7 @@ import numpy as np
 
 from looprl.engine import Constraint, JsonConstraint, Thinking, ToolConstraint
 from looprl.engine.glm_grammar import glm_call_grammar
-from looprl.engine.json_schema import safe_lengths
+from looprl.engine.json_schema import relocated, safe_lengths
 from looprl.errors import ChatError
 
 # What opens a call in each syntax: plain thinking text may not hold its first character
@@ -44,25 +44,26 @@ def _function(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def call_schema(constraint: ToolConstraint, args_key: str = "arguments") -> dict[str, Any]:
-    """JSON schema of one call object {"name": ..., args_key: {...}} of an allowed tool."""
+    """JSON schema of one call object {"name": ..., args_key: {...}} of an allowed tool.
+    Each tool's parameters are relocated (`json_schema.relocated`) to where they sit in
+    the call object, so that their `$ref`s (`#/$defs/...`, `#`) still resolve."""
+    functions = _allowed(constraint)
     options = []
-    for tool in constraint.tools:
-        fn = _function(tool)
-        if constraint.tool_choice not in ("required", fn["name"]):
-            continue
+    for i, fn in enumerate(functions):
+        at = (
+            f"/properties/{args_key}"
+            if len(functions) == 1
+            else f"/anyOf/{i}/properties/{args_key}"
+        )
+        parameters = safe_lengths(fn.get("parameters") or {"type": "object"})
         options.append(
             {
                 "type": "object",
-                "properties": {
-                    "name": {"const": fn["name"]},
-                    args_key: safe_lengths(fn.get("parameters") or {"type": "object"}),
-                },
+                "properties": {"name": {"const": fn["name"]}, args_key: relocated(parameters, at)},
                 "required": ["name", args_key],
                 "additionalProperties": False,
             }
         )
-    if not options:
-        raise ChatError(f"tool_choice {constraint.tool_choice!r} names no tool in the schemas")
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 

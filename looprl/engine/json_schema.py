@@ -108,3 +108,31 @@ def safe_lengths(schema: Any) -> Any:
         upper = "" if high is None else str(int(high))
         out["pattern"] = '^[^\\x00-\\x1f"\\\\]{' + f"{low},{upper}" + "}$"
     return out
+
+
+# keywords whose values are data, not subschemas: a `$ref` key inside them is not a reference
+_DATA = frozenset({"const", "enum", "default", "examples"})
+
+
+def relocated(schema: Any, pointer: str) -> Any:
+    """`schema` as it must read once placed at `pointer` (a JSON pointer such as
+    "/properties/arguments") inside a larger document: every reference within the
+    document (`$ref` "#", "#/$defs/X", "#/definitions/X", any "#/...") is prefixed with
+    `pointer`, so it still names the same subschema. A tool's parameters become one
+    property of the call object a forced call writes; without this, a `$ref` to their
+    `$defs` (any nested pydantic model has them) would no longer resolve."""
+    if isinstance(schema, list):
+        return [relocated(item, pointer) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = "#" + pointer + value[1:]
+        elif key in _DATA:
+            out[key] = value
+        elif key in _MAP and isinstance(value, dict):  # names → subschemas ("default" is a name)
+            out[key] = {name: relocated(item, pointer) for name, item in value.items()}
+        else:
+            out[key] = relocated(value, pointer)
+    return out
