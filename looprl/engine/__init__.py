@@ -84,6 +84,11 @@ class GenerationRequest:
     # a progress display's hook: called once this request's completion is ready, possibly
     # before `generate` returns; an engine may also never call it (nothing depends on it)
     on_complete: Callable[[], None] | None = field(default=None, compare=False, repr=False)
+    # this request's own sampling settings (temperature, top_p, top_k, stop, seed and
+    # max_new_tokens) in place of the call's, so that requests with different settings
+    # share one running batch (the server's); its seed and `stream` seed the request's
+    # random stream. None: the call's `SamplingParams` (training always leaves it so)
+    sampling: SamplingParams | None = None
 
 
 @dataclass

@@ -23,36 +23,29 @@ to find a call's decision tokens (loop/decisions.py).
 from __future__ import annotations
 
 import copy
-from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from looprl.algo.logprobs import scoring_temperature, tempered_log_softmax
+from looprl.algo.logprobs import scoring_temperature
 from looprl.engine import Completion, GenerationRequest, SamplingParams
 from looprl.engine.grammar import GrammarCache
+from looprl.engine.running import CHUNK_TOKENS, RunningBatch
 from looprl.engine.sampling import (
     Row,
     advance_grammar,
     advance_thinking,
     jump_forward_tokens,
     sample_rows,
+    settings,
+    tempered_rows,
     thinking_fields,
     top_alternatives,
 )
 from looprl.forward import cascade, weight_first
-from looprl.forward.kv import (
-    Part,
-    Retained,
-    bufferable,
-    from_retained,
-    merge,
-    release,
-    retain,
-    select,
-)
+from looprl.forward.kv import Part, Retained, bufferable, from_retained
 from looprl.forward.prefix import extend, prefix_kwargs, shared_prefill
 from looprl.model.arch import fast_paths
 from looprl.model.load import base_model
@@ -151,96 +144,46 @@ class HFEngine:
     ) -> list[Completion]:
         """Sample one completion per request.
 
-        Continuous batching: requests wait in order of prompt length; up to
-        `batch_size` decode together. Finished rows leave the batch once a quarter of
-        it has finished, and waiting requests join when a quarter of the slots are
-        free (their prompts prefilled together, sharing prefixes). Every request
-        samples from its own random stream, seeded from `params.seed` and its index in
-        `requests` (or its `stream`), so a seeded result does not depend on the batch
-        size or on which requests run alongside it."""
+        Continuous batching (engine/running.py): requests wait in order of prompt
+        length; up to `batch_size` decode together. Finished rows leave the batch once a
+        quarter of it has finished, and waiting requests join when a quarter of the
+        slots are free (their prompts prefilled together, sharing prefixes). Every
+        request samples from its own random stream, seeded from `params.seed` and its
+        index in `requests` (or its `stream`), so a seeded result does not depend on the
+        batch size or on which requests run alongside it."""
         if not requests:
             return []
-        self._refresh_sampler()
-        base_seed = params.seed
-        if base_seed is None:
-            base_seed = torch.Generator().seed()  # fresh entropy, global RNG untouched
-        order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
-        waiting = deque(order)
         previous, keep_rows = self._retained or [], self._retained is not None
         if keep_rows:
             self._retained = []
+        batch = self.open_batch(params)
+        batch.previous, batch.keep_rows = previous, keep_rows
+        batch.add(requests)
         results: list[Completion | None] = [None] * len(requests)
-        running: Part | None = None
-        rows: list[Row] = []
         was_training = self.model.training
         self.model.eval()
         try:
-            while True:
-                running, rows = self._schedule(
-                    requests, params, base_seed, waiting, running, rows, previous, keep_rows
-                )
-                if not rows:
-                    break
-                for row in self._step(running, rows, params):
-                    top = row.top if row.top_k else None
-                    results[row.index] = Completion(
-                        row.ids, row.logprobs, row.finish, top, row.free
-                    )
-                    if requests[row.index].on_complete is not None:
-                        requests[row.index].on_complete()
+            while batch.busy:
+                for index, completion in batch.step():
+                    results[index] = completion
         finally:
             self.model.train(was_training)
+            batch.close()
             release_free_memory()
         return [r for r in results if r is not None]
 
-    def _schedule(
-        self,
-        requests: list[GenerationRequest],
-        params: SamplingParams,
-        base_seed: int,
-        waiting: deque[int],
-        running: Part | None,
-        rows: list[Row],
-        previous: list[Retained],
-        keep_rows: bool,
-    ) -> tuple[Part | None, list[Row]]:
-        """Drop finished rows and admit waiting requests, when it pays."""
-        live = [j for j, row in enumerate(rows) if not row.done]
-        free = self.batch_size - len(live)
-        can_join = not live or (running is not None and self._plain(running.cache))
-        join = bool(waiting) and free > 0 and can_join
-        if join and live and free < max(1, self.batch_size // 4):
-            join = False  # a merge copies the running rows' cache: wait for more room
-        finished = len(rows) - len(live)
-        if not join and not (finished and (not live or 4 * finished >= len(rows))):
-            return running, rows
-        if keep_rows and running is not None and self._plain(running.cache):
-            for j, row in enumerate(rows):
-                if row.done and row.keep_kv:
-                    tokens = tuple(row.prompt) + tuple(row.ids[: row.fed])
-                    self._retained.append(retain(running, j, tokens))  # type: ignore[union-attr]
-        if running is not None and not live:
-            release(running)  # before the next prefill: never two batch caches at once
-        new = [waiting.popleft() for _ in range(min(free, len(waiting)))] if join else []
-        parts, keep = [], []
-        if live:
-            parts.append(running)
-            keep.append(torch.tensor(live, dtype=torch.long, device=self.device))
-        admitted: list[int] = []
-        for indices, part in self._prefill(requests, new, previous):
-            parts.append(part)
-            keep.append(torch.arange(len(indices), device=self.device))
-            admitted += indices
-        if not waiting:
-            previous.clear()  # every request has its prefill: free the kept KV
-        rows = [rows[j] for j in live]
-        rows += [self._row(i, requests[i], params, base_seed) for i in admitted]
-        if not rows:
-            return None, []
-        room = max(row.limit - len(row.ids) for row in rows)
-        if all(self._plain(part.cache) for part in parts):
-            return merge(parts, keep, room), rows
-        return select(parts[0], keep[0]), rows  # only one part: see can_join
+    def open_batch(
+        self, params: SamplingParams, eager: bool = False, chunk_tokens: int = CHUNK_TOKENS
+    ) -> RunningBatch:
+        """A running batch on this engine (engine/running.py): `generate` steps one to the
+        end; a server keeps an `eager` one open, adds requests as they arrive and steps
+        it (under `torch.inference_mode()`) while it is busy. Requests that carry their
+        own `sampling` settings need no common `params`."""
+        self._refresh_sampler()
+        seed = params.seed
+        if seed is None:
+            seed = torch.Generator().seed()  # fresh entropy, global RNG untouched
+        return RunningBatch(self, params, seed, eager=eager, chunk_tokens=chunk_tokens)
 
     def _plain(self, cache: Any) -> bool:
         """Whether the rows of this cache may move into buffers, merge and be kept."""
@@ -284,24 +227,27 @@ class HFEngine:
         matcher = None
         if request.constraint is not None:
             matcher = self.grammars().matcher(request.constraint)
-        limit = min(params.max_new_tokens, request.max_new_tokens or params.max_new_tokens)
+        own = request.sampling or params
+        limit = min(own.max_new_tokens, request.max_new_tokens or own.max_new_tokens)
+        if own.seed is not None:
+            base_seed = own.seed
         stream = index if request.stream is None else request.stream
         generator = torch.Generator().manual_seed(stream_seed(base_seed, stream))
         return Row(
             index, request.prompt_ids, limit, matcher, generator, request.keep_kv,
             request.top_logprobs, request.on_token, free=None if matcher is None else [],
-            **thinking_fields(request.constraint),
+            sampling=request.sampling, **thinking_fields(request.constraint),
         )  # fmt: skip
 
     def _step(self, running: Part, rows: list[Row], params: SamplingParams) -> list[Row]:
         """Choose the next token(s) of every live row, run them through the model, and
         return the rows that finished."""
-        temperature = scoring_temperature(params.temperature)
+        temperature = self._temperatures(rows, params)
         next_CV = running.logits_CV.float().cpu()  # sampling runs on the CPU generators
         jump = jump_forward_tokens(rows, self.tokenizer, self.pad_id) if self.jump_forward else None
         if jump is not None:
             tokens_CK = torch.tensor(jump, dtype=torch.long)
-            _, logp_CV = tempered_log_softmax(next_CV, temperature)
+            logp_CV = tempered_rows(next_CV, temperature)
             logp_CK = logp_CV.gather(-1, tokens_CK[:, :1])
         else:
             tokens_C, first_C = self._sample(next_CV, params, rows)
@@ -315,7 +261,7 @@ class HFEngine:
         if k > 1 or not all(finished[j] or row.done for j, row in enumerate(rows)):
             logits_CKV = self._forward(running, tokens_CK, rows)
             if k > 1:  # forced tokens 2..k: their logprobs come from this pass
-                _, rest_CKV = tempered_log_softmax(logits_CKV[:, :-1], temperature)
+                rest_CKV = tempered_rows(logits_CKV[:, :-1], temperature)
                 rest_CK = rest_CKV.gather(-1, tokens_CK[:, 1:, None]).squeeze(-1)
                 logp_CK = torch.cat([logp_CK, rest_CK], dim=1)
                 if tops is not None:
@@ -331,11 +277,19 @@ class HFEngine:
             if finished[j]:
                 row.done = True
                 stopped = row.ids[-1] in self.stop_token_ids or self._hit_stop_string(
-                    row.ids, params
+                    row.ids, settings(row, params).stop
                 )
                 row.finish = "stop" if stopped else "length"
                 ended.append(row)
         return ended
+
+    @staticmethod
+    def _temperatures(rows: list[Row], params: SamplingParams) -> float | list[float]:
+        """The temperature the rows' logprobs are taken at: the call's, or (where requests
+        carry their own settings) each row's."""
+        if all(row.sampling is None for row in rows):
+            return scoring_temperature(params.temperature)
+        return [scoring_temperature(settings(row, params).temperature) for row in rows]
 
     def _append(
         self, rows: list[Row], tokens_CK: torch.Tensor, logp_CK: torch.Tensor, tops: list | None
@@ -400,7 +354,7 @@ class HFEngine:
             out.append(
                 new[-1] in self.stop_token_ids
                 or len(row.ids) + len(new) >= row.limit
-                or self._hit_stop_string(row.ids + new, params)
+                or self._hit_stop_string(row.ids + new, settings(row, params).stop)
             )
         return out
 
@@ -418,8 +372,8 @@ class HFEngine:
             )
         return self._bitmask_rows
 
-    def _hit_stop_string(self, ids: list[int], params: SamplingParams) -> bool:
-        if not params.stop:
+    def _hit_stop_string(self, ids: list[int], stop: list[str]) -> bool:
+        if not stop:
             return False
         tail = self.tokenizer.decode(ids[-16:])
-        return any(s in tail for s in params.stop)
+        return any(s in tail for s in stop)

@@ -62,6 +62,11 @@ def filter_top_k_top_p(logits_BV: torch.Tensor, top_k: int, top_p: float) -> tor
     return logits_BV
 
 
+def settings(row: Row, params: Any) -> Any:
+    """The sampling settings a row draws with: its request's own, else the call's."""
+    return params if row.sampling is None else row.sampling
+
+
 def sample_rows(
     logits_CV: torch.Tensor,
     params: Any,
@@ -70,9 +75,40 @@ def sample_rows(
     bitmask: Callable[[int], torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token of every live row (pad for finished ones) and its unconstrained
-    logprob at temperature T. Sampling inverts the row's cumulative distribution at
-    one uniform drawn from the row's own generator: a multinomial draw, independent
-    of the other rows (cdf[i] > U * total >= cdf[i - 1] implies p[i] > 0)."""
+    logprob at the row's temperature T. Rows whose requests carry their own settings
+    (`GenerationRequest.sampling`) are drawn in groups of equal (T, top_p, top_k); a
+    batch with one group (every training call) takes the single-group path unchanged."""
+    groups: dict[tuple, list[int]] = {}
+    for j, row in enumerate(rows):
+        own = settings(row, params)
+        groups.setdefault((own.temperature, own.top_p, own.top_k), []).append(j)
+    if len(groups) <= 1:
+        own = settings(rows[0], params) if rows else params
+        return _sample_group(logits_CV, own, rows, pad_id, bitmask)
+    tokens_C = torch.full((len(rows),), pad_id, dtype=torch.long)
+    logp_C = torch.zeros(len(rows), dtype=torch.float32)
+    for members in groups.values():
+        index = torch.tensor(members)
+        group = [rows[j] for j in members]
+        tokens, logp = _sample_group(
+            logits_CV[index], settings(group[0], params), group, pad_id, bitmask
+        )
+        tokens_C[index] = tokens
+        logp_C[index] = logp.to(logp_C.dtype)
+    return tokens_C, logp_C
+
+
+def _sample_group(
+    logits_CV: torch.Tensor,
+    params: Any,
+    rows: list[Row],
+    pad_id: int,
+    bitmask: Callable[[int], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_rows` for rows that share one temperature, top_p and top_k. Sampling
+    inverts the row's cumulative distribution at one uniform drawn from the row's own
+    generator: a multinomial draw, independent of the other rows (cdf[i] > U * total >=
+    cdf[i - 1] implies p[i] > 0)."""
     logits_CV = logits_CV.contiguous()  # softmax over a strided vocabulary is slow
     scaled_CV, logp_CV = tempered_log_softmax(logits_CV, scoring_temperature(params.temperature))
     tokens_C = torch.full((len(rows),), pad_id, dtype=torch.long)
@@ -118,17 +154,32 @@ def sample_rows(
 
 
 def top_alternatives(
-    logits_CKV: torch.Tensor, temperature: float, k: int
+    logits_CKV: torch.Tensor, temperature: float | list[float], k: int
 ) -> list[list[list[tuple[int, float]]]]:
     """Per row and position, the k most likely tokens of `log_softmax(logits / T)`: the
     same distribution the recorded logprobs come from, so the sampled token's logprob
-    equals its entry here whenever it is among the k."""
-    _, logp_CKV = tempered_log_softmax(logits_CKV, temperature)
+    equals its entry here whenever it is among the k. `temperature`: one T for all rows,
+    or each row's."""
+    logp_CKV = tempered_rows(logits_CKV, temperature)
     values_CKk, ids_CKk = logp_CKV.topk(k, dim=-1)
     return [
         [list(zip(ids, values)) for ids, values in zip(row_ids, row_values)]
         for row_ids, row_values in zip(ids_CKk.tolist(), values_CKk.tolist())
     ]
+
+
+def tempered_rows(logits_C_: torch.Tensor, temperature: float | list[float]) -> torch.Tensor:
+    """log_softmax(logits / T) over the last dimension, with one T for all rows or a T
+    per row (the first dimension). Dividing a row by its own T gives the same bits as
+    dividing the batch by a common T, so a row's logprobs do not depend on its
+    neighbours' temperatures."""
+    if isinstance(temperature, list) and len(set(temperature)) == 1:
+        temperature = temperature[0]
+    if not isinstance(temperature, list):
+        return tempered_log_softmax(logits_C_, temperature)[1]
+    shape = (len(temperature),) + (1,) * (logits_C_.dim() - 1)
+    per_row = torch.tensor(temperature, dtype=logits_C_.dtype).view(shape)
+    return torch.log_softmax(logits_C_ / per_row.to(logits_C_.device), dim=-1)
 
 
 def jump_forward_tokens(rows: list[Row], tokenizer: Any, pad_id: int) -> list[list[int]] | None:
@@ -185,6 +236,9 @@ class Row:
     # it forced it (`Completion.free`); None: no grammar, or not recorded
     free: list[int] | None = None
     off_grammar: bool = False  # the grammar rejected a token: it knows nothing after it
+    # the request's own SamplingParams (temperature, top_p, top_k, stop); None: the call's
+    sampling: Any = None
+    cancelled: bool = False  # its caller went away: it left the batch without a result
 
 
 def advance_grammar(row: Row, token: int, tokenizer: Any, bitmask_1W: torch.Tensor) -> None:

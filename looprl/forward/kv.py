@@ -131,15 +131,19 @@ class Part:
         )
 
 
-def merge(parts: list[Part], keep: list[torch.Tensor], room: int) -> Part:
+def merge(parts: list[Part], keep: list[torch.Tensor], room: int, trim: bool = False) -> Part:
     """A running batch of the rows `keep[j]` of each `parts[j]`, right-aligned in one
     column space with `room` free columns for the tokens still to come. Every part's
     cache must be `bufferable`. Each row gets its own cache row (copied once here).
     Parts whose prefixes cover the same tokens keep one of them; otherwise each row gets
     a copy of its prefix's columns before its own. The parts are consumed: each layer's
     old tensors are released as soon as they are copied, so merging needs one new batch
-    cache plus one layer, not two caches."""
+    cache plus one layer, not two caches. `trim`: leave out a part's leading columns that
+    none of its kept rows attends to (rows that left kept them), so that a batch that
+    rows keep joining and leaving (the server's) does not grow wider for ever."""
     chosen = [(part, part.cache_rows[rows]) for part, rows in zip(parts, keep) if len(rows)]
+    if trim:
+        chosen = [(_trimmed(part, source), source) for part, source in chosen]
     prefixes = {p.prefix.tokens if p.prefix is not None else None for p, _ in chosen}
     shared = chosen[0][0].prefix if len(prefixes) == 1 else None
     inline = []  # prefix columns copied into each chosen part's rows
@@ -191,6 +195,26 @@ def merge(parts: list[Part], keep: list[torch.Tensor], room: int) -> Part:
     cache.layers = layers
     index_C = torch.arange(total, device=device)
     return Part(cache, index_C, attention, next_pos, logits, width, shared)
+
+
+def _trimmed(part: Part, source: torch.Tensor) -> Part:
+    """`part` without its leading columns that no row of `source` attends to: a view
+    over the same cache whose `width` and attention start past them."""
+    used = part.attention_CL[source, : part.width].any(0).nonzero()
+    lead = int(used[0]) if len(used) else part.width
+    if lead == 0 or part.cache is None or not bufferable(part.cache):
+        return part
+    cache = DynamicCache()
+    cache.layers = [
+        BufferLayer(layer.keys[:, :, lead:], layer.values[:, :, lead:], part.width - lead)
+        for layer in part.cache.layers
+    ]
+    attention = part.attention_CL[:, lead:]
+    release(part)  # the views hold the storage now: merge frees it layer by layer
+    return Part(
+        cache, part.cache_rows, attention, part.next_pos_C, part.logits_CV, part.width - lead,
+        part.prefix,
+    )  # fmt: skip
 
 
 def release(part: Part) -> None:
