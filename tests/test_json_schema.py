@@ -102,8 +102,6 @@ def test_unsupported_features_name_where_they_are():
          None, "none", "response_format.json_schema.schema", "not a valid JSON schema"),
         ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}},
          None, "none", "response_format.json_schema.schema", "(root): not"),
-        ({"type": "json_object"}, [{"function": {"name": "f"}}], "required", "response_format",
-         "forced tool call"),
     ],
 )  # fmt: skip
 def test_bad_response_formats_are_refused(response_format, tools, tool_choice, param, words):

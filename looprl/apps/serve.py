@@ -174,7 +174,9 @@ def create_app(
     @app.middleware("http")
     async def check_api_key(request: Request, call_next: Any) -> Any:
         if api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            # the scheme is case-insensitive (RFC 7235): "bearer KEY" is "Bearer KEY"
+            scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+            given = given.strip() if scheme.lower() == "bearer" else ""
             if not secrets.compare_digest(given.encode(), api_key.encode()):
                 message = "Incorrect API key provided: pass it as 'Authorization: Bearer KEY'."
                 body = error_body(message, "invalid_request_error", None, "invalid_api_key")

@@ -71,8 +71,10 @@ def json_constraint(
     """The JSON constraint an OpenAI `response_format` asks for (None for "text" or
     none): `{"type": "json_object"}` or `{"type": "json_schema", "json_schema": {"name",
     "schema", "strict"}}`. `tools` are those `check_tools` returned: with tool_choice
-    "auto" the reply may be a call of one of them instead of the JSON; a forced call and
-    a JSON reply exclude each other, so that combination is refused."""
+    "auto" the reply may be a call of one of them instead of the JSON. With a forced call
+    (tool_choice "required" or a tool's name) the call wins, as in the OpenAI API: the
+    format applies to a text reply, and this turn's reply is the call, so the format is
+    checked and None returned."""
     if response_format is None:
         return None
     if not isinstance(response_format, dict):
@@ -85,16 +87,11 @@ def json_constraint(
             f"response_format.type is {kind!r}; use text, json_object or json_schema",
             "response_format.type",
         )
-    if tools and tool_choice not in ("auto", "none"):
-        raise RequestError(
-            f"response_format {kind} cannot be combined with a forced tool call "
-            f"(tool_choice={tool_choice!r}): the reply would have to be both the call and "
-            "the JSON; use tool_choice=auto, or drop response_format",
-            "response_format",
-        )
     schema = None
     if kind == "json_schema":
         schema = _response_schema(response_format.get("json_schema"))
+    if tools and tool_choice not in ("auto", "none"):
+        return None  # the forced call is the reply (generation_request builds it)
     return JsonConstraint(schema, tools if tool_choice == "auto" else None, fmt)
 
 
