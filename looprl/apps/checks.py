@@ -11,6 +11,7 @@ from looprl.types import Message
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API
+MAX_LOGIT_BIAS = 100  # as OpenAI's API: each bias lies in [-100, 100]
 
 
 def raw_prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
@@ -60,6 +61,34 @@ def check_sampling(
             f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], not {top_logprobs!r}",
             "top_logprobs",
         )
+
+
+def logit_bias_ids(bias: dict[Any, Any] | None, vocab: int) -> dict[int, float] | None:
+    """OpenAI's `logit_bias` (token ids, as strings in JSON, → a bias in [-100, 100]
+    added to the token's logit before sampling) as the engine takes it: int keys; None
+    when there is none."""
+    if not bias:
+        return None
+    if not isinstance(bias, dict):
+        raise RequestError("logit_bias must map token ids to numbers", "logit_bias")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        text = str(key).strip()
+        if isinstance(key, bool) or not text.isdigit() or not int(text) < vocab:
+            raise RequestError(
+                f"logit_bias has the key {key!r}: keys are token ids of this model's "
+                f"vocabulary, integers in [0, {vocab})",
+                "logit_bias",
+            )
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise RequestError(
+                f"logit_bias[{key!r}] is {value!r}: a bias is a number in [-{MAX_LOGIT_BIAS}, "
+                f"{MAX_LOGIT_BIAS}] (-100 bans the token, 100 all but forces it)",
+                "logit_bias",
+            )
+        out[int(text)] = float(value)
+    return out
 
 
 def for_choice(on_token: Callable[..., None], k: int) -> Callable[[int, float, Any], None]:

@@ -32,7 +32,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from looprl.apps.checks import check_messages, check_sampling, for_choice, raw_prompt_ids
+from looprl.apps.checks import (
+    check_messages,
+    check_sampling,
+    for_choice,
+    logit_bias_ids,
+    raw_prompt_ids,
+)
 from looprl.chat import ChatRenderer
 from looprl.config import Config, config_from_dict, load_config
 from looprl.engine import Completion, GenerationRequest, SamplingParams
@@ -208,6 +214,7 @@ class ChatModel:
             response_format,
         )  # fmt: skip
         generation.top_logprobs = r.top_logprobs
+        generation.logit_bias = logit_bias_ids(r.logit_bias, len(self.tokenizer))
         if self.context_length is not None:
             room = self.context_length - len(prompt_ids)
             if room < 1:

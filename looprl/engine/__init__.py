@@ -89,6 +89,9 @@ class GenerationRequest:
     # share one running batch (the server's); its seed and `stream` seed the request's
     # random stream. None: the call's `SamplingParams` (training always leaves it so)
     sampling: SamplingParams | None = None
+    # token id → a bias added to its logit before sampling (OpenAI's `logit_bias`; -100
+    # bans a token, 100 all but forces it); the recorded logprobs stay the model's own
+    logit_bias: dict[int, float] | None = None
 
 
 @dataclass

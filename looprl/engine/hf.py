@@ -236,7 +236,8 @@ class HFEngine:
         return Row(
             index, request.prompt_ids, limit, matcher, generator, request.keep_kv,
             request.top_logprobs, request.on_token, free=None if matcher is None else [],
-            sampling=request.sampling, **thinking_fields(request.constraint),
+            sampling=request.sampling, logit_bias=request.logit_bias,
+            **thinking_fields(request.constraint),
         )  # fmt: skip
 
     def _step(self, running: Part, rows: list[Row], params: SamplingParams) -> list[Row]:

@@ -115,6 +115,16 @@ def _sample_group(
     live = [j for j, row in enumerate(rows) if not row.done]
     if live:
         candidates_LV = scaled_CV[live] if len(live) < len(rows) else scaled_CV
+        biased = [n for n, j in enumerate(live) if rows[j].logit_bias]
+        if biased:  # added to the logits, so divided by T here as they are
+            if candidates_LV is scaled_CV:
+                candidates_LV = scaled_CV.clone()  # the bias must not touch logp
+            scale = scoring_temperature(params.temperature)
+            for n in biased:
+                bias = rows[live[n]].logit_bias
+                ids = torch.tensor(list(bias), dtype=torch.long)
+                values = torch.tensor(list(bias.values()), dtype=candidates_LV.dtype) / scale
+                candidates_LV[n, ids] += values
         constrained = [
             n
             for n, j in enumerate(live)
@@ -239,6 +249,7 @@ class Row:
     # the request's own SamplingParams (temperature, top_p, top_k, stop); None: the call's
     sampling: Any = None
     cancelled: bool = False  # its caller went away: it left the batch without a result
+    logit_bias: dict[int, float] | None = None  # token id → added to its logit (the request's)
 
 
 def advance_grammar(row: Row, token: int, tokenizer: Any, bitmask_1W: torch.Tensor) -> None:

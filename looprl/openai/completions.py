@@ -67,7 +67,6 @@ def completion_requests(request: CompletionRequest, variant: str) -> list[ChatRe
     """The typed requests of this body, one per prompt."""
     unsupported = {
         "suffix": request.suffix,
-        "logit_bias": request.logit_bias,
         "presence_penalty": request.presence_penalty,
         "frequency_penalty": request.frequency_penalty,
     }
@@ -93,6 +92,7 @@ def completion_requests(request: CompletionRequest, variant: str) -> list[ChatRe
             seed=request.seed,
             variant=variant,
             top_logprobs=request.logprobs or 0,
+            logit_bias=request.logit_bias,
             prompt_logprobs=bool(request.echo and request.logprobs is not None),
         )
         for prompt in prompts(request)

@@ -264,6 +264,9 @@ _PARAMS = [
     (re.compile(r"^max_(completion_)?tokens\b"), "max_output_tokens"),
 ]
 
+# in messages too: the chat path's token limits are the Responses request's max_output_tokens
+_TOKEN_LIMIT = re.compile(r"\bmax_(completion_)?tokens\b")
+
 
 def renamed(err: APIError | RequestError) -> APIError:
     """`err` as a 400 (or its own status) naming the Responses field it is about."""
@@ -274,4 +277,5 @@ def renamed(err: APIError | RequestError) -> APIError:
         if param:
             param = pattern.sub(name, param).rstrip(".")
     message = message.replace("response_format", "text.format")
+    message = _TOKEN_LIMIT.sub("max_output_tokens", message)
     return APIError(status, message, param, getattr(err, "code", None))

@@ -58,6 +58,7 @@ class ChatRequest:
     tools: list[dict[str, Any]] | None = None  # OpenAI function-format tool schemas
     tool_choice: str = "auto"  # "auto" | "none" | "required" | a tool's name
     response_format: dict[str, Any] | None = None  # OpenAI json_object / json_schema
+    logit_bias: dict[str, float] | None = None  # token id (a string) → bias in [-100, 100]
     n: int = 1  # replies to sample
     temperature: float = 1.0
     top_p: float = 1.0
@@ -177,6 +178,7 @@ class ChatCompletionRequest(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
 
 
 def to_messages(messages: list[ChatMessage]) -> list[Message]:
@@ -246,6 +248,7 @@ def chat_request(request: ChatCompletionRequest, variant: str, max_tokens: int) 
         stop=stop_strings(request.stop),
         seed=request.seed,
         top_logprobs=request.top_logprobs or 0,
+        logit_bias=request.logit_bias,
         variant=variant,
     )
 
