@@ -335,14 +335,11 @@ def load_causal_lm(name: str, dtype: Any, trust_remote_code: bool = False) -> An
         return build_tiny_random(load_tokenizer(name)).to(dtype)
     source, kwargs = resolve(name)
     try:
-        # use_kernels=False: transformers (≥ 5.2x, with `kernels` installed) otherwise swaps
-        # layers for kernels downloaded from the hub whenever the model's train/eval mode
-        # changes on a GPU: code fetched at run time (an offline machine fails there), and
-        # layers that differ between the engine's (eval) and the trainer's (train) modes.
+        # no hub kernels: on a GPU they are fetched at each train/eval switch (offline, that
+        # fails) and make the engine's (eval) layers differ from the trainer's (train)
         return AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, trust_remote_code=trust_remote_code, use_kernels=False,
-            **kwargs,
-        )  # fmt: skip
+            source, dtype=dtype, trust_remote_code=trust_remote_code, use_kernels=False, **kwargs
+        )
     except (OSError, ValueError) as err:
         headless = _no_causal_lm_head(name, err) if isinstance(err, ValueError) else None
         raise ModelError(headless or _not_found(name, err)) from None
