@@ -15,7 +15,7 @@ import pytest
 from looprl.apps.inference import ChatModel, load_chat_model
 from looprl.apps.serve import create_app, serving
 from looprl.errors import RequestError
-from tests.test_inference import RESIGN, SQUARE, count_engine_calls
+from tests.test_inference import RESIGN, SQUARE
 
 TOOLS = [SQUARE, RESIGN]
 HI = [{"role": "user", "content": "Your move."}]
@@ -178,25 +178,31 @@ def test_streaming_reassembles_to_the_same_reply(client, tools):
         assert [calls[choice.index][k] for k in sorted(calls[choice.index])] == expected
 
 
-def test_concurrent_requests_share_one_engine_call(model, monkeypatch):
-    calls = count_engine_calls(monkeypatch, model.engine)
-    with serving(create_app(model, batch_window_s=1.0)) as base:
-        client = client_for(base)
-        replies: list = [None, None]
+def test_concurrent_requests_decode_in_one_batch(model):
+    widths: list[int] = []
+    hook = model.engine.model.register_forward_hook(
+        lambda m, a, kw, out: widths.append(kw["input_ids"].shape[0]), with_kwargs=True
+    )
+    try:
+        with serving(create_app(model, batch_window_s=1.0)) as base:
+            client = client_for(base)
+            replies: list = [None, None]
 
-        def ask(i):
-            replies[i] = client.chat.completions.create(
-                model="tiny-random", messages=[{"role": "user", "content": f"hi {i}"}],
-                max_tokens=4 + i,
-            )  # fmt: skip
+            def ask(i):
+                replies[i] = client.chat.completions.create(
+                    model="tiny-random", messages=[{"role": "user", "content": f"hi {i}"}],
+                    max_tokens=4 + i,
+                )  # fmt: skip
 
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=60)
+    finally:
+        hook.remove()
     assert all(r is not None and len(r.choices) == 1 for r in replies)
-    assert calls == [2]
+    assert max(widths) == 2  # both rows in one forward pass
 
 
 # ---------------------------------------------------------------- errors
@@ -273,7 +279,7 @@ def test_unknown_route_and_server_bug_are_openai_errors(url, model, monkeypatch)
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(model, "chat_many", broken)
+    monkeypatch.setattr(model, "prepare", broken)
     status, reply = http(f"{url}/v1/chat/completions", {"model": "tiny-random", "messages": HI})
     assert status == 500 and reply["error"]["type"] == "server_error"
     assert "Traceback" not in reply["error"]["message"]

@@ -71,7 +71,10 @@ class Prepared:
 
 class ChatModel:
     """A loaded model (or run) answering chat requests. Thread-safe: one lock around
-    the engine, so concurrent callers take turns; batch them with `chat_many`."""
+    the engine, so concurrent callers take turns; batch them with `chat_many`. The
+    server instead prepares each request on its own thread (`prepare`) and keeps one
+    running batch per variant on the engine (apps/batcher.py), holding `engine_lock`
+    for each step."""
 
     def __init__(
         self,
@@ -92,6 +95,8 @@ class ChatModel:
         self._cfg = cfg
         self._baseline_engine: HFEngine | None = None
         self._lock = threading.Lock()
+        self.engine_lock = self._lock  # held while the engine generates
+        self._render_lock = threading.Lock()  # the renderer and grammar cache
 
     # ------------------------------------------------------------ public
 
@@ -160,11 +165,11 @@ class ChatModel:
 
         With `return_exceptions`, a request that fails puts its exception in its slot
         instead of failing the others (the server relies on this)."""
-        with self._lock:  # rendering and grammar compiling share state with the engine
+        with self._lock:
             prepared: list[Prepared | Exception] = []
             for request in requests:
                 try:
-                    prepared.append(self._prepare(request))
+                    prepared.append(self.prepare(request))
                 except LoopRLError as err:
                     if not return_exceptions:
                         raise
@@ -188,8 +193,13 @@ class ChatModel:
 
     # ------------------------------------------------------------ preparing
 
+    def prepare(self, request: ChatRequest) -> Prepared:
+        """Validate one request, render its prompt and build its engine request (any
+        thread: rendering and grammar compiling take turns under their own lock)."""
+        with self._render_lock:
+            return self._prepare(request)
+
     def _prepare(self, request: ChatRequest) -> Prepared:
-        """Validate one request, render its prompt and build its engine request."""
         r = request
         variant = self.variants[0] if r.variant is None else r.variant
         if variant not in self.variants:
@@ -246,25 +256,50 @@ class ChatModel:
             for p in batch
             for k in range(p.request.n)
         ]
-        temperature = float(first.temperature) if first.temperature > 0 else 1.0
-        with self._engine_for(batch[0].variant) as engine:
+        with self.engine_for(batch[0].variant) as engine:
             completions = engine.generate(requests, params)
-            scored = [
-                prompt_logprobs(
-                    engine.model, p.generation.prompt_ids, temperature, p.request.top_logprobs
-                )
-                if p.request.prompt_logprobs
-                else None
-                for p in batch
-            ]
-        out: list[list[ChatChoice]] = []
-        pos = 0
-        for p, prompt_scores in zip(batch, scored):
-            choices = [self._choice(p, c) for c in completions[pos : pos + p.request.n]]
-            for choice in choices:
-                choice.prompt_logprobs = prompt_scores
-            out.append(choices)
-            pos += p.request.n
+            out: list[list[ChatChoice]] = []
+            pos = 0
+            for p in batch:
+                out.append(self.choices(p, completions[pos : pos + p.request.n], engine))
+                pos += p.request.n
+        return out
+
+    def choice_requests(self, p: Prepared) -> list[GenerationRequest]:
+        """The engine requests of a prepared request's choices, each carrying the
+        request's own sampling settings, so that requests with any settings share one
+        running batch. A seeded request's choice k samples from stream k of its seed:
+        the stream `generate` gives it when the request runs alone."""
+        r = p.request
+        sampling = SamplingParams(
+            temperature=float(r.temperature), top_p=float(r.top_p),
+            max_new_tokens=p.generation.max_new_tokens or r.max_tokens, seed=r.seed,
+            stop=list(r.stop),
+        )  # fmt: skip
+        return [
+            replace(
+                p.generation,
+                prompt_ids=list(p.generation.prompt_ids),
+                on_token=None if r.on_token is None else for_choice(r.on_token, k),
+                sampling=sampling,
+                stream=k if r.seed is not None else None,
+            )
+            for k in range(r.n)
+        ]
+
+    def choices(
+        self, p: Prepared, completions: list[Completion], engine: HFEngine
+    ) -> list[ChatChoice]:
+        """A request's choices from its completions (with its prompt's own logprobs when
+        it asked for them: one more forward pass, on `engine`)."""
+        scores = None
+        if p.request.prompt_logprobs:
+            temperature = float(p.request.temperature) if p.request.temperature > 0 else 1.0
+            prompt = p.generation.prompt_ids
+            scores = prompt_logprobs(engine.model, prompt, temperature, p.request.top_logprobs)
+        out = [self._choice(p, c) for c in completions]
+        for choice in out:
+            choice.prompt_logprobs = scores
         return out
 
     def _choice(self, p: Prepared, completion: Completion) -> ChatChoice:
@@ -275,7 +310,9 @@ class ChatModel:
         )  # fmt: skip
 
     @contextlib.contextmanager
-    def _engine_for(self, variant: str) -> Iterator[HFEngine]:
+    def engine_for(self, variant: str) -> Iterator[HFEngine]:
+        """The engine that samples `variant`, set up for it while the block runs (a LoRA
+        run's baseline is the same engine with its adapters off)."""
         if variant != "baseline":
             yield self.engine
         elif self._cfg.model.lora.enabled:

@@ -10,14 +10,16 @@ answers to three model ids: "NAME" (the variant chosen with `--variant`, "traine
 
 A request's path: the parsed body (`ChatCompletionRequest`, or `CompletionRequest` with
 one request per prompt) → one typed `ChatRequest` (`openai/wire.py` `chat_request`) →
-`ChatModel.chat_many`, which validates and renders it and builds its engine
+`ChatModel.prepare`, which validates and renders it and builds its engine
 `GenerationRequest` once → the engine's `Completion`s → `ChatChoice`s
 (`openai/replies.py` `chat_choice`, the builder the agent proxy uses too) → the body.
 
-Batching: one worker thread owns the model. It takes the first waiting request, keeps
-collecting the ones that arrive within `batch_window_s` (and all that queued up while
-the engine was busy), and answers them with one `ChatModel.chat_many` call, which
-shares engine calls between requests with the same sampling settings.
+Batching (apps/batcher.py): one worker thread owns the model and keeps a running batch
+open; a request joins it at the next decode step, whatever its sampling settings, and
+leaves it when it is done. A long prompt is prefilled in chunks between decode steps.
+A client that disconnects (or times out) before its reply is complete cancels its
+request: the route polls `Request.is_disconnected()` while it waits, and a stream that
+the server closes cancels its requests too; their rows leave the batch at the next step.
 
 Streaming (`stream: true`): the request carries an `on_token` callback; the engine calls
 it on the worker thread for each token as it is sampled, and the callback hands the
@@ -36,7 +38,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import queue
 import secrets
 import threading
 import time
@@ -51,7 +52,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from looprl.apps.batcher import Batcher
 from looprl.apps.inference import ChatModel
+from looprl.engine.running import CHUNK_TOKENS
 from looprl.errors import RequestError
 from looprl.openai import responses as responses_api
 from looprl.openai.completions import (
@@ -75,63 +78,32 @@ from looprl.openai.wire import (
 
 log = logging.getLogger("looprl.apps.serve")
 DEFAULT_MAX_TOKENS = 256  # when a request sets neither max_tokens nor max_completion_tokens
+DISCONNECT_POLL_S = 0.1  # how often a waiting route checks that its client is still there
 
 
-class Batcher:
-    """A worker thread answering queued chat requests in batches (see module doc)."""
+class ClientGone(Exception):
+    """The client disconnected before its reply was ready (nobody reads the reply)."""
 
-    def __init__(self, model: ChatModel, window_s: float = 0.005, max_requests: int = 64) -> None:
-        self.model = model
-        self.window_s = window_s
-        self.max_requests = max_requests
-        self._queue: queue.Queue[tuple[ChatRequest, Future] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="looprl-batcher", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=30)
-
-    def submit(self, request: ChatRequest) -> Future:
-        """Queue a request; the future holds its choices or the error."""
-        future: Future = Future()
-        self._queue.put((request, future))
-        return future
-
-    def _loop(self) -> None:
-        while (first := self._queue.get()) is not None:
-            batch = [first]
-            deadline = time.monotonic() + self.window_s
-            stopping = False
-            while len(batch) < self.max_requests:
-                wait = deadline - time.monotonic()
-                try:
-                    item = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    stopping = True
-                    break
-                batch.append(item)
-            self._answer(batch)
-            if stopping:
-                return
-
-    def _answer(self, batch: list[tuple[ChatRequest, Future]]) -> None:
-        live = [
-            (request, future) for request, future in batch if future.set_running_or_notify_cancel()
-        ]
-        try:
-            results = self.model.chat_many([r for r, _ in live], return_exceptions=True)
-        except Exception as err:  # a bug outside any single request: fail them all
-            results = [err] * len(live)
-        for (_, future), result in zip(live, results):
-            if isinstance(result, BaseException):
-                future.set_exception(result)
-            else:
-                future.set_result(result)
+async def wait_for(batcher: Batcher, futures: list[Future], raw: Request | None) -> list[Any]:
+    """The results of `futures`; if the client of `raw` disconnects first, cancel them
+    in the batcher and raise `ClientGone`."""
+    waiting = [asyncio.wrap_future(future) for future in futures]
+    gathered = asyncio.gather(*waiting)
+    try:
+        while True:
+            done, _ = await asyncio.wait({gathered}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return gathered.result()
+            if raw is not None and await raw.is_disconnected():
+                raise ClientGone()
+    except BaseException:  # disconnected, or this task cancelled: stop their generation
+        for future in futures:
+            batcher.cancel(future)
+        gathered.cancel()
+        with contextlib.suppress(BaseException):
+            await gathered
+        raise
 
 
 def model_ids(model: ChatModel, default_variant: str | None = None) -> dict[str, str]:
@@ -148,17 +120,20 @@ def create_app(
     api_key: str | None = None,
     batch_window_s: float = 0.005,
     max_tokens_limit: int | None = None,
+    prefill_chunk_tokens: int = CHUNK_TOKENS,
 ) -> FastAPI:
     """The FastAPI app serving `model`; its batcher runs while the app does.
     `max_tokens_limit`: the most tokens a request may ask for (default: the model's
-    context length); a request asking for more gets a 400 that states the limit."""
+    context length); a request asking for more gets a 400 that states the limit.
+    `prefill_chunk_tokens`: prompt tokens prefilled per decode step (a longer prompt is
+    prefilled in chunks of this size between the running rows' steps)."""
     if default_variant is not None and default_variant not in model.variants:
         raise RequestError(
             f"--variant {default_variant}: {model.name} has the variants "
             f"{', '.join(model.variants)}"
         )
     ids = model_ids(model, default_variant)
-    batcher = Batcher(model, batch_window_s)
+    batcher = Batcher(model, batch_window_s, prefill_chunk_tokens)
     limit = max_tokens_limit or model.context_length
 
     @contextlib.asynccontextmanager
@@ -225,11 +200,11 @@ def create_app(
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         return chat_request(body, variant, check_max_tokens(asked, param))
 
-    async def answer(body: ChatCompletionRequest) -> dict[str, Any]:
+    async def answer(body: ChatCompletionRequest, raw: Request | None = None) -> dict[str, Any]:
         """The whole `chat.completion` body for a request (the Responses route's path)."""
         request = typed(body)
         variant = request.variant
-        choices = await asyncio.wrap_future(batcher.submit(request))
+        (choices,) = await wait_for(batcher, [batcher.submit(request)], raw)
         return completion_response(
             choices, body.model, model.tokenizer, bool(body.logprobs), f"looprl-{variant}"
         )
@@ -238,16 +213,19 @@ def create_app(
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Any:
-        status, body, parsed = await responses_api.respond(await request.body(), answer, store)
+        async def answer_this(body: ChatCompletionRequest) -> dict[str, Any]:
+            return await answer(body, request)
+
+        status, body, parsed = await responses_api.respond(await request.body(), answer_this, store)
         if status == 200 and parsed is not None and parsed.stream:
             events = responses_api.response_events(body)
             return StreamingResponse(events, media_type="text/event-stream")
         return JSONResponse(body, status_code=status)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Any:
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
         if not body.stream:
-            return await answer(body)
+            return await answer(body, raw)
         request = typed(body)
         fingerprint = f"looprl-{request.variant}"
         logprobs = bool(body.logprobs)
@@ -265,10 +243,10 @@ def create_app(
         writer = ChatStream(
             head, body.n, live, logprobs, model.tokenizer, request.stop, include_usage
         )
-        return await _stream(batcher, [request], body.n, writer, respond)
+        return await _stream(batcher, [request], body.n, writer, respond, raw)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Any:
+    async def completions(body: CompletionRequest, raw: Request) -> Any:
         variant = variant_of(body.model)
         check_max_tokens(body.max_tokens)
         requests = completion_requests(body, variant)
@@ -281,8 +259,8 @@ def create_app(
             return text_completion(results, echoes, body.model, tokenizer, logprobs, fingerprint)
 
         if not body.stream:
-            futures = [asyncio.wrap_future(batcher.submit(r)) for r in requests]
-            return respond(list(await asyncio.gather(*futures)))
+            futures = [batcher.submit(r) for r in requests]
+            return respond(await wait_for(batcher, futures, raw))
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": body.model,
                 "system_fingerprint": fingerprint}  # fmt: skip
@@ -296,7 +274,7 @@ def create_app(
         writer = CompletionStream(
             head, choice_echoes, legacy if logprobs else None, tokenizer, stops, include_usage
         )
-        return await _stream(batcher, requests, body.n, writer, respond)
+        return await _stream(batcher, requests, body.n, writer, respond, raw)
 
     return app
 
@@ -307,10 +285,13 @@ async def _stream(
     n: int,
     writer: ChatStream | CompletionStream,
     respond: Callable[[list[Any]], dict[str, Any]],
+    raw: Request,
 ) -> StreamingResponse:
     """Submit `requests` (each with `n` choices; request i's choice k is choice i*n + k)
     with token callbacks, and stream `writer`'s chunks as their tokens arrive. Returns
-    once the first token is there, or raises the error of a request that failed first."""
+    once the first token is there, or raises the error of a request that failed first.
+    A client that goes away (before the first token, or while the stream runs) cancels
+    the requests that are not finished."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[tuple | None] = asyncio.Queue()
 
@@ -325,24 +306,29 @@ async def _stream(
         future = batcher.submit(replace(request, on_token=on_token(i * n)))
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
         futures.append(future)
-    first = await events.get()
+    first = await _first_event(batcher, futures, events, raw)
     for future in futures:  # failed before anything was streamed: an ordinary error reply
         if future.done() and future.exception() is not None:
             raise future.exception()  # type: ignore[misc]
 
     async def chunks() -> AsyncIterator[str]:
-        for event in writer.start():
-            yield event
-        item, finished = first, 0
-        while True:
-            if item is None:
-                finished += 1
-                if finished == len(futures):
-                    break
-            else:
-                for event in writer.token(*item):
-                    yield event
-            item = await events.get()
+        try:
+            for event in writer.start():
+                yield event
+            item, finished = first, 0
+            while True:
+                if item is None:
+                    finished += 1
+                    if finished == len(futures):
+                        break
+                else:
+                    for event in writer.token(*item):
+                        yield event
+                item = await events.get()
+        finally:  # the client went away mid-stream (the server closes the generator)
+            for future in futures:
+                if not future.done():
+                    batcher.cancel(future)
         try:
             results = [future.result() for future in futures]
         except Exception as err:  # failed mid-stream: an error event ends the stream
@@ -352,6 +338,26 @@ async def _stream(
             yield event
 
     return StreamingResponse(chunks(), media_type="text/event-stream")
+
+
+async def _first_event(
+    batcher: Batcher, futures: list[Future], events: asyncio.Queue, raw: Request
+) -> tuple | None:
+    """The first streaming event; if the client disconnects before it, cancel `futures`
+    and raise `ClientGone`."""
+    getting = asyncio.ensure_future(events.get())
+    try:
+        while True:
+            done, _ = await asyncio.wait({getting}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return getting.result()
+            if await raw.is_disconnected():
+                raise ClientGone()
+    except BaseException:
+        getting.cancel()
+        for future in futures:
+            batcher.cancel(future)
+        raise
 
 
 def _error_of(err: Exception) -> dict[str, Any]:
@@ -367,6 +373,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, err: ClientGone) -> JSONResponse:
+        body = error_body("the client closed the connection", "client_closed_request")
+        return JSONResponse(body, status_code=499)
 
     @app.exception_handler(RequestError)
     async def inference_error(request: Request, err: RequestError) -> JSONResponse:
