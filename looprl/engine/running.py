@@ -13,7 +13,8 @@ join), then chooses every live row's next token and runs them through the model.
   slots are free (a join copies the running rows' cache, so it waits for room).
 - Eager (the server): waiting requests join at the next step whenever a slot is free,
   in arrival order, at most `chunk_tokens` prompt tokens of them per step (at least
-  one request), so that a burst of arrivals does not stall the running rows. A prompt
+  one request; a head the prompts share counts once; no limit while no row runs), so
+  that a burst of arrivals does not stall the running rows. A prompt
   longer than `chunk_tokens` is prefilled in chunks of that size, one chunk per step
   between the running rows' decode steps, and joins once it is whole. A cancelled row
   stops at once (no more tokens, no result) and leaves at the next step.
@@ -30,7 +31,7 @@ import torch
 from looprl.engine import Completion, GenerationRequest, SamplingParams
 from looprl.engine.sampling import Row
 from looprl.forward.kv import Part, Retained, merge, release, retain, select
-from looprl.forward.prefix import extend, shared_prefill
+from looprl.forward.prefix import MIN_SHARED_PREFIX, extend, shared_prefill
 
 CHUNK_TOKENS = 512  # eager mode: prompt tokens prefilled per step (and the chunk size)
 
@@ -201,17 +202,20 @@ class RunningBatch:
         new: list[int] = []
         seen: set[tuple[int, ...]] = set()
         budget = self.chunk_tokens
+        idle = not any(not row.done for row in self.rows)  # no running row to hold up
+        first: list[int] | None = None
         while self.waiting and len(new) < free:
             prompt = self.requests[self.waiting[0]].prompt_ids
             if len(prompt) > self.chunk_tokens:
                 if self.chunked is None and free - len(new) > 0:
                     self._start_chunked(free - len(new))
                 break
-            cost = 0 if tuple(prompt) in seen else len(prompt)
-            if new and cost > budget:
+            cost = 0 if tuple(prompt) in seen else _tail_cost(prompt, first)
+            if new and cost > budget and not idle:
                 break
             budget -= cost
             seen.add(tuple(prompt))
+            first = first if first is not None else list(prompt)
             new.append(self.waiting.popleft())
         return new
 
@@ -238,3 +242,16 @@ class RunningBatch:
         else:
             chunked.part = extend(engine.model, chunked.part, [piece], engine.pad_id)
         chunked.done += len(piece)
+
+
+def _tail_cost(prompt: list[int], first: list[int] | None) -> int:
+    """The prompt tokens a prefill beside `first` runs for this prompt: its tail after
+    the head they share, when that head is long enough to be run once (prefix.py)."""
+    if first is None:
+        return len(prompt)
+    shared = 0
+    for a, b in zip(prompt, first):
+        if a != b:
+            break
+        shared += 1
+    return len(prompt) - shared if shared >= MIN_SHARED_PREFIX else len(prompt)
