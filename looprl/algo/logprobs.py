@@ -21,6 +21,8 @@ gathered form above. The two agree to float32 rounding, not bit for bit.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
@@ -94,13 +96,21 @@ def head_logprobs(
 ) -> Tensor:
     """log pi(y_n | ...) from the final hidden states of the N positions that predict the
     targets: the output projection runs `chunk_tokens` rows at a time, so no [N, V] logits
-    tensor exists beyond one chunk, neither in the forward pass nor (recomputed under
-    checkpointing) in the backward pass. Equal to `token_logprobs(head(hidden), ...)`."""
+    tensor exists beyond one chunk, neither in the forward pass nor in the backward pass.
+    Equal to `token_logprobs(head(hidden), ...)`.
+
+    When only the hidden states take a gradient (a frozen linear head: LoRA), the gradient
+    is formed in the forward pass (`_FrozenHeadLogprobs`): two projections per chunk
+    instead of the three of checkpointing (forward, recomputed forward, backward).
+    Otherwise each chunk runs under activation checkpointing."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    recompute = torch.is_grad_enabled() and (
-        hidden_NH.requires_grad or any(p.requires_grad for p in head.parameters())
-    )
+    head_grad = any(p.requires_grad for p in head.parameters())
+    recompute = torch.is_grad_enabled() and (hidden_NH.requires_grad or head_grad)
+    if recompute and not head_grad and isinstance(head, torch.nn.Linear):
+        return _FrozenHeadLogprobs.apply(
+            hidden_NH, head.weight, head.bias, target_ids_N.long(), temperature, chunk_tokens
+        )
 
     def chunk(h_CH: Tensor, targets_C: Tensor) -> Tensor:
         return _chunk_logprobs(head(h_CH), targets_C, temperature)
@@ -116,6 +126,55 @@ def head_logprobs(
     if not parts:
         return hidden_NH.new_zeros(0, dtype=torch.float32)
     return torch.cat(parts)
+
+
+class _FrozenHeadLogprobs(torch.autograd.Function):
+    """logp_n = z_n[y_n] - logsumexp(z_n), z_n = (W h_n + b) / tau, for a head W, b that
+    takes no gradient. Its gradient with respect to h_n,
+
+        d logp_n / d h_n = (W[y_n] - sum_v p_nv W[v]) / tau,    p_n = softmax(z_n),
+
+    is formed chunk by chunk in the forward pass (one [C, V] x [V, H] product) and kept
+    ([N, H], as small as the hidden states checkpointing would keep); the backward pass
+    only scales it. Both products run in the head's dtype on float32 log-softmax values,
+    as autograd's own backward does. No state: a function with a custom gradient."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden_NH: Tensor,
+        weight_VH: Tensor,
+        bias_V: Tensor | None,
+        target_ids_N: Tensor,
+        temperature: float,
+        chunk_tokens: int,
+    ) -> Tensor:
+        logp: list[Tensor] = []
+        grads: list[Tensor] = []
+        for h_CH, targets_C in zip(
+            hidden_NH.split(chunk_tokens), target_ids_N.split(chunk_tokens), strict=True
+        ):
+            z_CV = scale_logits(torch.nn.functional.linear(h_CH, weight_VH, bias_V).float(),
+                                temperature)  # fmt: skip
+            lse_C = torch.logsumexp(z_CV, dim=-1)
+            logp.append(z_CV.gather(-1, targets_C[:, None]).squeeze(-1) - lse_C)
+            # d logp / d z = onehot(y) - softmax(z), then through z = W h / tau
+            dz_CV = torch.exp(z_CV.sub_(lse_C[:, None])).neg_()
+            dz_CV.scatter_add_(-1, targets_C[:, None], dz_CV.new_ones(len(targets_C), 1))
+            if temperature != 1.0:
+                dz_CV.div_(temperature)
+            grads.append(dz_CV.to(weight_VH.dtype) @ weight_VH)
+        if not logp:
+            ctx.save_for_backward(hidden_NH.new_zeros(0, hidden_NH.shape[-1]))
+            return hidden_NH.new_zeros(0, dtype=torch.float32)
+        ctx.save_for_backward(torch.cat(grads))
+        return torch.cat(logp)
+
+    @staticmethod
+    def backward(ctx: Any, grad_N: Tensor) -> tuple[Tensor | None, ...]:
+        (dlogp_NH,) = ctx.saved_tensors
+        grad_NH = (grad_N[:, None] * dlogp_NH).to(dlogp_NH.dtype)
+        return grad_NH, None, None, None, None, None
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:

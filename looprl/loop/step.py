@@ -113,6 +113,7 @@ class Trainer:
             views=self.levers.loss_on_views, group_size=cfg.rollout.group_size,
             max_tokens=cfg.rollout.max_new_tokens * self.probe.max_turns,
             seed=minibatch_seed(cfg.seed, step), state=self.state.update, dist=self.dist,
+            fresh=self.overlap is None and cfg.train.replay is None,  # sampled just now
         )  # fmt: skip
         train_s = time.time() - t1
         if self.overlap is not None:

@@ -1,6 +1,17 @@
 """One policy update on a rollout batch: old logprobs, then `num_minibatches` optimizer
 steps of the chosen loss, each accumulated over micro-batches under a token budget.
 
+Old logprobs, log pi_old of every generated token: the policy's before this update. When
+the episodes were just sampled by the policy module itself (the `hf` engine in the
+model's own dtype, weights untouched since, no dropout), the engine recorded exactly these
+values, to float32 rounding (`rollout/logprob_gap` ~1e-6 per token, so a GSPO sequence
+ratio is off 1 by ~1e-6 against a clip range of 3e-4): the update takes them and skips a
+forward pass over the whole batch, a quarter of the update's work with 4 minibatches.
+Otherwise (a bf16 sampler copy, vLLM, overlapped or replayed rollouts, expert episodes,
+dropout) the trainer scores them in a pass of its own. Either way the engine-vs-trainer
+gap is measured with the trainer's logprobs before any weight moved: that pass's, or
+those of the loss passes made before the first optimizer step.
+
 Failures that must not kill a long run are contained here: a NaN/inf loss or gradient
 skips that optimizer step (weights and optimizer state untouched), and running out of
 memory halves the micro-batch token budget and retries the same minibatch.
@@ -10,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -27,12 +39,14 @@ from looprl.algo import (
     weight_gradient,
 )
 from looprl.config import AlgoConfig, TrainConfig
+from looprl.engine.hf import HFEngine
 from looprl.errors import LoopRLError
 from looprl.forward import score
 from looprl.forward.routing import RouterLoad, router_metrics
 from looprl.forward.score import prompt_length, sequence_logprobs
 from looprl.loop.dist import Dist
 from looprl.loop.policy import Policy
+from looprl.model.load import base_model
 from looprl.model.memory import release_free_memory
 from looprl.types import Episode
 
@@ -121,6 +135,7 @@ def update_policy(
     seed: int,
     state: UpdateState,
     dist: Dist | None = None,
+    fresh: bool = False,
 ) -> dict[str, Any]:
     """`algo.num_minibatches` optimizer updates on one rollout batch: the members of
     `groups` that take part (`Group.learners`; with `views`, their decision views).
@@ -128,6 +143,9 @@ def update_policy(
     `group_size` episodes of one task form a group; `max_tokens` is the generation budget
     of one episode (the constant length of Dr.GRPO's normaliser); `seed` shuffles this
     step's groups into minibatches. Each episode is scored at its own sampling temperature.
+    `fresh`: the episodes were sampled by `policy.engine` since the policy's last update
+    (not replayed, not by an overlapped rollout replica); where that engine samples from
+    the policy module itself, its logprobs stand in for the old-logprob pass (module doc).
 
     Over several processes (`dist`), `groups` is this rank's share; the minibatches, the
     loss normaliser, the gradient and the returned stats are those of the whole batch over
@@ -158,20 +176,25 @@ def update_policy(
                 values += [logp_BK[row][mask_BK[row]].float().cpu() for row in range(len(chunk))]
         return values
 
-    # old logprobs from the trainer's own forward pass, before any update; the gap to
-    # the engine's sampling logprobs is the token-parity check. Only the episodes that
-    # can move the loss need them: A = 0 episodes are skipped below (unless the KL term
-    # needs them); with none left on any rank, one group per rank still measures the gap.
+    # Old logprobs, before any update. Only the episodes that can move the loss need
+    # them: A = 0 episodes are skipped below (unless the KL term needs them); with none
+    # left on any rank, one group per rank still measures the engine-vs-trainer gap.
     learning = [s for s in batch if moves(s.advantage) or algo.kl_coef > 0]
     anyone_learning = dist.all_reduce([len(learning)])[0] > 0
     scored = learning if anyone_learning else batch[:group_size]
+    reuse = fresh and anyone_learning and samples_policy_exactly(policy)
+    own_pass = [s for s in scored if s.episode.expert] if reuse else scored
+    load = RouterLoad(model)  # MoE models: tokens per expert in the first full pass
     model.eval()
-    with RouterLoad(model) as load:  # MoE models: tokens per expert in this pass
-        old = retry_on_oom(lambda budget: masked_values(scored, budget), state, optimizer)
-    for sample, values in zip(scored, old, strict=True):
+    with nullcontext() if reuse else load:
+        old = retry_on_oom(lambda budget: masked_values(own_pass, budget), state, optimizer)
+    for sample, values in zip(own_pass, old, strict=True):
         sample.old = values
-    if load.counts_LE is not None or (dist.world > 1 and load.routers):
-        out["router"] = _gathered_router_metrics(load, dist)
+    # (trainer's, engine's) logprobs of sampled tokens before any weight moved
+    checks = [] if reuse else [(s.old, s.sampled) for s in scored if not s.episode.expert]
+    for sample in scored if reuse else []:
+        if not sample.episode.expert:
+            sample.old = sample.sampled  # the engine's, exact to rounding (module doc)
     if algo.kl_coef > 0:
         with model.disable_adapter():
             ref = retry_on_oom(lambda budget: masked_values(scored, budget), state, optimizer)
@@ -179,27 +202,24 @@ def update_policy(
             sample.ref = values
     model.train()
 
-    gaps = [(s.old - s.sampled).abs().mean().item() for s in scored if not s.episode.expert]
-    gap_sum, gap_count = dist.all_reduce([float(np.sum(gaps)), len(gaps)])
-    out["logprob_gap"] = gap_sum / gap_count if gap_count else float("nan")
-    # the sampling policy's KL to the trainer's, per token (k3 over the sampled tokens):
-    # the off-policy gap that overlapped rollouts add to the engine's numerics
-    kls = [k3_kl(s.sampled, s.old) for s in scored if not s.episode.expert]
-    kl_sum, kl_count = dist.all_reduce([float(sum(k.sum().item() for k in kls)),
-                                        sum(k.numel() for k in kls)])  # fmt: skip
-    out["mismatch_kl"] = kl_sum / kl_count if kl_count else float("nan")
-
     loss_fn = LOSSES[algo.name]
+    moved = False  # whether an optimizer step has changed the weights yet
 
-    def backward(minibatch: list[Scored], normalizer: Normalizer, budget: int) -> dict[str, float]:
+    def backward(minibatch: list[Scored], normalizer: Normalizer, budget: int) -> dict[str, Any]:
         """Accumulate the gradient of this rank's part of one minibatch's loss."""
         # A = 0 sequences add nothing to the policy-gradient loss: skip their forward
         # pass (unless the KL term needs them); they still count in the normaliser.
         active = [s for s in minibatch if moves(s.advantage) or algo.kl_coef > 0]
         optimizer.zero_grad(set_to_none=True)
-        acc = {"loss": 0.0, "units": 0.0, "clipped": 0.0, "ratio_max": 1.0, "tokens": 0}
+        acc = {"loss": 0.0, "units": 0.0, "clipped": 0.0, "ratio_max": 1.0, "tokens": 0,
+               "checks": []}  # fmt: skip
         for chunk in scored_chunks(active, budget):
             logp_BK, mask_BK = logprobs(chunk)
+            if reuse and not moved:  # the trainer's logprobs before any update: the gap
+                acc["checks"] += [
+                    (logp_BK[row][mask_BK[row]].detach().float().cpu(), s.sampled)
+                    for row, s in enumerate(chunk) if not s.episode.expert
+                ]  # fmt: skip
             old_BK = torch.zeros_like(logp_BK)
             old_BK[mask_BK] = torch.cat([s.old for s in chunk]).to(old_BK)
             if algo.tis_cap is not None:  # off-policy correction (algo/tis.py)
@@ -226,35 +246,44 @@ def update_policy(
         return acc
 
     losses, clips, norms = [], [], []
-    for minibatch in minibatches(task_units(batch), algo.num_minibatches, seed=seed, dist=dist):
-        # the whole minibatch's counts, over all ranks: each loss divides by its own
-        # (algo/losses.py)
-        sequences, tokens = dist.all_reduce(
-            [len(minibatch), sum(s.episode.response_len for s in minibatch)]
-        )
-        normalizer = Normalizer(sequences=sequences, tokens=tokens, max_tokens=max_tokens)
-        acc = retry_on_oom(
-            lambda budget, mb=minibatch, n=normalizer: backward(mb, n, budget), state, optimizer
-        )
-        dist.sum_gradients(policy.trainable_parameters())
-        keys = ("loss", "units", "clipped", "tokens")
-        acc.update(zip(keys, dist.all_reduce([acc[k] for k in keys])))
-        acc["ratio_max"] = dist.all_reduce([acc["ratio_max"]], op="max")[0]
-        if not acc["tokens"]:
-            continue  # every advantage was 0: nothing to learn from this minibatch
-        out["tokens"] += int(acc["tokens"])
-        out["ratio_max"] = max(out["ratio_max"], acc["ratio_max"])
-        norm = torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), train.max_grad_norm)
-        if not (np.isfinite(acc["loss"]) and torch.isfinite(norm)):
-            optimizer.zero_grad(set_to_none=True)  # skip: weights and optimizer untouched
-            out["skipped"] += 1
-            continue
-        optimizer.step()
-        out["updated"] += 1
-        losses.append(acc["loss"])
-        clips.append(acc["clipped"] / max(acc["units"], 1))
-        norms.append(float(norm))
+    with load if reuse else nullcontext():
+        for minibatch in minibatches(task_units(batch), algo.num_minibatches, seed=seed, dist=dist):
+            # the whole minibatch's counts, over all ranks: each loss divides by its own
+            # (algo/losses.py)
+            sequences, tokens = dist.all_reduce(
+                [len(minibatch), sum(s.episode.response_len for s in minibatch)]
+            )
+            normalizer = Normalizer(sequences=sequences, tokens=tokens, max_tokens=max_tokens)
+            acc = retry_on_oom(
+                lambda budget, mb=minibatch, n=normalizer: backward(mb, n, budget),
+                state, optimizer,
+            )  # fmt: skip
+            checks += acc.pop("checks")
+            dist.sum_gradients(policy.trainable_parameters())
+            keys = ("loss", "units", "clipped", "tokens")
+            acc.update(zip(keys, dist.all_reduce([acc[k] for k in keys])))
+            acc["ratio_max"] = dist.all_reduce([acc["ratio_max"]], op="max")[0]
+            if not acc["tokens"]:
+                continue  # every advantage was 0: nothing to learn from this minibatch
+            out["tokens"] += int(acc["tokens"])
+            out["ratio_max"] = max(out["ratio_max"], acc["ratio_max"])
+            norm = torch.nn.utils.clip_grad_norm_(
+                policy.trainable_parameters(), train.max_grad_norm
+            )
+            if not (np.isfinite(acc["loss"]) and torch.isfinite(norm)):
+                optimizer.zero_grad(set_to_none=True)  # skip: weights and optimizer untouched
+                out["skipped"] += 1
+                continue
+            optimizer.step()
+            moved = True
+            out["updated"] += 1
+            losses.append(acc["loss"])
+            clips.append(acc["clipped"] / max(acc["units"], 1))
+            norms.append(float(norm))
     optimizer.zero_grad(set_to_none=True)
+    if load.counts_LE is not None or (dist.world > 1 and load.routers):
+        out["router"] = _gathered_router_metrics(load, dist)
+    out.update(_gap_stats(checks, dist))
     release_free_memory()
     out.update(
         loss=float(np.mean(losses)) if losses else float("nan"),
@@ -262,6 +291,45 @@ def update_policy(
         grad_norm=float(np.mean(norms)) if norms else float("nan"),
     )
     return out
+
+
+def samples_policy_exactly(policy: Policy) -> bool:
+    """Whether the policy's engine samples from the policy module itself, in its own
+    dtype and with no dropout: then the engine's logprobs of fresh episodes are the
+    trainer's old logprobs, to float32 rounding."""
+    engine = policy.engine
+    if not isinstance(engine, HFEngine) or engine.policy_model is not policy.model:
+        return False
+    dtype = next(policy.model.parameters()).dtype
+    if engine.sampler_dtype not in (None, dtype):
+        return False
+    return not has_dropout(policy.model)
+
+
+def has_dropout(model: torch.nn.Module) -> bool:
+    """Any dropout that training mode turns on: a dropout module, or the attention's
+    (`attention_dropout` in the model's config)."""
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        return True
+    config = getattr(base_model(model), "config", None)
+    return bool(getattr(config, "attention_dropout", 0.0))
+
+
+def _gap_stats(checks: list[tuple[torch.Tensor, torch.Tensor]], dist: Dist) -> dict[str, float]:
+    """The token-parity check, over (trainer's, engine's) logprobs of sampled tokens
+    before any update: `logprob_gap`, their mean absolute difference per episode, and
+    `mismatch_kl`, the sampling policy's KL to the trainer's per token (k3 over the
+    sampled tokens: the off-policy gap that overlapped rollouts add to the engine's
+    numerics)."""
+    gaps = [(trainer - engine).abs().mean().item() for trainer, engine in checks]
+    gap_sum, gap_count = dist.all_reduce([float(np.sum(gaps)), len(gaps)])
+    kls = [k3_kl(engine, trainer) for trainer, engine in checks]
+    kl_sum, kl_count = dist.all_reduce([float(sum(k.sum().item() for k in kls)),
+                                        sum(k.numel() for k in kls)])  # fmt: skip
+    return {
+        "logprob_gap": gap_sum / gap_count if gap_count else float("nan"),
+        "mismatch_kl": kl_sum / kl_count if kl_count else float("nan"),
+    }
 
 
 def advantage_tensor(advantages: list[Advantage]) -> torch.Tensor:
