@@ -83,7 +83,8 @@ class Run:
     per-step records of its metrics.jsonl, the largest resident set of its whole process
     tree seen at one moment, the same for each phase its progress lines named (`load
     model`, `baseline eval`, `training`, ...; `other` between them), and the last lines
-    of its stderr. The tree figures are sampled every `sample_s`."""
+    of its stderr. The tree figures are sampled every `sample_s`; `phase_seconds` is the
+    wall-clock each phase took (a phase entered twice, like `other`, summed)."""
 
     out: Path
     returncode: int
@@ -92,6 +93,7 @@ class Run:
     metrics: list[dict[str, Any]]
     tree_peak_bytes: int = 0
     phase_peak_gb: dict[str, float] = field(default_factory=dict)
+    phase_seconds: dict[str, float] = field(default_factory=dict)
     stderr_tail: str = ""
 
 
@@ -114,6 +116,8 @@ def looprl_run(
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     state: dict[str, Any] = {"phase": "other", "peak": {}, "done": False}
     start = time.perf_counter()
+    seconds: dict[str, float] = {}
+    since = start
     child = subprocess.Popen(
         command,
         stdout=None if echo else subprocess.DEVNULL,
@@ -139,7 +143,13 @@ def looprl_run(
         if echo:
             sys.stderr.write(line)
         tail = (tail + [line])[-40:]
-        state["phase"] = phase_of(line, state["phase"])
+        phase = phase_of(line, state["phase"])
+        if phase != state["phase"]:
+            now = time.perf_counter()
+            seconds[state["phase"]] = seconds.get(state["phase"], 0.0) + now - since
+            since = now
+        state["phase"] = phase
+    seconds[state["phase"]] = seconds.get(state["phase"], 0.0) + time.perf_counter() - since
     state["done"] = True  # stderr closed: the run has ended, or is ending
     sampler.join()
     _, status, usage = os.wait4(child.pid, 0)  # the child's own peak, not every child's
@@ -153,6 +163,7 @@ def looprl_run(
         metrics=read_jsonl(out / "metrics.jsonl"),
         tree_peak_bytes=max(state["peak"].values(), default=0),
         phase_peak_gb={k: round(v / 1e9, 2) for k, v in state["peak"].items() if v > 0},
+        phase_seconds={k: round(v, 1) for k, v in seconds.items()},
         stderr_tail="".join(tail),
     )
 

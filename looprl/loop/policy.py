@@ -23,6 +23,7 @@ from looprl.loop.optim import quiet_bitsandbytes
 from looprl.loop.progress import Progress
 from looprl.model.arch import fast_paths, lora_targets
 from looprl.model.load import base_model, load_causal_lm, load_tokenizer
+from looprl.model.memory import checkpoint_layers
 
 
 @dataclass
@@ -66,14 +67,25 @@ def load_policy(cfg: Config) -> Policy:
     notice = fast_paths(model.config).notice()
     if notice is not None:
         print(f"note: {notice}", file=sys.stderr)
-    if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
     if cfg.model.lora.enabled:
         model = add_lora(model, cfg.model.lora)
-        if cfg.model.gradient_checkpointing:
-            model.enable_input_require_grads()
+    if cfg.model.gradient_checkpointing:
+        enable_checkpointing(model)
     return Policy(model, tokenizer, renderer, make_engine(cfg, model, tokenizer, renderer), device)
+
+
+def enable_checkpointing(model: Any) -> None:
+    """model.gradient_checkpointing: each decoder layer recomputed in the backward pass,
+    the trainer's shared-prompt forward kept (model/memory.py). A model whose layers are
+    not transformers' checkpointable kind gets transformers' own switch, which drops the
+    KV cache: the trainer then runs whole sequences (forward/score.py)."""
+    if checkpoint_layers(model):
+        return
+    base = base_model(model)
+    base.gradient_checkpointing_enable()
+    base.config.use_cache = False
+    if base is not model:  # LoRA: the frozen embeddings' output must carry a gradient
+        model.enable_input_require_grads()
 
 
 def make_engine(cfg: Config, model: Any, tokenizer: Any, renderer: ChatRenderer) -> HFEngine:
