@@ -250,8 +250,10 @@ def test_concurrent_requests_decode_in_one_batch(model):
         ({"model": "tiny-random", "messages": HI,
           "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
          400, "response_format.json_schema"),
-        ({"model": "tiny-random", "messages": HI, "response_format": {"type": "json_object"},
-          "tools": TOOLS, "tool_choice": "required"}, 400, "response_format"),
+        ({"model": "tiny-random", "messages": HI, "tools": TOOLS, "tool_choice": "required",
+          "response_format": {"type": "json_schema",
+                              "json_schema": {"name": "x", "schema": {"type": "blob"}}}},
+         400, "response_format.json_schema.schema"),
         ({"model": "tiny-random", "messages": HI, "max_tokens": 5000}, 400, "max_tokens"),
     ],
 )  # fmt: skip
