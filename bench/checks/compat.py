@@ -5,12 +5,15 @@
 
 Each check makes real requests and prints one line: library, what was tried, OK or FAIL
 (with the error) or SKIP (library not installed). The official `openai` client is always
-checked; langchain-openai, litellm, pydantic-ai, instructor and llama-index (its
-OpenAI-like LLM) when they are importable: they are not looprl dependencies (the
-`compat` extra installs them). With `--url` the script needs only the client libraries,
-so it can run in another environment than the server. The replies are tiny models'
-replies: the checks test the protocol (the client accepts the reply, structured output
-parses into its type, streams arrive in pieces), not what the model says. Ends with
+checked; openai-agents, langchain-openai, litellm, pydantic-ai, instructor and
+llama-index (its OpenAI-like LLM) when they are importable: they are not looprl
+dependencies (the `compat` extra installs them). With `--url` the script needs only the
+client libraries, so it can run in another environment than the server (pass the
+server's `--api-key` too, for the check of the lower-case `bearer` scheme). The replies
+are tiny models' replies: the checks test the protocol (the client accepts the reply,
+structured output parses into its type, streams arrive in pieces), not what the model
+says. Nested pydantic models (`Plan`: their JSON schemas carry `$defs` and `$ref`s) go
+through every library's default tool and structured-output paths. Ends with
 `RESULT compat_ok=… compat_fail=… compat_skip=…`.
 """
 
@@ -52,6 +55,19 @@ class Move(BaseModel):
     reason: Literal["win", "block", "centre", "other"]
 
 
+class Square(BaseModel):
+    row: int = Field(ge=1, le=3)
+    col: int = Field(ge=1, le=3)
+
+
+class Plan(BaseModel):
+    """A move with nested models: its schema refers to Square under $defs."""
+
+    at: Square = Field(description="where to play")
+    then: list[Square] = Field(max_length=1)
+    reason: Literal["win", "block", "centre", "other"]
+
+
 def choose_square(square: int) -> str:
     """Put your mark on a square of the tic-tac-toe board (1-9)."""
     return f"X took {square}"
@@ -60,6 +76,7 @@ def choose_square(square: int) -> str:
 CHECKS: list[tuple[str, str, Callable[[Any], str]]] = []
 MODULES = {  # library → its top-level modules: missing, the library's checks are skipped
     "openai": {"openai"},
+    "openai-agents": {"agents"},
     "langchain-openai": {"langchain_openai", "langchain_core"},
     "litellm": {"litellm"},
     "pydantic-ai": {"pydantic_ai"},
@@ -77,13 +94,24 @@ def check(library: str, what: str) -> Callable:
 
 
 class Target:
-    def __init__(self, url: str, model: str) -> None:
-        self.url, self.model, self.base = url, model, f"{url}/v1"
+    def __init__(
+        self, url: str, model: str, key: str = "none", encode: Callable | None = None
+    ) -> None:
+        self.url, self.model, self.base, self.key = url, model, f"{url}/v1", key
+        self.encode = encode  # text → the served model's token ids (None: unknown)
 
     def openai(self) -> Any:
         import openai
 
-        return openai.OpenAI(base_url=self.base, api_key="none", max_retries=0, timeout=600)
+        return openai.OpenAI(base_url=self.base, api_key=self.key, max_retries=0, timeout=600)
+
+    def post(self, path: str, body: dict, authorization: str | None = None) -> tuple[int, Any]:
+        """(status, JSON body) of a POST with the given Authorization header."""
+        import httpx
+
+        headers = {"Authorization": authorization or f"Bearer {self.key}"}
+        reply = httpx.post(self.base + path, json=body, headers=headers, timeout=600)
+        return reply.status_code, reply.json()
 
 
 # ---------------------------------------------------------------- openai
@@ -212,13 +240,178 @@ def _top_logprobs(t: Target) -> str:
     return f"{len(content)} tokens x 5 alternatives"
 
 
+@check("openai", "pydantic_function_tool(nested), required")
+def _nested_tool(t: Target) -> str:
+    import openai
+
+    reply = t.openai().chat.completions.parse(
+        model=t.model, messages=ASK, tools=[openai.pydantic_function_tool(Plan)],
+        tool_choice="required", max_tokens=96,
+    )  # fmt: skip
+    (call,) = reply.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, Plan)
+    return call.function.arguments
+
+
+@check("openai", "chat.completions.parse(nested Pydantic)")
+def _nested_parse(t: Target) -> str:
+    reply = t.openai().chat.completions.parse(
+        model=t.model, messages=ASK, response_format=Plan, max_tokens=96
+    )
+    parsed = reply.choices[0].message.parsed
+    assert isinstance(parsed, Plan)
+    return parsed.model_dump_json()
+
+
+@check("openai", "responses.parse(text_format=nested Pydantic)")
+def _nested_responses(t: Target) -> str:
+    reply = t.openai().responses.parse(
+        model=t.model, input=ASK[0]["content"], text_format=Plan, max_output_tokens=96
+    )
+    assert isinstance(reply.output_parsed, Plan)
+    return reply.output_parsed.model_dump_json()
+
+
+@check("openai", "response_format + tool_choice=required")
+def _format_and_forced(t: Target) -> str:
+    """OpenAI's rule: the forced call is the reply; the format is for a text reply."""
+    client = t.openai()
+    schema = {"name": "plan", "schema": Plan.model_json_schema()}
+    reply = client.chat.completions.create(
+        model=t.model, messages=ASK, tools=[SQUARE], tool_choice="required", max_tokens=48,
+        response_format={"type": "json_schema", "json_schema": schema},
+    )  # fmt: skip
+    (call,) = reply.choices[0].message.tool_calls
+    text_format = {"type": "json_schema", **schema}
+    response = client.responses.create(
+        model=t.model, input=ASK[0]["content"], tools=[{"type": "function", **SQUARE["function"]}],
+        tool_choice="required", max_output_tokens=48, text={"format": text_format},
+    )  # fmt: skip
+    assert [item.type for item in response.output] == ["function_call"]
+    return f"chat: {call.function.name}, responses: {response.output[0].name}"
+
+
+@check("openai", "logit_bias (chat, completions)")
+def _logit_bias(t: Target) -> str:
+    """+100 on a token id forces it (greedy or sampled), -100 on the greedy reply's first
+    token bans it (with the served model's tokenizer), a bad key is a 400."""
+    client = t.openai()
+    greedy = dict(model=t.model, messages=ASK, max_tokens=4, temperature=0, logprobs=True)
+    forced = client.chat.completions.create(**greedy, logit_bias={"28": 100})
+    tokens = [token.token for token in forced.choices[0].logprobs.content]
+    assert len(tokens) == 4 and len(set(tokens)) == 1, tokens
+    text = (
+        client.completions.create(
+            model=t.model, prompt="1, 2, 3,", max_tokens=3, temperature=1.0, logit_bias={"28": 100}
+        )
+        .choices[0]
+        .text
+    )
+    assert text == tokens[0] * 3, (text, tokens)
+    detail = f"+100 on id 28: {tokens[0] * 4!r} (chat), {text!r} (completions)"
+    if t.encode is not None:
+        plain = client.chat.completions.create(**greedy)
+        first = plain.choices[0].logprobs.content[0].token
+        banned = client.chat.completions.create(
+            **greedy, logit_bias={str(t.encode(first)[0]): -100}
+        )
+        assert banned.choices[0].logprobs.content[0].token != first
+        detail += f"; -100 bans the greedy {first!r}"
+    status, refused = t.post("/chat/completions", {**greedy, "logit_bias": {"x": 1}})
+    assert status == 400 and refused["error"]["param"] == "logit_bias", refused
+    return detail
+
+
+@check("openai", "Authorization: bearer KEY (lower case)")
+def _bearer(t: Target) -> str:
+    body = {"model": t.model, "messages": ASK, "max_tokens": 2}
+    status, reply = t.post("/chat/completions", body, f"bearer {t.key}")
+    assert status == 200, reply
+    status, _ = t.post("/chat/completions", body, "bearer not-the-key")
+    assert status == 401, "the server takes any key: start it with --api-key and pass it here"
+    return "200 with the key, 401 without"
+
+
+@check("openai", "Responses over the token limit")
+def _responses_limit(t: Target) -> str:
+    status, reply = t.post("/responses", {"model": t.model, "input": "hi",
+                                          "max_output_tokens": 10**9})  # fmt: skip
+    message = reply["error"]["message"]
+    assert status == 400 and reply["error"]["param"] == "max_output_tokens", reply
+    assert "max_output_tokens" in message and "max_completion_tokens" not in message, message
+    return message[:80]
+
+
+# ---------------------------------------------------------------- openai-agents
+
+
+def _agents_run(t: Target, api: str, **kwargs: Any) -> Any:
+    import asyncio
+
+    import openai
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)
+
+    async def go() -> Any:
+        async with openai.AsyncOpenAI(base_url=t.base, api_key=t.key, max_retries=0) as client:
+            kind = OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel
+            agent = Agent(
+                name="player", instructions="Play tic-tac-toe.", model=kind(t.model, client),
+                model_settings=ModelSettings(tool_choice="required", max_tokens=96),
+                tool_use_behavior="stop_on_first_tool", **kwargs,
+            )  # fmt: skip
+            return (await Runner.run(agent, ASK[0]["content"], max_turns=2)).final_output
+
+    return asyncio.run(go())
+
+
+def _plan_tool(played: list[Any]) -> Any:
+    from agents import function_tool
+
+    @function_tool(failure_error_function=None)
+    def play(plan: Plan) -> str:
+        """Play a planned move."""
+        played.append(plan)
+        return plan.model_dump_json()
+
+    return play
+
+
+@check("openai-agents", "function_tool(nested Pydantic arg), required")
+def _agents_tool(t: Target) -> str:
+    played: list[Any] = []
+    out = _agents_run(t, "responses", tools=[_plan_tool(played)])
+    assert len(played) == 1 and isinstance(played[0], Plan)
+    return out
+
+
+@check("openai-agents", "output_type + tool_choice=required (chat)")
+def _agents_output_chat(t: Target) -> str:
+    played: list[Any] = []
+    return _agents_run(t, "chat", tools=[_plan_tool(played)], output_type=Plan)
+
+
+@check("openai-agents", "output_type + tool_choice=required (responses)")
+def _agents_output_responses(t: Target) -> str:
+    played: list[Any] = []
+    return _agents_run(t, "responses", tools=[_plan_tool(played)], output_type=Plan)
+
+
 # ---------------------------------------------------------------- langchain
 
 
 def _langchain(t: Target) -> Any:
     from langchain_openai import ChatOpenAI
 
-    return ChatOpenAI(model=t.model, base_url=t.base, api_key="none", max_tokens=64,
+    return ChatOpenAI(model=t.model, base_url=t.base, api_key=t.key, max_tokens=64,
                       max_retries=0)  # fmt: skip
 
 
@@ -241,6 +434,11 @@ def _lc_structured(t: Target) -> str:
     return _langchain(t).with_structured_output(Move).invoke(ASK[0]["content"]).model_dump_json()
 
 
+@check("langchain-openai", "with_structured_output(nested Pydantic)")
+def _lc_nested(t: Target) -> str:
+    return _langchain(t).with_structured_output(Plan).invoke(ASK[0]["content"]).model_dump_json()
+
+
 @check("langchain-openai", "stream")
 def _lc_stream(t: Target) -> str:
     pieces = [chunk.content for chunk in _langchain(t).stream("Count to five.") if chunk.content]
@@ -255,7 +453,7 @@ def _litellm(t: Target, **kwargs: Any) -> Any:
     import litellm
 
     return litellm.completion(
-        model=f"openai/{t.model}", api_base=t.base, api_key="none", messages=ASK,
+        model=f"openai/{t.model}", api_base=t.base, api_key=t.key, messages=ASK,
         max_tokens=64, **kwargs,
     )  # fmt: skip
 
@@ -277,6 +475,15 @@ def _ll_structured(t: Target) -> str:
     return Move.model_validate_json(content).model_dump_json()
 
 
+@check("litellm", "tools (nested Pydantic), tool_choice=required")
+def _ll_nested(t: Target) -> str:
+    import openai
+
+    tool = openai.pydantic_function_tool(Plan)
+    (call,) = _litellm(t, tools=[tool], tool_choice="required").choices[0].message.tool_calls
+    return Plan.model_validate_json(call.function.arguments).model_dump_json()
+
+
 @check("litellm", "stream")
 def _ll_stream(t: Target) -> str:
     pieces = [c.choices[0].delta.content for c in _litellm(t, stream=True)
@@ -288,13 +495,13 @@ def _ll_stream(t: Target) -> str:
 # ---------------------------------------------------------------- pydantic-ai
 
 
-def _pydantic_ai(t: Target, **kwargs: Any) -> Any:
+def _pydantic_ai(t: Target, max_tokens: int = 64, **kwargs: Any) -> Any:
     from pydantic_ai import Agent
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
-    model = OpenAIChatModel(t.model, provider=OpenAIProvider(base_url=t.base, api_key="none"))
-    return Agent(model, model_settings={"max_tokens": 64}, **kwargs)
+    model = OpenAIChatModel(t.model, provider=OpenAIProvider(base_url=t.base, api_key=t.key))
+    return Agent(model, model_settings={"max_tokens": max_tokens}, **kwargs)
 
 
 @check("pydantic-ai", "Agent.run_sync (text)")
@@ -305,6 +512,12 @@ def _pa_text(t: Target) -> str:
 @check("pydantic-ai", "Agent(output_type=Pydantic)")
 def _pa_structured(t: Target) -> str:
     return _pydantic_ai(t, output_type=Move).run_sync(ASK[0]["content"]).output.model_dump_json()
+
+
+@check("pydantic-ai", "Agent(output_type=nested Pydantic)")
+def _pa_nested(t: Target) -> str:
+    agent = _pydantic_ai(t, max_tokens=96, output_type=Plan)
+    return agent.run_sync(ASK[0]["content"]).output.model_dump_json()
 
 
 # ---------------------------------------------------------------- instructor
@@ -332,13 +545,36 @@ def _in_json(t: Target) -> str:
     return move.model_dump_json()
 
 
+@check("instructor", "response_model=nested Pydantic (TOOLS mode)")
+def _in_nested(t: Target) -> str:
+    import instructor
+
+    client = instructor.from_openai(t.openai())
+    plan = client.chat.completions.create(
+        model=t.model, messages=ASK, response_model=Plan, max_tokens=96, max_retries=0
+    )
+    return plan.model_dump_json()
+
+
+@check("instructor", "response_model (RESPONSES_TOOLS mode)")
+def _in_responses(t: Target) -> str:
+    import instructor
+
+    client = instructor.from_openai(t.openai(), mode=instructor.Mode.RESPONSES_TOOLS)
+    plan = client.responses.create(
+        model=t.model, input=ASK[0]["content"], response_model=Plan, max_output_tokens=96,
+        max_retries=0,
+    )  # fmt: skip
+    return plan.model_dump_json()
+
+
 # ---------------------------------------------------------------- llama-index
 
 
 def _llama_index(t: Target) -> Any:
     from llama_index.llms.openai_like import OpenAILike
 
-    return OpenAILike(model=t.model, api_base=t.base, api_key="none", max_tokens=64,
+    return OpenAILike(model=t.model, api_base=t.base, api_key=t.key, max_tokens=64,
                       is_chat_model=True, is_function_calling_model=True,
                       context_window=2048, max_retries=0)  # fmt: skip
 
@@ -368,6 +604,18 @@ def _li_structured(t: Target) -> str:
     return _llama_index(t).structured_predict(Move, prompt).model_dump_json()
 
 
+@check("llama-index", "structured_predict / as_structured_llm (nested)")
+def _li_nested(t: Target) -> str:
+    from llama_index.core.llms import ChatMessage
+    from llama_index.core.prompts import PromptTemplate
+
+    llm = _llama_index(t)
+    plan = llm.structured_predict(Plan, PromptTemplate(ASK[0]["content"]))
+    reply = llm.as_structured_llm(Plan).chat([ChatMessage(role="user", content="Your move?")])
+    assert isinstance(plan, Plan) and isinstance(reply.raw, Plan)
+    return plan.model_dump_json()
+
+
 # ---------------------------------------------------------------- running
 
 
@@ -377,8 +625,10 @@ def own_server(model: str, device: str) -> Iterator[Target]:
     from looprl.apps.serve import create_app, serving
 
     chat_model = load_chat_model(model, device=device)
-    with serving(create_app(chat_model)) as url:
-        yield Target(url, chat_model.name)
+    key = "compat-check-key"
+    with serving(create_app(chat_model, api_key=key)) as url:
+        encode = lambda text: chat_model.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        yield Target(url, chat_model.name, key, encode)
 
 
 def run(target: Target, libraries: set[str] | None) -> tuple[int, int, int]:
@@ -400,7 +650,7 @@ def run(target: Target, libraries: set[str] | None) -> tuple[int, int, int]:
         counts[status] += 1
         seconds = time.perf_counter() - start
         line = " ".join(str(detail).split())[:110]
-        print(f"{library:17} {what:42} {status:4} {seconds:5.1f}s  {line}", flush=True)
+        print(f"{library:17} {what:48} {status:4} {seconds:5.1f}s  {line}", flush=True)
     return counts["OK"], counts["FAIL"], counts["SKIP"]
 
 
@@ -409,11 +659,13 @@ def main() -> None:
     parser.add_argument("--url", help="a running server (default: start one on 127.0.0.1)")
     parser.add_argument("--model", default="smollm2-135m", help="model id (or model to serve)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--api-key", default="none", help="the running server's --api-key")
     parser.add_argument("--only", default="", help="comma-separated libraries to check")
     args = parser.parse_args()
     libraries = set(filter(None, args.only.split(",")))
     if args.url:
-        ok, failed, skipped = run(Target(args.url.rstrip("/"), args.model), libraries)
+        target = Target(args.url.rstrip("/"), args.model, args.api_key)
+        ok, failed, skipped = run(target, libraries)
     else:
         with own_server(args.model, args.device) as target:
             ok, failed, skipped = run(target, libraries)
