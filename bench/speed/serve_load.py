@@ -1,23 +1,24 @@
 """`looprl serve` under load, side by side with vLLM's OpenAI server on the same model.
 
     .venv/bin/python bench/speed/serve_load.py [--model smollm2-135m] [--tries 20]
-        [--concurrency 32 100] [--max-tokens 64] [--long-tokens 600] [--no-vllm]
+        [--concurrency 32 100] [--max-tokens 64] [--long-tokens 600] [--servers looprl vllm]
 
-Starts `looprl serve MODEL` (and, unless --no-vllm, `vllm.entrypoints.openai.api_server`
-from `.venv-vllm` on the same saved model folder, float32, eager, 2 GiB of KV cache) as
-child processes on free local ports, one after the other, and drives each with the
-official `openai` client:
+Starts `looprl serve MODEL` and `vllm.entrypoints.openai.api_server` from `.venv-vllm`
+(on the same saved model folder, float32, eager, 2 GiB of KV cache, hermes tool calls) as
+child processes on free local ports and drives each with the official `openai` client,
+taking turns (one server works while the other idles) measurement by measurement:
 
-(a) head-of-line blocking: a 600-token generation runs (restarted whenever it ends)
-    while 2-token requests are sent one at a time; latency of each of `--tries`.
+(a) head-of-line blocking: a 600-token reply streams, and once it is decoding a 2-token
+    request is sent and timed (then the long one is cancelled); `--tries` times.
 (b) throughput: `--concurrency` N chat requests with the tic-tac-toe move tool
     (tool_choice `--tool-choice`, temperature 1, `--max-tokens`) sent at once; the
     completion tokens/s and requests/s over the burst's wall-clock, and the p50/p99
     latency of its requests.
 
-Prints a table (medians and percentiles) and ends with `RESULT short_p50_s=…
-looprl_tok_s_32=… vllm_tok_s_32=… …`. Both servers run on the same CPU one after the
-other, never at once; on a shared machine only ratios from one run mean much.
+Prints a table (medians and percentiles) and ends with `RESULT looprl_short_p50_s=…
+vllm_short_p50_s=… looprl_tok_s_32=… vllm_tok_s_32=… … tok_s_ratio_32=…`. Both servers
+run on the same CPU, never working at once; on a shared machine only ratios from one run
+mean much.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -82,35 +82,27 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def short_latencies(client: openai.OpenAI, model: str, tries: int, long_tokens: int) -> list[float]:
-    """(a): 2-token requests, one at a time, while a long generation runs throughout."""
-    running = threading.Event()
-    stopping = threading.Event()
-
-    def keep_long() -> None:
-        while not stopping.is_set():
-            running.set()
-            client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": LONG_PROMPT}],
-                max_tokens=long_tokens, temperature=1.0,
-            )  # fmt: skip
-
-    thread = threading.Thread(target=keep_long, daemon=True)
-    thread.start()
-    running.wait()
-    time.sleep(2.0)  # the long one is past its prefill and decoding
-    out = []
-    for _ in range(tries):
-        start_s = time.perf_counter()
-        client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": SHORT_PROMPT}], max_tokens=2,
-            temperature=0.0,
-        )  # fmt: skip
-        out.append(time.perf_counter() - start_s)
-        time.sleep(0.2)
-    stopping.set()
-    thread.join()
-    return out
+def short_latency(client: openai.OpenAI, model: str, long_tokens: int) -> float:
+    """(a), one try: a `long_tokens` reply streams; once its first token is there, a
+    2-token request is sent and timed; then the long one is cancelled (stream closed)."""
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": LONG_PROMPT}],
+        max_tokens=long_tokens, temperature=1.0, stream=True,
+    )  # fmt: skip
+    tokens = 0
+    for chunk in stream:
+        tokens += bool(chunk.choices and chunk.choices[0].delta.content)
+        if tokens >= 2:  # past its prefill, decoding
+            break
+    start_s = time.perf_counter()
+    client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": SHORT_PROMPT}], max_tokens=2,
+        temperature=0.0,
+    )  # fmt: skip
+    took = time.perf_counter() - start_s
+    stream.close()
+    time.sleep(1.0)  # the server drops the cancelled generation
+    return took
 
 
 def tool_requests(n: int) -> list[dict]:
@@ -150,22 +142,52 @@ def burst(
     }  # fmt: skip
 
 
-def measure(name: str, url: str, model: str, args) -> dict:
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=1800)
-    client.chat.completions.create(  # warm-up
-        model=model, messages=[{"role": "user", "content": SHORT_PROMPT}], max_tokens=4
-    )
-    found: dict = {"short": short_latencies(client, model, args.tries, args.long_tokens)}
-    print(f"{name}: 2-token latency p50 {median(found['short']):.2f} s", flush=True)
-    burst(client, model, 8, args.max_tokens, args.tool_choice)  # warm-up: grammars, shapes
+def measure(clients: dict[str, openai.OpenAI], model: str, args) -> dict[str, dict]:
+    """Every measurement on each server in turn (interleaved), so that both see the
+    same load of a shared CPU."""
+    found: dict[str, dict] = {name: {"short": []} for name in clients}
+    for client in clients.values():  # warm-up: first-call costs, grammars, shapes
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": SHORT_PROMPT}], max_tokens=4
+        )
+        burst(client, model, 8, args.max_tokens, args.tool_choice)
+    for _ in range(args.tries):
+        for name, client in clients.items():
+            found[name]["short"].append(short_latency(client, model, args.long_tokens))
+    for name in clients:
+        print(f"{name}: 2-token latency p50 {median(found[name]['short']):.2f} s", flush=True)
     for n in args.concurrency:
-        found[n] = burst(client, model, n, args.max_tokens, args.tool_choice)
-        r = found[n]
-        print(
-            f"{name}: {n} concurrent: {r['tok_s']:.1f} tok/s, {r['req_s']:.2f} req/s, "
-            f"p50 {r['p50_s']:.2f} s, p99 {r['p99_s']:.2f} s", flush=True,
-        )  # fmt: skip
+        for name, client in clients.items():
+            found[name][n] = r = burst(client, model, n, args.max_tokens, args.tool_choice)
+            print(
+                f"{name}: {n} concurrent: {r['tok_s']:.1f} tok/s, {r['req_s']:.2f} req/s, "
+                f"p50 {r['p50_s']:.2f} s, p99 {r['p99_s']:.2f} s", flush=True,
+            )  # fmt: skip
     return found
+
+
+def start_servers(args, work: Path) -> dict[str, tuple[subprocess.Popen, int]]:
+    """The servers asked for, each a child process on a free port."""
+    servers = {}
+    if "looprl" in args.servers:
+        port = free_port()
+        command = [sys.executable, "-m", "looprl.cli", "serve", args.model, "--port", str(port)]
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        servers["looprl"] = start(command, env, work / "looprl.log", port), port
+    if "vllm" in args.servers:
+        folder = Path.home() / ".cache" / "looprl" / args.model
+        port = free_port()
+        command = [
+            str(ROOT / ".venv-vllm" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(folder), "--served-model-name", args.model, "--port", str(port),
+            "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "4096",
+            "--enforce-eager", "--kv-cache-memory-bytes", str(2 * 2**30),
+            # tool_choice "required" needs a parser; hermes is SmolLM2's call syntax
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        ]  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+        servers["vllm"] = start(command, env, work / "vllm.log", port), port
+    return servers
 
 
 def main() -> None:
@@ -176,36 +198,30 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--long-tokens", type=int, default=600)
     parser.add_argument("--tool-choice", default="required")
-    parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument(
+        "--servers", nargs="+", choices=["looprl", "vllm"], default=["looprl", "vllm"]
+    )
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="serve-load-"))
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    results = {}
-    port = free_port()
-    command = [sys.executable, "-m", "looprl.cli", "serve", args.model, "--port", str(port)]
-    child = start(command, env, work / "looprl.log", port)
+    servers: dict[str, tuple[subprocess.Popen, int]] = {}
     try:
-        results["looprl"] = measure("looprl", f"http://127.0.0.1:{port}", args.model, args)
+        servers = start_servers(args, work)
+        clients = {
+            name: openai.OpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1",
+                api_key="none",
+                max_retries=0,
+                timeout=1800,
+            )  # fmt: skip
+            for name, (_, port) in servers.items()
+        }
+        results = measure(clients, args.model, args)
     finally:
-        stop(child)
-    if not args.no_vllm:
-        folder = Path.home() / ".cache" / "looprl" / args.model
-        port = free_port()
-        command = [
-            str(ROOT / ".venv-vllm" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(folder), "--served-model-name", args.model, "--port", str(port),
-            "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "4096",
-            "--enforce-eager", "--kv-cache-memory-bytes", str(2 * 2**30),
-        ]  # fmt: skip
-        vllm_env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
-        child = start(command, vllm_env, work / "vllm.log", port)
-        try:
-            results["vllm"] = measure("vllm", f"http://127.0.0.1:{port}", args.model, args)
-        finally:
+        for child, _ in servers.values():
             stop(child)
 
-    print(f"\n{args.model}, CPU ({os.cpu_count()} cores), servers one after the other:")
+    print(f"\n{args.model}, CPU ({os.cpu_count()} cores), measurements interleaved:")
     print(f"{'':24}" + "".join(f"{name:>12}" for name in results))
     print(
         f"{'2-token p50 (s)':24}" + "".join(f"{median(r['short']):12.2f}" for r in results.values())
@@ -215,16 +231,14 @@ def main() -> None:
                            ("p99_s", "p99 (s)")]:  # fmt: skip
             row = f"{n} concurrent {label}"
             print(f"{row:24}" + "".join(f"{r[n][key]:12.2f}" for r in results.values()))
-    fields = {"short_p50_s": f"{median(results['looprl']['short']):.2f}"}
-    if "vllm" in results:
-        fields["vllm_short_p50_s"] = f"{median(results['vllm']['short']):.2f}"
+    fields = {f"{name}_short_p50_s": f"{median(r['short']):.2f}" for name, r in results.items()}
     for n in args.concurrency:
         for name, r in results.items():
             fields[f"{name}_tok_s_{n}"] = f"{r[n]['tok_s']:.1f}"
             fields[f"{name}_req_s_{n}"] = f"{r[n]['req_s']:.2f}"
             fields[f"{name}_p50_s_{n}"] = f"{r[n]['p50_s']:.2f}"
             fields[f"{name}_p99_s_{n}"] = f"{r[n]['p99_s']:.2f}"
-        if "vllm" in results:
+        if len(results) == 2:
             ratio = results["looprl"][n]["tok_s"] / results["vllm"][n]["tok_s"]
             fields[f"tok_s_ratio_{n}"] = f"{ratio:.2f}"
     print(result_line(fields))

@@ -102,7 +102,9 @@ class Batcher:
         while True:
             busy = any(batch.busy for batch in self._batches.values())
             items = self._collect(busy)
-            if items is None:
+            if items is None:  # stopping: what is still running gets an error reply
+                for variant in list(self._batches):
+                    self._fail(variant, RuntimeError("the server is shutting down"))
                 return
             for kind, payload in items:
                 if kind == "add":
@@ -184,8 +186,7 @@ class Batcher:
                 self.model.engine_for(variant) as engine,
                 torch.inference_mode(),
             ):
-                for index, completion in batch.step():
-                    self._finished(variant, index, completion, engine)
+                batch.step(lambda index, done: self._finished(variant, index, done, engine))
         except Exception as err:  # a bug: fail this batch's requests, start a fresh one
             log.error("the engine failed while batching", exc_info=err)
             self._fail(variant, err)

@@ -23,7 +23,7 @@ to find a call's decision tokens (loop/decisions.py).
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -240,9 +240,16 @@ class HFEngine:
             **thinking_fields(request.constraint),
         )  # fmt: skip
 
-    def _step(self, running: Part, rows: list[Row], params: SamplingParams) -> list[Row]:
+    def _step(
+        self,
+        running: Part,
+        rows: list[Row],
+        params: SamplingParams,
+        early: Callable[[list[Row]], None] | None = None,
+    ) -> list[Row]:
         """Choose the next token(s) of every live row, run them through the model, and
-        return the rows that finished."""
+        return the rows that finished. `early` hears of the rows that finish with a
+        sampled token before the model runs the others' (their results are final)."""
         temperature = self._temperatures(rows, params)
         next_CV = running.logits_CV.float().cpu()  # sampling runs on the CPU generators
         jump = jump_forward_tokens(rows, self.tokenizer, self.pad_id) if self.jump_forward else None
@@ -259,6 +266,11 @@ class HFEngine:
         finished = self._finished(tokens_CK, rows, params)
         if k == 1:  # before the next forward pass, so that a streaming caller hears sooner
             self._append(rows, tokens_CK, logp_CK, tops)
+            if early is not None:
+                now = [row for j, row in enumerate(rows) if finished[j] and not row.done]
+                for row in now:
+                    row.finish = self._finish_reason(row, params)
+                early(now)
         if k > 1 or not all(finished[j] or row.done for j, row in enumerate(rows)):
             logits_CKV = self._forward(running, tokens_CK, rows)
             if k > 1:  # forced tokens 2..k: their logprobs come from this pass
@@ -277,12 +289,15 @@ class HFEngine:
                 continue
             if finished[j]:
                 row.done = True
-                stopped = row.ids[-1] in self.stop_token_ids or self._hit_stop_string(
-                    row.ids, settings(row, params).stop
-                )
-                row.finish = "stop" if stopped else "length"
+                row.finish = self._finish_reason(row, params)
                 ended.append(row)
         return ended
+
+    def _finish_reason(self, row: Row, params: SamplingParams) -> str:
+        """ "stop" for a row that ended at EOS or a stop string, else "length"."""
+        stop = settings(row, params).stop
+        stopped = row.ids[-1] in self.stop_token_ids or self._hit_stop_string(row.ids, stop)
+        return "stop" if stopped else "length"
 
     @staticmethod
     def _temperatures(rows: list[Row], params: SamplingParams) -> float | list[float]:

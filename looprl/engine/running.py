@@ -23,6 +23,7 @@ join), then chooses every live row's next token and runs them through the model.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,22 +111,37 @@ class RunningBatch:
         """Rows in the running batch's cache, finished ones not yet dropped included."""
         return len(self.rows)
 
-    def step(self) -> list[tuple[int, Completion]]:
+    def step(
+        self, deliver: Callable[[int, Completion], None] | None = None
+    ) -> list[tuple[int, Completion]]:
         """Schedule, then one decode step of every live row (and, in eager mode, one chunk
-        of a long prompt): the (index, completion) of each request that finished."""
-        engine = self.engine
+        of a long prompt): the (index, completion) of each request that finished. With
+        `deliver`, each is handed to it instead, as soon as it is final: a row that ends
+        with a sampled token before the model runs the other rows' tokens."""
         self._schedule()
         if self.chunked is not None and self.chunked.done < len(self.chunked.prompt):
             self._prefill_chunk()
         if not any(not row.done for row in self.rows):
             return []
-        out = []
-        for row in engine._step(self.running, self.rows, self.params):
-            top = row.top if row.top_k else None
-            request = self.requests.pop(row.index)
-            out.append((row.index, Completion(row.ids, row.logprobs, row.finish, top, row.free)))
-            if request.on_complete is not None:
-                request.on_complete()
+        out: list[tuple[int, Completion]] = []
+        handed: set[int] = set()
+
+        def hand(rows: list[Row]) -> None:
+            for row in rows:
+                if row.index in handed:
+                    continue
+                handed.add(row.index)
+                top = row.top if row.top_k else None
+                request = self.requests.pop(row.index)
+                done = Completion(row.ids, row.logprobs, row.finish, top, row.free)
+                if request.on_complete is not None:
+                    request.on_complete()
+                if deliver is None:
+                    out.append((row.index, done))
+                else:
+                    deliver(row.index, done)
+
+        hand(self.engine._step(self.running, self.rows, self.params, hand if deliver else None))
         return out
 
     def close(self) -> None:
