@@ -26,6 +26,7 @@ from looprl.loop.decisions import grammar_masked
 from looprl.loop.guidance import expert_episode
 from looprl.loop.policy import Policy
 from looprl.loop.update import micro_batches
+from looprl.model.memory import release_free_memory
 from looprl.types import Episode, Task
 
 
@@ -58,4 +59,5 @@ def sft_step(
     if torch.isfinite(norm) and total == total:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    release_free_memory()  # the activations' freed pages, before the next phase
     return {"sft/loss": total, "sft/grad_norm": float(norm), "sft/tokens": tokens}
