@@ -67,7 +67,9 @@ class ModelConfig(Section):
     )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapter settings.")
     gradient_checkpointing: bool = Field(
-        False, description="Recompute activations in the backward pass to save memory."
+        False,
+        description="Keep only each decoder layer's input for the backward pass and "
+        "recompute the rest there: the same loss and gradients, less memory, slower updates.",
     )
     cascade_attention: bool = Field(
         True,

@@ -190,15 +190,14 @@ def update_phase(cfg: Config, shape: ModelShape, work: Workload, device: Device)
     phase.add("gradients", trainable * (4 if lora else b), f"{trainable / 1e6:,.2f}M")
     rows, tokens, loss = _micro_batch(cfg, work)
     width = activation_width(cfg, shape)
-    if cfg.model.gradient_checkpointing:  # whole sequences, each layer's input kept
-        tokens = rows * (work.prompt_tokens + work.response_tokens)
+    if cfg.model.gradient_checkpointing:  # prompts still shared, each layer's input kept
         saved = tokens * b * (shape.layers * shape.hidden + width)
         how = "gradient checkpointing: layer inputs + one layer"
     else:
         saved = tokens * shape.layers * width * b
         how = f"{shape.layers} layers"
-        if not shape.cascade:  # each episode attends to its own copy of its prompt's KV
-            saved += rows * work.prompt_tokens * shape.kv_per_token * b
+    if not shape.cascade:  # each episode attends to its own copy of its prompt's KV
+        saved += rows * work.prompt_tokens * shape.kv_per_token * b
     phase.add("activations", saved, f"micro-batch of {tokens:,} tokens ({rows} episodes), {how}")
     chunk = min(HEAD_CHUNK, max(loss, 1))
     phase.add("logits", chunk * shape.vocab * 4 * HEAD_COPIES,
