@@ -20,6 +20,10 @@ keeps the list honest):
 
 An object whose schema leaves `additionalProperties` unset gets no extra properties: a
 narrower reply that still satisfies the schema, and what OpenAI's strict mode asks.
+
+A forced call's grammar holds each tool's parameters inside the call object
+(`{"name": ..., "arguments": PARAMETERS}`): `relocated` rewrites their references so
+that `#/$defs/...` (any nested pydantic model) and `#` (recursion) still resolve there.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ stitches it exactly as a chat call; the chat reply is translated back:
 - flat function tools (`name`, `description`, `parameters` at the top level) → chat
   tools; `tool_choice` auto/none/required/`{"type": "function", "name"}`;
   `max_output_tokens` → `max_completion_tokens`; `temperature`, `top_p`;
-  `text.format` → `response_format`, accepted as far as the chat path accepts it;
+  `text.format` → `response_format`, accepted as far as the chat path accepts it (with
+  a forced `tool_choice` the call is the reply, as in the OpenAI API);
 - the reply → output items: a `reasoning` item for `<think>` text, a `message` with one
   `output_text` part (left out when the reply is only tool calls), one `function_call`
   per tool call (`call_id` = the chat call id), and `usage`. A reply cut by the token
