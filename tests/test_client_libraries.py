@@ -29,7 +29,7 @@ from looprl.apps.inference import ChatModel, load_chat_model
 from looprl.apps.serve import create_app, serving
 from looprl.chat.formats import format_tool_call
 from looprl.chat.parsers import parse_tool_calls, validate_arguments
-from looprl.engine import GenerationRequest, SamplingParams, ToolConstraint
+from looprl.engine import GenerationRequest, JsonConstraint, SamplingParams, ToolConstraint
 from looprl.engine.grammar import GrammarCache, build_grammar
 from looprl.engine.hf import HFEngine
 from looprl.engine.json_schema import relocated
@@ -164,6 +164,22 @@ def test_a_recursive_model_at_the_top_is_forced_or_refused_clearly():
         build_grammar(ToolConstraint([node], "required", fmt))
     with pytest.raises(ChatError, match=r"tool 'node'.*\$ref cannot be forced"):
         build_grammar(ToolConstraint([node], "required", "glm"))
+
+
+def test_a_json_reply_or_a_nested_call_under_tool_choice_auto(grammars, tokenizer):
+    """response_format with tools and tool_choice auto: the grammar is the JSON or one
+    call, and the call's references resolve as in a forced call."""
+    constraint = JsonConstraint(Tree.model_json_schema(), [MOVE, OTHER], "hermes")
+    for text in (json.dumps(GOOD_TREE),
+                 format_tool_call(ToolCall("play", GOOD_MOVE), "hermes")):  # fmt: skip
+        matcher = grammars.matcher(constraint)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert all(matcher.accept_token(t) for t in ids) and matcher.accept_token(
+            tokenizer.eos_token_id
+        ), text
+    matcher = grammars.matcher(constraint)
+    bad = format_tool_call(ToolCall("play", {**GOOD_MOVE, "at": 3}), "hermes")
+    assert not all(matcher.accept_token(t) for t in tokenizer.encode(bad, add_special_tokens=False))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
