@@ -67,7 +67,8 @@ Settings, and how each maps onto both sides (all are flags; defaults shown)
   optimizer steps, shuffles the 64 completions and hands 16 to each of the 4 optimizer
   steps (one micro-batch each, since gradient_accumulation_steps=1). Because
   gradient_accumulation_steps (1) is not a multiple of 4, TRL recomputes the old
-  logprobs of all 64 completions once before the updates, as looprl does. looprl splits
+  logprobs of all 64 completions once before the updates (looprl takes its engine's,
+  below). looprl splits
   whole task groups into minibatches (the update's minibatches), so it makes
   min(updates, tasks) updates; TRL is given that same number.
 - GSPO: looprl `algo.name=gspo` with its defaults eps_low=3e-4, eps_high=4e-4
@@ -117,11 +118,13 @@ Sampling is random on both sides, so completions (and their lengths and rewards)
 differ; the table shows the mean completion length, reward and number of all-equal
 reward groups per side. looprl shares each prompt's prefill across its group (rollout
 and trainer), skips the forward/backward of advantage-0 sequences (a group whose rewards
-are all equal: the table counts them per side, as they thin looprl's update) and micro-batches
-by a token budget (`train.micro_batch_tokens`); TRL trains on every sequence and also
-computes the per-token entropy in its loss pass. The advantages differ slightly (looprl:
-population std + 1e-6; TRL: Bessel-corrected std + 1e-4), which does not change the
-amount of work.
+are all equal: the table counts them per side, as they thin looprl's update), takes the
+engine's sampling logprobs as the old ones (its `hf` engine samples from the policy module
+itself, in fp32: no old-logprob pass; TRL recomputes them, as looprl does for any other
+sampler) and micro-batches by a token budget (`train.micro_batch_tokens`); TRL trains on
+every sequence and also computes the per-token entropy in its loss pass. The advantages
+differ slightly (looprl: population std + 1e-6; TRL: Bessel-corrected std + 1e-4), which
+does not change the amount of work.
 """
 
 from __future__ import annotations

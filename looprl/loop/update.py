@@ -1,16 +1,15 @@
 """One policy update on a rollout batch: old logprobs, then `num_minibatches` optimizer
 steps of the chosen loss, each accumulated over micro-batches under a token budget.
 
-Old logprobs, log pi_old of every generated token: the policy's before this update. When
-the episodes were just sampled by the policy module itself (the `hf` engine in the
-model's own dtype, weights untouched since, no dropout), the engine recorded exactly these
-values, to float32 rounding (`rollout/logprob_gap` ~1e-6 per token, so a GSPO sequence
-ratio is off 1 by ~1e-6 against a clip range of 3e-4): the update takes them and skips a
-forward pass over the whole batch, a quarter of the update's work with 4 minibatches.
-Otherwise (a bf16 sampler copy, vLLM, overlapped or replayed rollouts, expert episodes,
-dropout) the trainer scores them in a pass of its own. Either way the engine-vs-trainer
-gap is measured with the trainer's logprobs before any weight moved: that pass's, or
-those of the loss passes made before the first optimizer step.
+Old logprobs (log pi_old of every generated token, before this update): when the
+episodes were just sampled by the policy module itself (the `hf` engine in the model's
+own dtype, weights untouched since, no dropout), the engine recorded exactly these, to
+float32 rounding (`rollout/logprob_gap` ~1e-6 per token: a GSPO sequence ratio off 1 by
+~1e-6, against a clip range of 3e-4), and the update takes them instead of a forward pass
+over the batch. Otherwise (a bf16 sampler copy, vLLM, overlapped or replayed rollouts,
+expert episodes, dropout) the trainer scores them itself. Either way the engine-vs-trainer
+gap is measured with the trainer's logprobs before any weight moved: that pass's, or the
+loss passes' before the first optimizer step.
 
 Failures that must not kill a long run are contained here: a NaN/inf loss or gradient
 skips that optimizer step (weights and optimizer state untouched), and running out of
@@ -192,9 +191,8 @@ def update_policy(
         sample.old = values
     # (trainer's, engine's) logprobs of sampled tokens before any weight moved
     checks = [] if reuse else [(s.old, s.sampled) for s in scored if not s.episode.expert]
-    for sample in scored if reuse else []:
-        if not sample.episode.expert:
-            sample.old = sample.sampled  # the engine's, exact to rounding (module doc)
+    for sample in [s for s in scored if reuse and not s.episode.expert]:
+        sample.old = sample.sampled  # the engine's, exact to rounding (module doc)
     if algo.kl_coef > 0:
         with model.disable_adapter():
             ref = retry_on_oom(lambda budget: masked_values(scored, budget), state, optimizer)
@@ -307,8 +305,7 @@ def samples_policy_exactly(policy: Policy) -> bool:
 
 
 def has_dropout(model: torch.nn.Module) -> bool:
-    """Any dropout that training mode turns on: a dropout module, or the attention's
-    (`attention_dropout` in the model's config)."""
+    """Any dropout training mode turns on: a module's, or the attention's (config)."""
     if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
         return True
     config = getattr(base_model(model), "config", None)
@@ -316,11 +313,10 @@ def has_dropout(model: torch.nn.Module) -> bool:
 
 
 def _gap_stats(checks: list[tuple[torch.Tensor, torch.Tensor]], dist: Dist) -> dict[str, float]:
-    """The token-parity check, over (trainer's, engine's) logprobs of sampled tokens
-    before any update: `logprob_gap`, their mean absolute difference per episode, and
-    `mismatch_kl`, the sampling policy's KL to the trainer's per token (k3 over the
-    sampled tokens: the off-policy gap that overlapped rollouts add to the engine's
-    numerics)."""
+    """The token-parity check on (trainer's, engine's) logprobs before any update:
+    `logprob_gap`, their mean absolute difference per episode; `mismatch_kl`, the sampling
+    policy's KL to the trainer's per token (k3 over the sampled tokens: the off-policy gap
+    that overlapped rollouts add to the engine's numerics)."""
     gaps = [(trainer - engine).abs().mean().item() for trainer, engine in checks]
     gap_sum, gap_count = dist.all_reduce([float(np.sum(gaps)), len(gaps)])
     kls = [k3_kl(engine, trainer) for trainer, engine in checks]
