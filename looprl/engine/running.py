@@ -14,7 +14,9 @@ join), then chooses every live row's next token and runs them through the model.
 - Eager (the server): waiting requests join at the next step whenever a slot is free,
   in arrival order, at most `chunk_tokens` prompt tokens of them per step (at least
   one request; a head the prompts share counts once; no limit while no row runs), so
-  that a burst of arrivals does not stall the running rows. A prompt
+  that a burst of arrivals does not stall the running rows. The head that the prompts
+  of one prefill share (system prompt, tool schemas) is kept, and a later request that
+  starts with it prefills only the rest of its prompt. A prompt
   longer than `chunk_tokens` is prefilled in chunks of that size, one chunk per step
   between the running rows' decode steps, and joins once it is whole. A cancelled row
   stops at once (no more tokens, no result) and leaves at the next step.
@@ -35,6 +37,7 @@ from looprl.forward.kv import Part, Retained, merge, release, retain, select
 from looprl.forward.prefix import MIN_SHARED_PREFIX, extend, shared_prefill
 
 CHUNK_TOKENS = 512  # eager mode: prompt tokens prefilled per step (and the chunk size)
+HEADS_KEPT = 4  # eager mode: shared prompt heads kept for later requests
 
 
 @dataclass
@@ -63,6 +66,9 @@ class RunningBatch:
     running: Part | None = None
     rows: list[Row] = field(default_factory=list)
     chunked: Chunked | None = None
+    # eager mode: the prompt heads of recent prefills (system prompt, tool schemas), so
+    # that a later request starting with one prefills only the rest of its prompt
+    heads: list[Retained] = field(default_factory=list)
     _next_index: int = 0
 
     # ------------------------------------------------------------ public
@@ -103,8 +109,9 @@ class RunningBatch:
 
     @property
     def live_rows(self) -> int:
-        """Rows being decoded now (a cancelled or finished one no longer counts)."""
-        return sum(not row.done for row in self.rows)
+        """Rows being decoded now (a cancelled or finished one no longer counts, nor one
+        whose completion was handed over before its last step ended)."""
+        return sum(not row.done and row.index in self.requests for row in self.rows)
 
     @property
     def batch_rows(self) -> int:
@@ -191,7 +198,10 @@ class RunningBatch:
             admitted += chunked.indices
             free -= len(chunked.indices)
         new = self._admit(free) if join else []
-        for indices, part in engine._prefill(self.requests, new, self.previous):
+        previous = self.heads if self.eager else self.previous
+        for indices, part in engine._prefill(self.requests, new, previous):
+            if self.eager:
+                self._keep_head(part)
             parts.append(part)
             keep.append(torch.arange(len(indices), device=engine.device))
             admitted += indices
@@ -208,6 +218,17 @@ class RunningBatch:
             self.running = merge(parts, keep, room, trim=self.eager)
         else:
             self.running = select(parts[0], keep[0])  # only one part: see can_join
+
+    def _keep_head(self, part: Part) -> None:
+        """Keep the head a prefill shared between its prompts (its cascade prefix), for
+        the next requests that start with it (the most recent `HEADS_KEPT`)."""
+        if part.prefix is None or len(part.prefix.levels) != 1:
+            return
+        level = part.prefix.levels[0]
+        if any(head.tokens == level.tokens for head in self.heads):
+            return
+        keys, values = [k[0] for k in level.keys], [v[0] for v in level.values]
+        self.heads = [*self.heads, Retained(level.tokens, None, keys, values)][-HEADS_KEPT:]
 
     def _admit(self, free: int) -> list[int]:
         """The waiting requests to prefill now. Plain mode: as many as there are free
@@ -226,7 +247,7 @@ class RunningBatch:
                 if self.chunked is None and free - len(new) > 0:
                     self._start_chunked(free - len(new))
                 break
-            cost = 0 if tuple(prompt) in seen else _tail_cost(prompt, first)
+            cost = 0 if tuple(prompt) in seen else _tail_cost(prompt, first, self.heads)
             if new and cost > budget and not idle:
                 break
             budget -= cost
@@ -260,9 +281,13 @@ class RunningBatch:
         chunked.done += len(piece)
 
 
-def _tail_cost(prompt: list[int], first: list[int] | None) -> int:
-    """The prompt tokens a prefill beside `first` runs for this prompt: its tail after
-    the head they share, when that head is long enough to be run once (prefix.py)."""
+def _tail_cost(prompt: list[int], first: list[int] | None, heads: list[Retained]) -> int:
+    """The prompt tokens a prefill beside `first` runs for this prompt: its tail after a
+    kept head it starts with, or after the head it shares with `first` when that is long
+    enough to be run once (prefix.py)."""
+    kept = [len(h.tokens) for h in heads if tuple(prompt[: len(h.tokens)]) == h.tokens]
+    if kept and max(kept) < len(prompt):
+        return len(prompt) - max(kept)
     if first is None:
         return len(prompt)
     shared = 0
