@@ -204,3 +204,12 @@ def test_variants_take_turns_and_neither_starves():
     assert long["reply"].usage.completion_tokens == 120
     during = [t for t in finished if long["start"] < t < long["end"]]
     assert len(during) >= 3  # the trained requests went on meanwhile
+
+
+def test_a_prompt_surely_over_the_context_is_refused_before_tokenizing(model, url):
+    longest = max(map(len, model.tokenizer.get_vocab()))
+    text = "word " * (model.context_length * longest // 5 + 100)
+    with pytest.raises(openai.BadRequestError, match="at least"):
+        client_for(url).chat.completions.create(
+            model="tiny-random", messages=[{"role": "user", "content": text}], max_tokens=2
+        )

@@ -96,7 +96,8 @@ class ChatModel:
         self._baseline_engine: HFEngine | None = None
         self._lock = threading.Lock()
         self.engine_lock = self._lock  # held while the engine generates
-        self._render_lock = threading.Lock()  # the renderer and grammar cache
+        self._grammar_lock = threading.Lock()  # compiling into the engine's grammar cache
+        self._longest_token: int | None = None  # characters of the vocabulary's longest
 
     # ------------------------------------------------------------ public
 
@@ -194,12 +195,9 @@ class ChatModel:
     # ------------------------------------------------------------ preparing
 
     def prepare(self, request: ChatRequest) -> Prepared:
-        """Validate one request, render its prompt and build its engine request (any
-        thread: rendering and grammar compiling take turns under their own lock)."""
-        with self._render_lock:
-            return self._prepare(request)
-
-    def _prepare(self, request: ChatRequest) -> Prepared:
+        """Validate one request, render its prompt and build its engine request. Any
+        thread, several at once (only grammar compiling takes turns), so that a huge
+        prompt being tokenized holds up no other request."""
         r = request
         variant = self.variants[0] if r.variant is None else r.variant
         if variant not in self.variants:
@@ -210,19 +208,22 @@ class ChatModel:
         check_sampling(r.n, r.temperature, r.top_p, r.max_tokens, r.stop, r.top_logprobs)
         if r.prompt is not None:
             tools, tool_choice, response_format = None, "none", None
+            self._check_length(r)
             prompt_ids = raw_prompt_ids(self.tokenizer, r.prompt)
         else:
             check_messages(r.messages)  # type: ignore[arg-type]
+            self._check_length(r)
             tool_choice, response_format = r.tool_choice, r.response_format
             tools = check_tools(r.tools, tool_choice)
             try:
                 prompt_ids = self.renderer.prompt_ids(r.messages, tools)  # type: ignore[arg-type]
             except ChatError as err:
                 raise RequestError(str(err), "messages") from None
-        generation = generation_request(
-            prompt_ids, tools, tool_choice, self.renderer.format, r.max_tokens, self.engine,
-            response_format,
-        )  # fmt: skip
+        with self._grammar_lock:
+            generation = generation_request(
+                prompt_ids, tools, tool_choice, self.renderer.format, r.max_tokens,
+                self.engine, response_format,
+            )  # fmt: skip
         generation.top_logprobs = r.top_logprobs
         generation.logit_bias = logit_bias_ids(r.logit_bias, len(self.tokenizer))
         if self.context_length is not None:
@@ -235,6 +236,29 @@ class ChatModel:
                 )
             generation.max_new_tokens = min(r.max_tokens, room)
         return Prepared(request, variant, tools, generation)
+
+    def _check_length(self, r: ChatRequest) -> None:
+        """Refuse, before tokenizing it, a prompt whose text alone is surely longer than
+        the context: no token spells more characters than the vocabulary's longest, so
+        a text of C characters has at least C / longest tokens (a 5 MB prompt is refused
+        at once instead of after seconds of tokenizing)."""
+        if self.context_length is None:
+            return
+        if isinstance(r.prompt, str):
+            chars = len(r.prompt)
+        elif r.prompt is None:
+            chars = sum(len(m.content) for m in r.messages or [] if isinstance(m.content, str))
+        else:
+            return  # token ids: counted exactly below
+        if self._longest_token is None:
+            self._longest_token = max(map(len, self.tokenizer.get_vocab()), default=1)
+        fewest = chars // max(1, self._longest_token)
+        if fewest > self.context_length:
+            raise RequestError(
+                f"the prompt has at least {fewest} tokens, and {self.name} reads at most "
+                f"{self.context_length}; shorten the conversation",
+                "messages" if r.prompt is None else "prompt",
+            )
 
     # ------------------------------------------------------------ generating
 
