@@ -22,7 +22,12 @@ the share of its dynamic mmap threshold and of its per-thread arenas. Ends with
     RESULT update_rss_gb=X update_live_gb=Y after_gb=Z
 
 (`update_live_gb` only with `--profile`; GB of 10^9 bytes; `after_gb` is the resident
-set after the update and its trim: what every phase holds).
+set after the update and its trim: what every phase holds), and `update_s` and
+`update_cpu_s`: the update's wall-clock and the process's CPU seconds in it (on a shared
+machine, compare CPU seconds with `torch` at one thread, `OMP_NUM_THREADS=1`). `--fresh`
+runs it as a training step does on episodes its `hf` engine just sampled: their
+logprobs stand in for the old-logprob pass (loop/update.py); the built episodes' logprobs
+are not the policy's, so only its time and memory mean anything then.
 """
 
 from __future__ import annotations
@@ -115,6 +120,7 @@ def main() -> None:
     args.add_argument("--profile", action="store_true", help="live tensor bytes too")
     args.add_argument("--trim", action="store_true", help="malloc_trim before each forward")
     args.add_argument("--response", type=int, default=32, help="generated tokens per episode")
+    args.add_argument("--fresh", action="store_true", help="the engine's logprobs as old ones")
     args = args.parse_args()
     cfg = load_config(None, args.overrides)
     threading.Thread(target=sample, daemon=True).start()
@@ -129,11 +135,12 @@ def main() -> None:
         update_policy(
             policy, optimizer, batch, cfg.algo, cfg.train, group_size=cfg.rollout.group_size,
             max_tokens=args.response, seed=0,
-            state=UpdateState(cfg.train.micro_batch_tokens),
+            state=UpdateState(cfg.train.micro_batch_tokens), fresh=args.fresh,
         )  # fmt: skip
 
     state["phase"] = "update"
     live = None
+    wall, cpu = time.perf_counter(), time.process_time()
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -144,6 +151,7 @@ def main() -> None:
         live = live_peak_gb(trace)
     else:
         run()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     state["phase"] = "after"
     time.sleep(0.05)
     after = rss_gb()
@@ -155,7 +163,8 @@ def main() -> None:
         "peak resident set by phase (GB): " + json.dumps({k: round(v, 3) for k, v in peaks.items()})
     )
     live_field = {"update_live_gb": f"{live:.3f}"} if live is not None else {}
-    print(result_line({"update_rss_gb": f"{top:.3f}", **live_field, "after_gb": f"{after:.3f}"}))
+    print(result_line({"update_rss_gb": f"{top:.3f}", **live_field, "after_gb": f"{after:.3f}",
+                       "update_s": f"{wall:.2f}", "update_cpu_s": f"{cpu:.2f}"}))  # fmt: skip
 
 
 if __name__ == "__main__":
