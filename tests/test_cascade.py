@@ -131,7 +131,7 @@ def test_rows_with_different_heads_share_a_batch(tiny_model, tokenizer, renderer
     """Requests of two envs in one call: when parts with different heads merge, each row
     gets its own copy of its head, and the tokens stay those of a cache-free reference."""
 
-    import looprl.engine.hf as hf
+    import looprl.engine.running as running
 
     env = Extraction()
     others = []
@@ -140,13 +140,13 @@ def test_rows_with_different_heads_share_a_batch(tiny_model, tokenizer, renderer
         others.append(GenerationRequest(renderer.prompt_ids(obs.messages, obs.tools)))
     requests = tictactoe_requests(renderer, n=3)[:5] + others
     heads = []
-    real_merge = hf.merge
+    real_merge = running.merge
 
-    def spy(parts, keep, room):
+    def spy(parts, keep, room, **kwargs):
         heads.append({p.prefix.tokens if p.prefix is not None else () for p in parts})
-        return real_merge(parts, keep, room)
+        return real_merge(parts, keep, room, **kwargs)
 
-    monkeypatch.setattr(hf, "merge", spy)
+    monkeypatch.setattr(running, "merge", spy)
     params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=8)
     engine = HFEngine(tiny_model, tokenizer, renderer.eos_ids, batch_size=4)
     outs = engine.generate(requests, params)
