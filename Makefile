@@ -71,8 +71,12 @@ $(VF_STAMP):
 demo: setup
 	$(BIN)/looprl run examples/demo.yaml --out runs/demo --force
 
+# The suite runs its test files on parallel workers (pytest-xdist; one file stays on one
+# worker, longest files first: tests/conftest.py), one per core up to 4; TEST_JOBS=0 runs
+# it in this one process.
+TEST_JOBS ?= auto
 test: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --maxprocesses 4 --dist loadfile
 
 # The everyday tier: the tests that took under 0.5 s in the last recorded full run
 # (tests/durations.json; units and contracts, no training runs), under 2 minutes.

@@ -43,3 +43,21 @@ def test_with_no_skips_a_skip_fails_unless_allowed(tmp_path):
     assert "skipped where LOOPRL_NO_SKIPS=1" in failed.stdout + failed.stderr
     allowed = _pytest(*args, LOOPRL_NO_SKIPS="1", LOOPRL_ALLOWED_SKIPS="not installed")
     assert allowed.returncode == 0
+    on_a_worker = _pytest(*args, "-n", "1", LOOPRL_NO_SKIPS="1")  # as `make test` runs
+    assert on_a_worker.returncode == 1
+    assert "skipped where LOOPRL_NO_SKIPS=1" in on_a_worker.stdout + on_a_worker.stderr
+
+
+def test_parallel_workers_get_the_longest_files_first():
+    known = json.loads((ROOT / "tests" / "durations.json").read_text())
+    seconds = {name: sum(sum(v) for k, v in known.items() if k.startswith(f"tests/{name}::"))
+               for name in ("test_algo.py", "test_run_smoke.py")}  # fmt: skip
+    assert seconds["test_run_smoke.py"] > seconds["test_algo.py"]
+    args = ("-o", "addopts=", "--collect-only", "-q", "tests/test_algo.py",
+            "tests/test_run_smoke.py")  # fmt: skip
+    serial = [line for line in _pytest(*args).stdout.splitlines() if "::" in line]
+    assert serial[0].startswith("tests/test_algo.py::")  # as given
+    worker = [line for line in _pytest(*args, PYTEST_XDIST_WORKER="gw0").stdout.splitlines()
+              if "::" in line]  # fmt: skip
+    assert worker[0].startswith("tests/test_run_smoke.py::")
+    assert sorted(worker) == sorted(serial)

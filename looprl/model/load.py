@@ -124,8 +124,12 @@ def _cached(name: str, build: Callable[[Path], None]) -> Path:
         if target.exists():  # an incomplete leftover, or a concurrent build that won
             if (target / ".complete").exists():
                 return target
-            shutil.rmtree(target)
-        os.replace(tmp, target)
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # a concurrent build (another process) moved its copy in first
+            if not (target / ".complete").exists():
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
