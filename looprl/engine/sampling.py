@@ -121,10 +121,8 @@ def _sample_group(
                 candidates_LV = scaled_CV.clone()  # the bias must not touch logp
             scale = scoring_temperature(params.temperature)
             for n in biased:
-                bias = rows[live[n]].logit_bias
-                ids = torch.tensor(list(bias), dtype=torch.long)
-                values = torch.tensor(list(bias.values()), dtype=candidates_LV.dtype) / scale
-                candidates_LV[n, ids] += values
+                row = rows[live[n]]
+                candidates_LV[n, row.bias_ids] += row.bias_values.to(candidates_LV.dtype) / scale
         constrained = [
             n
             for n, j in enumerate(live)
@@ -250,6 +248,13 @@ class Row:
     sampling: Any = None
     cancelled: bool = False  # its caller went away: it left the batch without a result
     logit_bias: dict[int, float] | None = None  # token id → added to its logit (the request's)
+    bias_ids: torch.Tensor | None = field(default=None, repr=False)  # logit_bias as tensors,
+    bias_values: torch.Tensor | None = field(default=None, repr=False)  # built once
+
+    def __post_init__(self) -> None:
+        if self.logit_bias:
+            self.bias_ids = torch.tensor(list(self.logit_bias), dtype=torch.long)
+            self.bias_values = torch.tensor(list(self.logit_bias.values()), dtype=torch.float32)
 
 
 def advance_grammar(row: Row, token: int, tokenizer: Any, bitmask_1W: torch.Tensor) -> None:
