@@ -91,13 +91,52 @@ def test_jump_forward_uses_fewer_passes(tiny_model, tokenizer, renderer, forced_
     for jump in (True, False):
         engine = HFEngine(tiny_model, tokenizer, renderer.eos_ids, jump_forward=jump)
         calls: list[int] = []
-        hook = tiny_model.register_forward_hook(lambda *a, calls=calls: calls.append(1))
+        decoder = tiny_model.get_decoder()  # every pass runs it (a jump's runs it alone)
+        hook = decoder.register_forward_hook(lambda *a, calls=calls: calls.append(1))
         try:
             engine.generate(requests, SamplingParams(temperature=1.0, max_new_tokens=96, seed=3))
         finally:
             hook.remove()
         counts[jump] = len(calls)
     assert counts[True] * 3 < counts[False], counts
+
+
+def test_a_jump_scores_its_forced_tokens_a_few_rows_at_a_time(
+    tiny_model, tokenizer, renderer, forced_requests, monkeypatch
+):
+    """A jump-forward step computes the logits of its forced tokens a few rows at a time
+    (never [rows, k, vocab] at once): the same tokens, logprobs and top alternatives as
+    the whole-batch logits, with each request's own temperature."""
+    import looprl.engine.hf as hf
+
+    _, requests = forced_requests
+    requests = [
+        replace(r, top_logprobs=3, sampling=SamplingParams(temperature=t, max_new_tokens=96))
+        for r, t in zip(requests, [1.0, 0.7, 1.3, 1.0, 0.5, 2.0])
+    ]
+    params = SamplingParams(temperature=1.0, max_new_tokens=96, seed=3)
+    head = tiny_model.get_output_embeddings()
+    widths: dict[str, list[int]] = {"chunked": [], "plain": []}
+    seen = widths["chunked"]
+    hook = head.register_forward_hook(lambda m, i, o: seen.append(o.numel() // o.shape[-1]))
+    monkeypatch.setattr(hf, "FORCED_LOGIT_ROWS", 8)
+    try:
+        chunked = HFEngine(tiny_model, tokenizer, renderer.eos_ids).generate(requests, params)
+        seen = widths["plain"]
+        with monkeypatch.context() as whole:
+            whole.setattr(hf, "decoder_and_head", lambda model: None)
+            plain = HFEngine(tiny_model, tokenizer, renderer.eos_ids).generate(requests, params)
+    finally:
+        hook.remove()
+    # positions a head call holds: one row's jump at most, against every row's
+    assert 3 * max(widths["chunked"]) <= max(widths["plain"])
+    for a, b in zip(chunked, plain):
+        assert a.ids == b.ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
+                                   rtol=0, atol=1e-5)  # fmt: skip
+        assert len(a.top_logprobs) == len(a.ids)
+        for mine, theirs in zip(a.top_logprobs, b.top_logprobs):
+            assert [t for t, _ in mine] == [t for t, _ in theirs]
 
 
 def test_canonical_tokens_under_jump_forward(tiny_model, tokenizer, renderer, forced_requests):

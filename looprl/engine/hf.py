@@ -47,6 +47,7 @@ from looprl.engine.sampling import (
 from looprl.forward import cascade, weight_first
 from looprl.forward.kv import Part, Retained, bufferable, from_retained
 from looprl.forward.prefix import extend, prefix_kwargs, shared_prefill
+from looprl.forward.score import decoder_and_head
 from looprl.model.arch import fast_paths
 from looprl.model.load import base_model
 from looprl.model.memory import release_free_memory
@@ -272,14 +273,11 @@ class HFEngine:
                     row.finish = self._finish_reason(row, params)
                 early(now)
         if k > 1 or not all(finished[j] or row.done for j, row in enumerate(rows)):
-            logits_CKV = self._forward(running, tokens_CK, rows)
+            rest_CK, rest_tops = self._forward(running, tokens_CK, rows, temperature, top_k)
             if k > 1:  # forced tokens 2..k: their logprobs come from this pass
-                rest_CKV = tempered_rows(logits_CKV[:, :-1], temperature)
-                rest_CK = rest_CKV.gather(-1, tokens_CK[:, 1:, None]).squeeze(-1)
                 logp_CK = torch.cat([logp_CK, rest_CK], dim=1)
                 if tops is not None:
-                    rest = top_alternatives(logits_CKV[:, :-1], temperature, top_k)
-                    tops = [first + later for first, later in zip(tops, rest)]
+                    tops = [first + later for first, later in zip(tops, rest_tops)]
         if k > 1:
             self._append(rows, tokens_CK, logp_CK, tops)
         advance_thinking(rows, self.tokenizer)
@@ -328,9 +326,18 @@ class HFEngine:
                 if row.matcher is not None:
                     advance_grammar(row, token, self.tokenizer, self._bitmask(1)[:1])
 
-    def _forward(self, running: Part, tokens_CK: torch.Tensor, rows: list[Row]) -> torch.Tensor:
-        """Append k tokens to every row of the running batch; logits of those k. Rows
-        that had finished get masked columns (their KV stays exactly their own)."""
+    def _forward(
+        self,
+        running: Part,
+        tokens_CK: torch.Tensor,
+        rows: list[Row],
+        temperature: float | list[float],
+        top_k: int,
+    ) -> tuple[torch.Tensor | None, list | None]:
+        """Append k tokens to every row of the running batch and keep the logits after the
+        last of them (`running.logits_CV`). Rows that had finished get masked columns
+        (their KV stays exactly their own). With k > 1 (jump-forward), also the logprobs
+        of tokens 2..k at `temperature` (and their `top_k` alternatives): [C, k - 1]."""
         k = tokens_CK.shape[1]
         width = running.width
         if running.attention_CL.shape[1] < width + k:  # transformers' growing cache
@@ -341,21 +348,45 @@ class HFEngine:
         for row in rows:
             row.fed += 0 if row.done else k
         steps = torch.arange(k, device=running.next_pos_C.device)
-        out = self.model(
+        inputs = dict(
             input_ids=tokens_CK.to(self.device),
             attention_mask=running.attention_CL[:, : width + k],
             position_ids=running.next_pos_C[:, None] + steps,
             cache=running.cache,
             use_cache=True,
-            logits_to_keep=k,
             **prefix_kwargs(running.prefix),
         )
+        split = decoder_and_head(self.model) if k > 1 else None
+        rest: tuple[torch.Tensor | None, list | None] = (None, None)
+        if split is None:
+            out = self.model(**inputs, logits_to_keep=k)
+            logits_CKV = out.logits.float().cpu()
+            running.logits_CV = logits_CKV[:, -1]
+            if k > 1:
+                rest = _forced_logprobs(logits_CKV[:, :-1], tokens_CK, temperature, top_k)
+        else:
+            # the output projection runs a few rows at a time: a jump of k tokens over C
+            # rows never holds [C, k, vocab] logits (64 rows x 20 tokens: 250 MB a copy)
+            decoder, head = split
+            out = decoder(**inputs)
+            hidden_CKH = out.last_hidden_state
+            running.logits_CV = head(hidden_CKH[:, -1]).float().cpu()
+            per_row = temperature if isinstance(temperature, list) else None
+            chunk = max(1, FORCED_LOGIT_ROWS // (k - 1))
+            parts, tops = [], [] if top_k else None
+            for start in range(0, len(rows), chunk):
+                end = start + chunk
+                logits = head(hidden_CKH[start:end, :-1]).float().cpu()
+                own = temperature if per_row is None else per_row[start:end]
+                logp, top = _forced_logprobs(logits, tokens_CK[start:end], own, top_k)
+                parts.append(logp)
+                if tops is not None:
+                    tops += top
+            rest = (torch.cat(parts), tops)
         running.cache = out.cache
         running.width += k
         running.next_pos_C = running.next_pos_C + k
-        logits_CKV = out.logits.float().cpu()
-        running.logits_CV = logits_CKV[:, -1]
-        return logits_CKV
+        return rest
 
     def _finished(
         self, tokens_CK: torch.Tensor, rows: list[Row], params: SamplingParams
@@ -393,3 +424,17 @@ class HFEngine:
             return False
         tail = self.tokenizer.decode(ids[-16:])
         return any(s in tail for s in stop)
+
+
+FORCED_LOGIT_ROWS = 256  # positions whose full-vocabulary logits a jump-forward step holds
+
+
+def _forced_logprobs(
+    logits_CKV: torch.Tensor, tokens_CK: torch.Tensor, temperature: float | list[float], top_k: int
+) -> tuple[torch.Tensor, list | None]:
+    """The logprobs of tokens_CK[:, 1:] under logits_CKV (the positions before them), at
+    each row's temperature, and their top_k alternatives (None without)."""
+    logp_CKV = tempered_rows(logits_CKV, temperature)
+    logp_CK = logp_CKV.gather(-1, tokens_CK[:, 1:, None]).squeeze(-1)
+    tops = top_alternatives(logits_CKV, temperature, top_k) if top_k else None
+    return logp_CK, tops
