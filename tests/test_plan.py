@@ -64,7 +64,9 @@ def test_memory_arithmetic_on_a_hand_checked_shape():
     eval_, rollout, update, greedy = (p.components for p in plan.phases)
     # rollout: 8 episodes, 6 rows; each row's own columns: 50 - 30 (head) + 10 = 30
     assert rollout["KV cache"] == (6 * 30 + 30) * 400 * 4
-    assert rollout["logits"] == 6 * 1000 * 4 * (SAMPLING_COPIES + JUMP_COPIES * 4)
+    # the forced call's 4 tokens in one pass: the logits of the 3 after the first, for
+    # every row (6 x 3 positions, under FORCED_LOGIT_ROWS)
+    assert rollout["logits"] == 1000 * 4 * (6 * SAMPLING_COPIES + JUMP_COPIES * 6 * 3)
     # 6 rows of groups of 2: 3 distinct prompts' tails of 20 tokens, width 4H + 3M + attn
     assert rollout["prefill"] == 3 * 20 * (400 + 900 + 200) * 4
     assert eval_["KV cache"] == (4 * 30 + 30) * 400 * 4  # 4 eval episodes < batch size
@@ -196,7 +198,8 @@ def test_plan_command_on_tiny_random():
     assert 0.5e9 < result["peak_bytes"] < 5e9
     batch = result["largest"]["rollout.batch_size"]
     assert batch["value"] == batch["search_max"] == 256  # every eval episode at once
-    small = runner.invoke(app, ["plan", "--set", "model.name=tiny-random", "--device", "cpu-1g"])
+    small = runner.invoke(app, ["plan", "--set", "model.name=tiny-random", "--set",
+                                "rollout.batch_size=256", "--device", "cpu-1g"])  # fmt: skip
     assert small.exit_code == 0, small.output
     assert "does not fit" in small.output and "--set" in small.output
     bad = runner.invoke(app, ["plan", "--set", "model.name=tiny-random", "--device", "tpu"])

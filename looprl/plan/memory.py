@@ -18,6 +18,7 @@ from typing import Any
 
 from looprl.algo.logprobs import head_logprobs
 from looprl.config import Config
+from looprl.engine.hf import FORCED_LOGIT_ROWS
 from looprl.loop.optim import EIGHT_BIT_BLOCK
 from looprl.loop.update import micro_batches
 from looprl.plan.devices import Device
@@ -36,8 +37,9 @@ CUDA_CONTEXT = 1.0e9
 CUDA_HOST_LIBRARIES = 2.0e9
 # float32 [rows, vocab] tensors alive at once while the engine samples: the logits, a
 # contiguous copy, log_softmax, softmax and the constrained candidates (engine/hf.py
-# `_sample`); and while it jumps forward k tokens: the [rows, k, vocab] logits, their
-# scaled copy and its log_softmax (`_step`).
+# `_sample`); and while it jumps forward k tokens: one chunk of rows' [rows, k - 1,
+# vocab] logits (about FORCED_LOGIT_ROWS positions), their scaled copy and its
+# log_softmax (`_forced_logprobs`).
 SAMPLING_COPIES = 5
 JUMP_COPIES = 3
 # float32 [chunk, vocab] tensors of one chunk of `head_logprobs` in backward: the
@@ -134,7 +136,11 @@ def rollout_phase(cfg: Config, shape: ModelShape, work: Workload, device: Device
     kv += rows * shape.state_per_row
     phase.add("KV cache", kv, f"{rows} rows × {columns} columns" + (
         f", shared head of {head} once" if head else ""))  # fmt: skip
-    logits = rows * shape.vocab * 4 * (SAMPLING_COPIES + JUMP_COPIES * work.forced_tokens)
+    jump_positions = 0
+    if work.forced_tokens > 1:
+        per_row = work.forced_tokens - 1
+        jump_positions = min(rows, max(1, FORCED_LOGIT_ROWS // per_row)) * per_row
+    logits = shape.vocab * 4 * (rows * SAMPLING_COPIES + JUMP_COPIES * jump_positions)
     jump = f", forced call of {work.forced_tokens} tokens in one pass" if work.forced_tokens else ""
     phase.add("logits", logits, f"{rows} rows × {shape.vocab:,} float32{jump}")
     prefill = max(1, rows // per_prompt) * (work.prompt_tokens - head)
