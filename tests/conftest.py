@@ -14,6 +14,12 @@ from hypothesis import settings
 from looprl.chat import ChatRenderer
 from looprl.model.load import load_causal_lm, load_tokenizer
 
+# pytest-xdist gives its workers COLUMNS=80 and LINES=24; a rich console made at import
+# (looprl.cli's) would keep that width, whatever width a test's CliRunner sets later.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.pop("COLUMNS", None)
+    os.environ.pop("LINES", None)
+
 # The tiny model is far too small for intra-op threads to pay off; with a busy machine
 # they make every forward pass orders of magnitude slower.
 torch.set_num_threads(1)

@@ -16,8 +16,11 @@ def _pytest(*args: str, **env: str) -> subprocess.CompletedProcess:
     """pytest in a child, with these variables and none of CI's own (`.ci/run` exports
     LOOPRL_NO_SKIPS for the suite this test runs in)."""
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args]
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("LOOPRL_NO_SKIPS", "LOOPRL_ALLOWED_SKIPS")}  # fmt: skip
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("LOOPRL_NO_SKIPS", "LOOPRL_ALLOWED_SKIPS") and not k.startswith("PYTEST_XDIST")
+    }  # fmt: skip  (a child is no worker)
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                           env={**base, **env}, timeout=300)  # fmt: skip
 

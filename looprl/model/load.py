@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
 import importlib
@@ -111,8 +112,7 @@ def smollm2_gguf_path() -> Path:
 
 
 def _cached(name: str, build: Callable[[Path], None]) -> Path:
-    """Return cache_dir()/name, building it first if needed. The build writes into a
-    temporary folder that is renamed into place, so an interrupted build leaves nothing."""
+    """cache_dir()/name, built first if needed (in a folder renamed into place: atomic)."""
     target = cache_dir() / name
     if (target / ".complete").exists():
         return target
@@ -121,15 +121,12 @@ def _cached(name: str, build: Callable[[Path], None]) -> Path:
     try:
         build(tmp)
         (tmp / ".complete").touch()
-        if target.exists():  # an incomplete leftover, or a concurrent build that won
-            if (target / ".complete").exists():
-                return target
-            shutil.rmtree(target, ignore_errors=True)
-        try:
+        if target.exists() and not (target / ".complete").exists():
+            shutil.rmtree(target, ignore_errors=True)  # an incomplete leftover
+        with contextlib.suppress(OSError):  # a concurrent build may have moved its copy in
             os.replace(tmp, target)
-        except OSError:  # a concurrent build (another process) moved its copy in first
-            if not (target / ".complete").exists():
-                raise
+        if not (target / ".complete").exists():
+            raise ModelError(f"could not move the built {name} into {target}")
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
