@@ -235,20 +235,54 @@ def test_trainer_shares_a_single_prompt_without_copies(tokenizer, renderer, monk
 
 
 @pytest.mark.parametrize("q_len", [1, 4])
-def test_inference_kernel_path_equals_the_autograd_path(q_len):
+@pytest.mark.parametrize("tail_rows", [[1, 0, 0, 1], [2, 0, 0, 0]])
+def test_inference_kernel_path_equals_the_autograd_path(q_len, tail_rows):
     """Without gradients on the CPU each level runs through the flash kernel and the
     levels merge by log-sum-exp; that equals the autograd function's result, including a
-    query that sees none of its own columns (left padding)."""
-    from looprl.forward.cascade import _FLASH_CPU, _Cascade, _flash_levels
+    query that sees none of its own columns (left padding), and a level whose rows are
+    read by groups of different sizes or not at all."""
+    from looprl.forward.cascade_kernels import FLASH_CPU, Cascade, flash_levels
 
-    if _FLASH_CPU is None:
+    if FLASH_CPU is None:
         pytest.skip("this PyTorch has no CPU flash-attention kernel")
     torch.manual_seed(3)
     batch, kv_heads, groups, dim, own = 4, 3, 3, 16, 6
     query = torch.randn(batch, kv_heads, groups * q_len, dim)
     own_k, own_v = torch.randn(2, batch, kv_heads, own, dim)
     head_k, head_v = torch.randn(2, 1, kv_heads, 11, dim)
-    tail_k, tail_v = torch.randn(2, 2, kv_heads, 5, dim)
+    tail_k, tail_v = torch.randn(2, 3, kv_heads, 5, dim)
+    valid_NT = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]], dtype=torch.bool)
+    causal = torch.arange(own)[None, :] <= torch.arange(q_len)[:, None] + own - q_len
+    padded = torch.ones(batch, own, dtype=torch.bool)
+    padded[2, : own - q_len + 1] = False  # row 2's first query sees no own column
+    mask = (causal[None] & padded[:, None, :])[:, None, None]  # [B, 1, 1, Q, L]
+    head = cascade.Level([head_k], [head_v])
+    tails = cascade.Level([tail_k], [tail_v], rows_B=torch.tensor(tail_rows), valid_NT=valid_NT)
+    specs = [(level.groups, level.valid_NT) for level in (head, tails)]
+    tensors = (head_k, head_v, tail_k, tail_v)
+    with torch.no_grad():
+        want = Cascade.apply(query, own_k, own_v, mask, 0.25, specs, *tensors)
+        got = flash_levels(query, own_k, own_v, mask, 0.25, specs, tensors)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_training_kernel_path_equals_the_autograd_path(q_len):
+    """With gradients on the CPU the levels run forward through the flash kernel and
+    backward through its backward, once per level with the merged output and the total
+    log-normaliser; values and every gradient equal the plain autograd function's,
+    including a query that sees none of its own columns (left padding)."""
+    from looprl.forward.cascade_kernels import FLASH_CPU_BACKWARD, Cascade, FlashCascade
+
+    if FLASH_CPU_BACKWARD is None:
+        pytest.skip("this PyTorch has no CPU flash-attention kernel")
+    torch.manual_seed(4)
+    batch, kv_heads, groups, dim, own = 4, 3, 3, 16, 6
+    leaf = dict(requires_grad=True)
+    query = torch.randn(batch, kv_heads, groups * q_len, dim, **leaf)
+    own_k, own_v = (torch.randn(batch, kv_heads, own, dim, **leaf) for _ in range(2))
+    head_k, head_v = (torch.randn(1, kv_heads, 11, dim, **leaf) for _ in range(2))
+    tail_k, tail_v = (torch.randn(2, kv_heads, 5, dim, **leaf) for _ in range(2))
     valid_NT = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
     causal = torch.arange(own)[None, :] <= torch.arange(q_len)[:, None] + own - q_len
     padded = torch.ones(batch, own, dtype=torch.bool)
@@ -257,11 +291,14 @@ def test_inference_kernel_path_equals_the_autograd_path(q_len):
     head = cascade.Level([head_k], [head_v])
     tails = cascade.Level([tail_k], [tail_v], rows_B=torch.tensor([1, 0, 0, 1]), valid_NT=valid_NT)
     specs = [(level.groups, level.valid_NT) for level in (head, tails)]
-    tensors = (head_k, head_v, tail_k, tail_v)
-    with torch.no_grad():
-        want = _Cascade.apply(query, own_k, own_v, mask, 0.25, specs, *tensors)
-        got = _flash_levels(query, own_k, own_v, mask, 0.25, specs, tensors)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    inputs = (query, own_k, own_v, head_k, head_v, tail_k, tail_v)
+    weights = torch.randn(batch, kv_heads, groups * q_len, dim)
+    results = []
+    for function in (Cascade, FlashCascade):
+        out = function.apply(query, own_k, own_v, mask, 0.25, specs, *inputs[3:])
+        results.append((out, *torch.autograd.grad((out * weights).sum(), inputs)))
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("split_head", [True, False])

@@ -6,6 +6,7 @@ the `looprl.envs` entry-point group."""
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -18,6 +19,7 @@ __all__ = [
     "demonstrations",
     "gives_turn_rewards",
     "env_class",
+    "env_factory",
     "list_envs",
     "make_env",
     "solved_outcomes",
@@ -86,13 +88,24 @@ def _adapter(prefix: str) -> Any:
 
 def make_env(name: str, args: dict[str, Any] | None = None) -> Any:
     """A fresh environment instance (one per episode)."""
+    return env_factory(name, args)()
+
+
+def env_factory(name: str, args: dict[str, Any] | None = None) -> Callable[[], Any]:
+    """`make_env` with the class looked up once: each call returns a fresh instance. A
+    rollout makes one env per episode, and looking a name up scans the installed
+    packages' entry points (a few ms each time)."""
     cls = env_class(name)
-    try:
-        return cls(**(args or {}))
-    except EnvError:
-        raise
-    except TypeError as err:
-        raise EnvError(f"bad env.args for {name!r}: {err}") from None
+
+    def make() -> Any:
+        try:
+            return cls(**(args or {}))
+        except EnvError:
+            raise
+        except TypeError as err:
+            raise EnvError(f"bad env.args for {name!r}: {err}") from None
+
+    return make
 
 
 def _import_class(spec: str) -> type:

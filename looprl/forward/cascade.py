@@ -21,7 +21,8 @@ one, a custom autograd function computes the output and, in backward, recomputes
 probabilities from the saved log-normaliser (flash-attention style), so training keeps
 neither the repeated K/V nor the attention matrix of every layer. Without gradients on
 the CPU (sampling, old logprobs), each level runs through PyTorch's flash kernel and the
-levels merge by their log-normalisers.
+levels merge by their log-normalisers; with gradients on the CPU (the update's loss
+passes), the kernel's backward runs once per level (forward/cascade_kernels.py).
 
 A call can also be packed (`Packing`): the trainer runs the real tokens of all its
 sequences as one row, so the linear layers (most of the compute) never see padding, and
@@ -35,6 +36,13 @@ from typing import Any
 
 import torch
 
+from looprl.forward.cascade_kernels import (
+    FLASH_CPU,
+    FLASH_CPU_BACKWARD,
+    Cascade,
+    FlashCascade,
+    flash_levels,
+)
 from looprl.model.load import base_model
 
 NAME = "looprl_sdpa"
@@ -220,63 +228,16 @@ def attention(
     grads = torch.is_grad_enabled() and any(
         t.requires_grad for t in (query_BKMD, key, value, *tensors)
     )
-    if not grads and query.device.type == "cpu" and _FLASH_CPU is not None:
-        out_BKMD = _flash_levels(query_BKMD, key, value, mask, scale, specs, tensors)
+    if not grads and query.device.type == "cpu" and FLASH_CPU is not None:
+        out_BKMD = flash_levels(query_BKMD, key, value, mask, scale, specs, tensors)
+    elif query.device.type == "cpu" and FLASH_CPU_BACKWARD is not None:
+        out_BKMD = FlashCascade.apply(query_BKMD, key, value, mask, scale, specs, *tensors)
     else:
-        out_BKMD = _Cascade.apply(query_BKMD, key, value, mask, scale, specs, *tensors)
+        out_BKMD = Cascade.apply(query_BKMD, key, value, mask, scale, specs, *tensors)
     out = out_BKMD.to(dtype).reshape(batch, heads, q_len, dim).transpose(1, 2)
     if packing is not None:
         return packing.pack(out), None
     return out.contiguous(), None
-
-
-# PyTorch's CPU flash-attention kernel: returns the log-normaliser with the output
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
-def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
-        ~mask, float("-inf")
-    )
-
-
-def _flash_levels(query, keys, values, mask, scale, specs, level_kv) -> torch.Tensor:
-    """Inference on the CPU: each level (and the own columns) through the flash kernel,
-    which also returns each query's log-normaliser; the partial results are then merged
-    by log-sum-exp. Same result as `_Cascade` (tested), about twice as fast."""
-    m = query.shape[2]
-    q_len, length = mask.shape[-2], mask.shape[-1]
-    own = mask.expand(mask.shape[0], 1, m // q_len, q_len, length).reshape(-1, 1, m, length)
-    # the kernel misreads inputs whose last dim is strided (weight-first linears' outputs)
-    query, keys, values = _unit_stride(query), _unit_stride(keys), _unit_stride(values)
-    out, lse = _FLASH_CPU(query, keys, values, attn_mask=_additive(own, query.dtype), scale=scale)
-    # the kernel gives a query with no visible own column (left padding) a log-normaliser
-    # of 0: it has no mass there
-    outs, lses = [out], [lse.masked_fill(~own.any(-1), float("-inf"))]
-    for (groups, valid), level_keys, level_values in zip(specs, level_kv[0::2], level_kv[1::2]):
-        level_out, level_lse = torch.zeros_like(out), torch.zeros_like(lses[0])
-        for n, rows in groups:
-            columns = None if valid is None else _additive(valid[n][None, None, None], query.dtype)
-            o, lse = _FLASH_CPU(
-                _gather(query, rows)[None],
-                level_keys[n][None],
-                level_values[n][None],
-                attn_mask=columns,
-                scale=scale,
-            )
-            _scatter(o[0], rows, level_out)  # each batch row reads one level row
-            _scatter(lse[0], rows, level_lse)
-        outs.append(level_out)
-        lses.append(level_lse)
-    total = torch.logsumexp(torch.stack(lses), 0)
-    merged = torch.zeros_like(out)
-    for o, lse in zip(outs, lses):
-        merged += o * (lse - total).exp_()[..., None]
-    return merged
-
-
-def _unit_stride(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _own_mask(
@@ -289,108 +250,3 @@ def _own_mask(
     if mask.dtype != torch.bool:  # an additive float mask: 0 where visible
         mask = mask == 0
     return mask[:, :, None]
-
-
-def _gather(x_BK: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    """[B, Hkv, M, ...] rows -> [Hkv, b*M, ...]: one GEMM operand per KV head."""
-    x = x_BK if rows is None else x_BK.index_select(0, rows)
-    b, k, m = x.shape[:3]
-    return x.transpose(0, 1).reshape(k, b * m, *x.shape[3:])
-
-
-def _scatter(x_K: torch.Tensor, rows: torch.Tensor | None, out_BK: torch.Tensor) -> None:
-    """Inverse of `_gather`: add [Hkv, b*M, ...] into the rows of out [B, Hkv, M, ...]
-    (into zeros: a copy, as the groups of a level never share a batch row)."""
-    k, m = out_BK.shape[1], out_BK.shape[2]
-    x = x_K.reshape(k, -1, m, *x_K.shape[2:]).transpose(0, 1)
-    if rows is None:
-        out_BK += x
-    else:
-        out_BK.index_add_(0, rows, x)
-
-
-def _own_scores(
-    query_BKMD: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor:
-    b, k, m, _ = query_BKMD.shape
-    scores = torch.matmul(query_BKMD, keys.transpose(-1, -2)).mul_(scale)
-    q_len = mask.shape[-2]
-    view = scores.view(b, k, m // q_len, q_len, -1)
-    view.masked_fill_(~mask, float("-inf"))
-    return scores
-
-
-def _level_scores(
-    query_K: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | None, scale: float
-) -> torch.Tensor:
-    scores = torch.matmul(query_K, keys.transpose(-1, -2)).mul_(scale)
-    if valid is not None:
-        scores.masked_fill_(~valid, float("-inf"))
-    return scores
-
-
-class _Cascade(torch.autograd.Function):
-    """softmax over [shared levels | own columns] @ values, in the grouped-query layout
-    [B, Hkv, M = G*Q, D]. Saves the inputs, the output and the log-normaliser; backward
-    recomputes the probabilities one level at a time."""
-
-    @staticmethod
-    def forward(ctx: Any, query, keys, values, mask, scale, specs, *level_kv):  # type: ignore[override]
-        own = _own_scores(query, keys, mask, scale)
-        shared = []  # per level: [(n, rows, scores [Hkv, b*M, T])]
-        lse_parts = [torch.logsumexp(own, -1)]
-        for (groups, valid), level_keys in zip(specs, level_kv[0::2]):
-            lse = torch.zeros_like(lse_parts[0])
-            blocks = []
-            for n, rows in groups:
-                s = _level_scores(
-                    _gather(query, rows), level_keys[n], None if valid is None else valid[n], scale
-                )
-                _scatter(torch.logsumexp(s, -1), rows, lse)  # each row reads one level row
-                blocks.append((n, rows, s))
-            lse_parts.append(lse)
-            shared.append(blocks)
-        lse = torch.logsumexp(torch.stack(lse_parts), 0)  # [B, Hkv, M]
-        out = torch.matmul(own.sub_(lse[..., None]).exp_(), values)
-        del own
-        for blocks, level_values in zip(shared, level_kv[1::2]):
-            for n, rows, s in blocks:
-                p = s.sub_(_gather(lse[..., None], rows)).exp_()
-                _scatter(torch.matmul(p, level_values[n]), rows, out)
-        ctx.scale, ctx.specs = scale, specs
-        ctx.save_for_backward(query, keys, values, mask, out, lse, *level_kv)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
-        query, keys, values, mask, out, lse, *level_kv = ctx.saved_tensors
-        scale, specs = ctx.scale, ctx.specs
-        grad_out = grad_out.contiguous()
-        delta = (grad_out * out).sum(-1, keepdim=True)  # [B, Hkv, M, 1]
-        p = _own_scores(query, keys, mask, scale).sub_(lse[..., None]).exp_()
-        grad_values = torch.matmul(p.transpose(-1, -2), grad_out)
-        ds = p.mul_(torch.matmul(grad_out, values.transpose(-1, -2)).sub_(delta))
-        del p
-        grad_query = torch.matmul(ds, keys).mul_(scale)
-        grad_keys = torch.matmul(ds.transpose(-1, -2), query).mul_(scale)
-        del ds
-        grads: list[torch.Tensor | None] = []
-        for i, (groups, valid) in enumerate(specs):
-            level_keys, level_values = level_kv[2 * i], level_kv[2 * i + 1]
-            want = ctx.needs_input_grad[6 + 2 * i] or ctx.needs_input_grad[7 + 2 * i]
-            gk = torch.zeros_like(level_keys) if want else None
-            gv = torch.zeros_like(level_values) if want else None
-            for n, rows in groups:
-                q = _gather(query, rows)
-                go = _gather(grad_out, rows)
-                s = _level_scores(q, level_keys[n], None if valid is None else valid[n], scale)
-                p = s.sub_(_gather(lse[..., None], rows)).exp_()
-                if want:
-                    gv[n] += torch.matmul(p.transpose(-1, -2), go)
-                dp = torch.matmul(go, level_values[n].transpose(-1, -2))
-                ds = p.mul_(dp.sub_(_gather(delta, rows)))
-                _scatter(torch.matmul(ds, level_keys[n]).mul_(scale), rows, grad_query)
-                if want:
-                    gk[n] += torch.matmul(ds.transpose(-1, -2), q).mul_(scale)
-            grads += [gk, gv]
-        return (grad_query, grad_keys, grad_values, None, None, None, *grads)

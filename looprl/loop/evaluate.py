@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from looprl.config import Config
 from looprl.engine import SamplingParams, Thinking
-from looprl.envs import make_env, solved_outcomes
+from looprl.envs import env_factory, make_env, solved_outcomes
 from looprl.errors import ConfigError, EnvError
 from looprl.loop import dist as ranks
 from looprl.loop import log, preflight
@@ -326,7 +326,7 @@ def player(cfg: Config, policy: Policy, probe: Any) -> Player:
     from looprl.agents import is_agent_env, run_agents
 
     common = {
-        "make_env": lambda: make_env(cfg.env.name, cfg.env.args),
+        "make_env": env_factory(cfg.env.name, cfg.env.args),
         "engine": policy.engine,
         "renderer": policy.renderer,
         "max_turns": probe.max_turns,

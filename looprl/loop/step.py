@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from looprl.config import Config
-from looprl.envs import make_env
+from looprl.envs import env_factory
 from looprl.errors import EngineError, LoopRLError
 from looprl.loop import checkpoint as checkpoints
 from looprl.loop import log
@@ -71,7 +71,7 @@ class Levers:
         expert = None
         if cfg.algo.expert_samples:
             expert = partial(
-                safe_expert_episode, lambda: make_env(cfg.env.name, cfg.env.args),
+                safe_expert_episode, env_factory(cfg.env.name, cfg.env.args),
                 renderer=policy.renderer, temperature=cfg.rollout.temperature,
             )  # fmt: skip
         return cls(decide, expert, cfg.algo.loss_on == "free")
