@@ -16,7 +16,11 @@ taking turns (one server works while the other idles) measurement by measurement
     latency of its requests.
 
 Prints a table (medians and percentiles) and ends with `RESULT looprl_short_p50_s=…
-vllm_short_p50_s=… looprl_tok_s_32=… vllm_tok_s_32=… … tok_s_ratio_32=…`. Both servers
+vllm_short_p50_s=… looprl_tok_s_32=… vllm_tok_s_32=… … req_s_ratio_32=… tok_s_ratio_32=…`
+(looprl / vLLM). The table also gives each side's completion tokens per reply and the
+share of replies that hold a tool call: the servers write a forced call differently
+(vLLM as a JSON list, looprl in the model's own call syntax, its fixed parts written by
+jump-forward decoding), so requests/s is the like-for-like throughput. Both servers
 run on the same CPU, never working at once; on a shared machine only ratios from one run
 mean much.
 """
@@ -123,12 +127,13 @@ def burst(
     """(b): n tool-call requests at once; throughput and latency percentiles."""
     bodies = tool_requests(n)
 
-    def one(body: dict) -> tuple[float, int]:
+    def one(body: dict) -> tuple[float, int, bool]:
         start_s = time.perf_counter()
         reply = client.chat.completions.create(
             model=model, max_tokens=max_tokens, temperature=1.0, tool_choice=tool_choice, **body
         )
-        return time.perf_counter() - start_s, reply.usage.completion_tokens
+        called = bool(reply.choices[0].message.tool_calls)
+        return time.perf_counter() - start_s, reply.usage.completion_tokens, called
 
     start_s = time.perf_counter()
     with ThreadPoolExecutor(n) as pool:
@@ -139,6 +144,7 @@ def burst(
     return {
         "tok_s": tokens / wall, "req_s": n / wall, "p50_s": percentile(latencies, 0.5),
         "p99_s": percentile(latencies, 0.99), "tokens": tokens, "wall_s": wall,
+        "tok_per_reply": tokens / n, "calls": sum(r[2] for r in results) / n,
     }  # fmt: skip
 
 
@@ -222,15 +228,16 @@ def main() -> None:
             stop(child)
 
     print(f"\n{args.model}, CPU ({os.cpu_count()} cores), measurements interleaved:")
-    print(f"{'':24}" + "".join(f"{name:>12}" for name in results))
+    print(f"{'':32}" + "".join(f"{name:>12}" for name in results))
     print(
-        f"{'2-token p50 (s)':24}" + "".join(f"{median(r['short']):12.2f}" for r in results.values())
+        f"{'2-token p50 (s)':32}" + "".join(f"{median(r['short']):12.2f}" for r in results.values())
     )
     for n in args.concurrency:
         for key, label in [("tok_s", "tok/s"), ("req_s", "req/s"), ("p50_s", "p50 (s)"),
-                           ("p99_s", "p99 (s)")]:  # fmt: skip
+                           ("p99_s", "p99 (s)"), ("tok_per_reply", "tokens/reply"),
+                           ("calls", "share with a call")]:  # fmt: skip
             row = f"{n} concurrent {label}"
-            print(f"{row:24}" + "".join(f"{r[n][key]:12.2f}" for r in results.values()))
+            print(f"{row:32}" + "".join(f"{r[n][key]:12.2f}" for r in results.values()))
     fields = {f"{name}_short_p50_s": f"{median(r['short']):.2f}" for name, r in results.items()}
     for n in args.concurrency:
         for name, r in results.items():
@@ -239,8 +246,9 @@ def main() -> None:
             fields[f"{name}_p50_s_{n}"] = f"{r[n]['p50_s']:.2f}"
             fields[f"{name}_p99_s_{n}"] = f"{r[n]['p99_s']:.2f}"
         if len(results) == 2:
-            ratio = results["looprl"][n]["tok_s"] / results["vllm"][n]["tok_s"]
-            fields[f"tok_s_ratio_{n}"] = f"{ratio:.2f}"
+            for key in ("req_s", "tok_s"):
+                ratio = results["looprl"][n][key] / results["vllm"][n][key]
+                fields[f"{key}_ratio_{n}"] = f"{ratio:.2f}"
     print(result_line(fields))
 
 
