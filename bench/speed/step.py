@@ -110,7 +110,11 @@ TRL's own prompt tokenization (`GRPOTrainer._tokenize_prompts`) gives exactly th
 same tasks at every step (looprl's transcripts vs the TRL reward calls). The TRL reward
 function scores a completion as looprl's rollout does: decode the completion
 ids with the renderer, parse them into an assistant message (`require_call=True`), and
-`env.step(message).reward` in a fresh env reset to the same task.
+`env.step(message).reward` in a fresh env reset to the same task; a completion the token
+limit cut (no EOS) scores the env's lowest reward unless it holds a whole valid call, as
+looprl's rollout scores it. (Before that rule was on the TRL side too, the two sides
+learned different rewards: looprl's completions fell from ≈ 55 to ≈ 30 tokens after the
+warm-up step while TRL's stayed at ≈ 60, and the step ratio compared unequal work.)
 
 Not the same, by design of each library (so part of what is measured)
 ---------------------------------------------------------------------

@@ -61,9 +61,10 @@ class RewardLog:
 
     __name__ = "looprl_env_reward"  # TRL names reward functions by __name__
 
-    def __init__(self, renderer: Any, group: int) -> None:
+    def __init__(self, renderer: Any, group: int, max_tokens: int) -> None:
         self.renderer = renderer
         self.group = group
+        self.max_tokens = max_tokens
         self.rounds: list[dict[str, Any]] = []
 
     def __call__(
@@ -97,7 +98,9 @@ class RewardLog:
         return sum(len(set(g)) == 1 for g in groups)
 
     def score(self, ids: list[int], task_id: str, data: str, seed: int) -> float:
-        """What looprl's rollout does with a completion, for a one-turn env."""
+        """What looprl's rollout does with a completion, for a one-turn env: a reply that
+        the token limit cut (no end-of-turn token) scores the env's lowest reward unless it
+        holds a whole valid call (loop/rollout.py); any other reply is the env's to score."""
         env = make_env(ENV_NAME, ENV_ARGS)
         obs = env.reset(Task(id=task_id, data=json.loads(data), seed=seed))
         message = self.renderer.assistant_message(
@@ -105,6 +108,9 @@ class RewardLog:
             obs.tools,
             require_call=bool(obs.tools) and obs.tool_choice != "none",
         )
+        cut = len(ids) >= self.max_tokens and not (ids and ids[-1] in self.renderer.eos_ids)
+        if cut and not (message.tool_calls and not message.parse_failure):
+            return float(env.reward_range[0])
         return float(env.step(message).reward)
 
 
@@ -179,7 +185,7 @@ def run_trl(s: Settings) -> dict[str, Any]:
     renderer = ChatRenderer(tokenizer, model_name=s.model)
     rows = task_prompts(s, renderer)
     dataset = Dataset.from_list([{k: v for k, v in r.items() if k != "prompt_ids"} for r in rows])
-    reward = RewardLog(renderer, s.group)
+    reward = RewardLog(renderer, s.group, s.max_new_tokens)
     timer = round_timer(s.effective_updates)
     lora = LoraConfig(
         r=s.lora_rank, lora_alpha=s.lora_alpha, lora_dropout=s.lora_dropout,
