@@ -60,6 +60,17 @@ def flash_levels(query, keys, values, mask, scale, specs, level_kv, with_lse: bo
     return (merged, total) if with_lse else merged
 
 
+def _save(ctx: Any, scale: float, specs: Any, *tensors: torch.Tensor) -> None:
+    """What both autograd functions keep for the backward: the inputs, the output and the
+    log-normaliser (no probabilities: the backward rebuilds them)."""
+    ctx.scale, ctx.specs = scale, specs
+    ctx.save_for_backward(*tensors)
+
+
+def _saved(ctx: Any) -> tuple[float, Any, tuple[torch.Tensor, ...]]:
+    return ctx.scale, ctx.specs, ctx.saved_tensors
+
+
 def _own_additive(mask: torch.Tensor, m: int, dtype: torch.dtype) -> torch.Tensor:
     """The own columns' [B|1, 1, Q, L] mask as the kernel's additive [B|1, 1, M = G*Q, L]."""
     q_len, length = mask.shape[-2], mask.shape[-1]
@@ -78,14 +89,12 @@ class FlashCascade(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, query, keys, values, mask, scale, specs, *level_kv):  # type: ignore[override]
         out, lse = flash_levels(query, keys, values, mask, scale, specs, level_kv, with_lse=True)
-        ctx.scale, ctx.specs = scale, specs
-        ctx.save_for_backward(query, keys, values, mask, out, lse, *level_kv)
+        _save(ctx, scale, specs, query, keys, values, mask, out, lse, *level_kv)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
-        query, keys, values, mask, out, lse, *level_kv = ctx.saved_tensors
-        scale, specs = ctx.scale, ctx.specs
+        scale, specs, (query, keys, values, mask, out, lse, *level_kv) = _saved(ctx)
         grad_out, query = grad_out.contiguous(), _unit_stride(query)
         lse = lse.masked_fill(lse.isinf(), 0.0)  # a row that sees nothing: no probability
         own = _own_additive(mask, query.shape[2], query.dtype)
@@ -184,14 +193,12 @@ class Cascade(torch.autograd.Function):
             for n, rows, s in blocks:
                 p = s.sub_(_gather(lse[..., None], rows)).exp_()
                 _scatter(torch.matmul(p, level_values[n]), rows, out)
-        ctx.scale, ctx.specs = scale, specs
-        ctx.save_for_backward(query, keys, values, mask, out, lse, *level_kv)
+        _save(ctx, scale, specs, query, keys, values, mask, out, lse, *level_kv)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
-        query, keys, values, mask, out, lse, *level_kv = ctx.saved_tensors
-        scale, specs = ctx.scale, ctx.specs
+        scale, specs, (query, keys, values, mask, out, lse, *level_kv) = _saved(ctx)
         grad_out = grad_out.contiguous()
         delta = (grad_out * out).sum(-1, keepdim=True)  # [B, Hkv, M, 1]
         p = _own_scores(query, keys, mask, scale).sub_(lse[..., None]).exp_()
