@@ -31,13 +31,13 @@ def flash_levels(query, keys, values, mask, scale, specs, level_kv, with_lse: bo
     """Inference on the CPU: each level (and the own columns) through the flash kernel,
     which also returns each query's log-normaliser; the partial results are then merged
     by log-sum-exp. Same result as `Cascade` (tested), about twice as fast."""
-    own = _own_additive(mask, query.shape[2], query.dtype)
+    own = _own_visible(mask, query.shape[2])
     # the kernel misreads inputs whose last dim is strided (weight-first linears' outputs)
     query, keys, values = _unit_stride(query), _unit_stride(keys), _unit_stride(values)
-    out, lse = FLASH_CPU(query, keys, values, attn_mask=own, scale=scale)
+    out, lse = FLASH_CPU(query, keys, values, attn_mask=_additive(own, query.dtype), scale=scale)
     # the kernel gives a query with no visible own column (left padding) a log-normaliser
     # of 0: it has no mass there
-    outs, lses = [out], [lse.masked_fill((own == float("-inf")).all(-1), float("-inf"))]
+    outs, lses = [out], [lse.masked_fill(~own.any(-1), float("-inf"))]
     for (groups, valid), level_keys, level_values in zip(specs, level_kv[0::2], level_kv[1::2]):
         level_out, level_lse = torch.zeros_like(out), torch.zeros_like(lses[0])
         for n, rows in groups:
@@ -71,11 +71,10 @@ def _saved(ctx: Any) -> tuple[float, Any, tuple[torch.Tensor, ...]]:
     return ctx.scale, ctx.specs, ctx.saved_tensors
 
 
-def _own_additive(mask: torch.Tensor, m: int, dtype: torch.dtype) -> torch.Tensor:
-    """The own columns' [B|1, 1, Q, L] mask as the kernel's additive [B|1, 1, M = G*Q, L]."""
+def _own_visible(mask: torch.Tensor, m: int) -> torch.Tensor:
+    """The own columns' [B|1, 1, Q, L] mask in the kernel's layout [B|1, 1, M = G*Q, L]."""
     q_len, length = mask.shape[-2], mask.shape[-1]
-    own = mask.expand(mask.shape[0], 1, m // q_len, q_len, length).reshape(-1, 1, m, length)
-    return _additive(own, dtype)
+    return mask.expand(mask.shape[0], 1, m // q_len, q_len, length).reshape(-1, 1, m, length)
 
 
 class FlashCascade(torch.autograd.Function):
@@ -97,7 +96,7 @@ class FlashCascade(torch.autograd.Function):
         scale, specs, (query, keys, values, mask, out, lse, *level_kv) = _saved(ctx)
         grad_out, query = grad_out.contiguous(), _unit_stride(query)
         lse = lse.masked_fill(lse.isinf(), 0.0)  # a row that sees nothing: no probability
-        own = _own_additive(mask, query.shape[2], query.dtype)
+        own = _additive(_own_visible(mask, query.shape[2]), query.dtype)
         grad_query, grad_keys, grad_values = FLASH_CPU_BACKWARD(
             grad_out, query, _unit_stride(keys), _unit_stride(values), out, lse, 0.0, False,
             attn_mask=own, scale=scale,
