@@ -229,8 +229,8 @@ def test_run_serves_trained_and_baseline(model, tmp_path, lora):
 
 def test_baseline_engine_has_the_runs_settings(tmp_path):
     """A full fine-tune's baseline is a second model: its engine samples as the run's
-    does (sampler dtype, cascade attention, weight-first linear layers)."""
-    model = {"cascade_attention": False, "weight_first_linear": False}
+    does (sampler dtype, cascade attention, weight-first and packed linear layers)."""
+    model = {"cascade_attention": False, "weight_first_linear": False, "packed_linear": False}
     root = fake_run(tmp_path / "r", False, model=model, rollout={"sampler_dtype": "bfloat16"})
     run = load_chat_model(str(root), device="cpu")
     run.chat(HI, max_tokens=2, variant="baseline")
@@ -239,10 +239,12 @@ def test_baseline_engine_has_the_runs_settings(tmp_path):
     for engine in (run.engine, baseline):
         assert engine.sampler_dtype == torch.bfloat16
         assert engine.cascade is False and engine.weight_first_linear is False
+        assert engine.packed_linear is False
     defaults = load_chat_model(str(fake_run(tmp_path / "d", False)), device="cpu")
     defaults.chat(HI, max_tokens=2, variant="baseline")
     assert defaults._baseline_engine.sampler_dtype is None
     assert defaults._baseline_engine.weight_first_linear is True
+    assert defaults._baseline_engine.packed_linear is True
 
 
 def test_checkpoint_choice_and_errors(tmp_path):

@@ -160,6 +160,31 @@ def test_meta_counts_match_the_real_tiny_model():
     assert shape.lora_params == sum(p.numel() for p in lora.parameters() if p.requires_grad)
     assert shape.kv_per_token == 2 * 2 * 2 * 16  # layers × (k, v) × kv heads × head dim
     assert shape.cascade
+    plain = load_causal_lm("tiny-random", torch.float32)  # `real` now carries adapters
+    linears = [m for m in plain.modules() if type(m) is torch.nn.Linear]
+    assert shape.linear_params == sum(m.weight.numel() for m in linears)
+
+
+def test_sampling_holds_packed_weights_where_the_engine_packs():
+    """The CPU engine samples through a oneDNN-packed copy of the linear weights
+    (forward/fast_linear.py) when they are large enough to pay: each sampling phase holds
+    it, in the sampler's dtype; the update does not, nor a GPU, nor packed_linear=false."""
+    from dataclasses import replace
+
+    big = replace(hand_shape(), linear_params=40_000_000)  # 160 MB in float32
+    cfg = config_from_dict({})
+    plan = plan_memory(cfg, big, hand_work(), device("cpu-24g"))
+    for phase in plan.phases:
+        packed = phase.components.get("packed weights")
+        assert packed == (None if phase.name == "update" else 40_000_000 * 4), phase.name
+    bf16 = config_from_dict({"rollout": {"sampler_dtype": "bfloat16"}})
+    rollout = plan_memory(bf16, big, hand_work(), device("cpu-24g")).phases[1]
+    assert rollout.components["packed weights"] == 40_000_000 * 2
+    off = config_from_dict({"model": {"packed_linear": False}})
+    for cfg_, shape, where in [(off, big, "cpu-24g"), (cfg, big, "h200"),
+                               (cfg, hand_shape(), "cpu-24g")]:  # fmt: skip
+        plan = plan_memory(cfg_, shape, hand_work(), device(where))
+        assert all("packed weights" not in p.components for p in plan.phases)
 
 
 @pytest.mark.parametrize("router", [False, True], ids=["router-frozen", "router-trained"])

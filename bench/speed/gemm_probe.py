@@ -5,7 +5,7 @@
 One decode step's products at a few rows (every linear layer and the output projection,
 with the model's own float32 weights, random activations, one row per sequence), timed
 four ways, interleaved in each repeat: `F.linear` (x @ W^T), weight-first W @ x^T (see
-looprl.forward.weight_first), and `bench/gemm_probe.cpp`, an AVX-512 float32 kernel
+looprl.forward.fast_linear), and `bench/gemm_probe.cpp`, an AVX-512 float32 kernel
 built here with g++, without and with software prefetch of the weights. A second table
 times the same products on one layer's weights, reused (in cache), which bounds what any
 kernel can do once the weights are no longer read from memory. The hand-written kernel

@@ -7,14 +7,14 @@ Same model (float32), same tic-tac-toe prompts (distinct boards: no two requests
 a whole prompt, but all share the system prompt and tool schema), 64 new tokens,
 temperature 1, no grammar (so jump-forward does not apply): this measures prefill and
 the decoding loop. Columns: looprl's exact float32 engine; the same engine with its
-weight-first linear layers switched off (`F.linear`; shown when the engine's start-up
-timing switched them on, see looprl.forward.weight_first); looprl sampling from a
+fast linear layers switched off (`F.linear`; shown when the engine's start-up timing
+switched weight-first or packed layers on, see looprl.forward.fast_linear); looprl sampling from a
 bfloat16 copy (`rollout.sampler_dtype=bfloat16`, not exact: its mean |logprob gap| to
 the float32 policy is printed); `generate`, on its own copy of the model. Tokens are
 counted up to and including EOS. Prints generated tokens/s (median of the repeats, the
 engines interleaved in each repeat) and ends with a `RESULT` line: `rollout_speedup_bN`
 (float32 engine / generate), `rollout_speedup_bf16_bN` (bf16 sampler / generate) and
-`weight_first_speedup_bN` (float32 engine / the same with F.linear).
+`fast_linear_speedup_bN` (float32 engine / the same with F.linear).
 
 With vLLM installed (`make setup-vllm`; `--vllm auto` uses it when `.venv-vllm` exists)
 a `vllm` column times the `vllm` engine on the same model (float32, a server it starts in
@@ -23,8 +23,9 @@ eager mode; start-up not counted): `vllm_tokens_per_s_bN` and `looprl_vs_vllm_bN
 
 It also prints a floor for the exact engine at each batch size: the model's matrix
 products alone (every linear layer and the output projection, with the model's own
-weights, on random activations with one row per sequence; timed as F.linear's x @ W^T
-and as weight-first W @ x^T, the faster counting) for one decode step, times the decode
+weights, on random activations with one row per sequence; timed as F.linear's x @ W^T,
+as weight-first W @ x^T and through oneDNN with packed weights, the fastest counting)
+for one decode step, times the decode
 steps of an average row of the run, plus the engine's measured prefill. No float32
 engine doing the same work can beat `floor tok/s` on this machine; `floor_speedup_bN`
 is that bound divided by `generate`'s tokens/s. The last column, `step_budget_5x_ms_bN`, is
@@ -50,8 +51,8 @@ from looprl.chat import ChatRenderer
 from looprl.engine import GenerationRequest, SamplingParams
 from looprl.engine.hf import HFEngine
 from looprl.envs import make_env
-from looprl.forward.weight_first import enable as enable_weight_first
-from looprl.forward.weight_first import enabled as weight_first_enabled
+from looprl.forward.fast_linear import enable as enable_fast_linear
+from looprl.forward.fast_linear import enabled as fast_linear_enabled
 from looprl.model.load import load_causal_lm, load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -100,22 +101,34 @@ def logprob_gap(model, batch: list[list[int]], outs) -> float:
 
 
 @torch.inference_mode()
-def matmul_floor(model, rows: int, repeats: int = 5) -> tuple[float, float]:
+def matmul_floor(model, rows: int, repeats: int = 5) -> tuple[float, float, float]:
     """Seconds of one decode step's matrix products at `rows` rows (median of repeats), as
-    F.linear (x @ W^T) and weight-first (W @ x^T, see looprl.forward.weight_first)."""
+    F.linear (x @ W^T), weight-first (W @ x^T) and through oneDNN with each weight packed
+    once (see looprl.forward.fast_linear; inf where oneDNN or the device lacks it)."""
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     device = weights[0].device
     inputs = [torch.randn(rows, w.shape[1], device=device) for w in weights]
-    times: dict[bool, list[float]] = {False: [], True: []}
+    mkldnn = getattr(torch.ops, "mkldnn", None)
+    packed = None
+    if device.type == "cpu" and torch.backends.mkldnn.is_available() and mkldnn is not None:
+        packed = [mkldnn._reorder_linear_weight(w, 64) for w in weights]
+    forms = ["plain", "first"] + (["packed"] if packed else [])
+    times: dict[str, list[float]] = {form: [] for form in forms}
     for _ in range(repeats + 1):
-        for first in (False, True):
+        for form in forms:
             sync(device)
             start = time.perf_counter()
-            for x, w in zip(inputs, weights):
-                torch.mm(w, x.t()) if first else torch.nn.functional.linear(x, w)
+            for i, (x, w) in enumerate(zip(inputs, weights)):
+                if form == "first":
+                    torch.mm(w, x.t())
+                elif form == "packed":
+                    mkldnn._linear_pointwise(x, packed[i], None, "none", [], "")
+                else:
+                    torch.nn.functional.linear(x, w)
             sync(device)
-            times[first].append(time.perf_counter() - start)
-    return median(times[False][1:]), median(times[True][1:])
+            times[form].append(time.perf_counter() - start)
+    seconds = {form: median(t[1:]) for form, t in times.items()}
+    return seconds["plain"], seconds["first"], seconds.get("packed", float("inf"))
 
 
 @torch.inference_mode()
@@ -183,8 +196,8 @@ def main() -> None:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{where}, {torch.get_num_threads()} threads; tokens/s, median of {args.repeats}")
     print(
-        f"weight-first linear layers: float32 engine {exact.weight_first},"
-        f" bf16 sampler {weight_first_enabled(bf16.model)}"
+        f"fast linear layers: float32 engine {fast_linear_enabled(model)},"
+        f" bf16 sampler {fast_linear_enabled(bf16.model)}"
     )
     header = f"{'batch':>5} {'looprl':>8} {'F.linear':>9} {'bf16 sampler':>13} {'generate':>9}"
     print(header + f" {'ratio':>6} {'ratio bf16':>11} {'bf16 |gap|':>11} {'vllm':>7}")
@@ -197,11 +210,11 @@ def main() -> None:
             n, s = run_looprl(exact, batch, r)
             ours.append(n / s)
             produced.append(n)
-            if exact.weight_first:  # the same engine with nn.Linear's own form
-                enable_weight_first(model, force=False)
+            if exact.weight_first or exact.packed:  # the same engine with nn.Linear's form
+                enable_fast_linear(model, weight_first=False, packed=False)
                 n, s = run_looprl(exact, batch, r)
                 linear.append(n / s)
-                enable_weight_first(model, force=True)
+                enable_fast_linear(model, weight_first=exact.weight_first, packed=exact.packed)
             n, s, outs = run_looprl_outputs(bf16, batch, r)
             fast.append(n / s)
             gaps.append(logprob_gap(reference, batch, outs))
@@ -222,7 +235,7 @@ def main() -> None:
             result[f"vllm_tokens_per_s_b{size}"] = f"{v:.1f}"
             result[f"looprl_vs_vllm_b{size}"] = f"{a / v:.2f}"
         if linear:
-            result[f"weight_first_speedup_b{size}"] = f"{a / median(linear):.2f}"
+            result[f"fast_linear_speedup_b{size}"] = f"{a / median(linear):.2f}"
         floors.append((size, a, b, median(produced), exact, batch))
         result[f"rollout_speedup_b{size}"] = f"{a / b:.2f}"
         result[f"rollout_speedup_bf16_b{size}"] = f"{f / b:.2f}"
@@ -230,19 +243,20 @@ def main() -> None:
         result[f"looprl_bf16_tok_s_b{size}"] = f"{f:.1f}"
         result[f"generate_tok_s_b{size}"] = f"{b:.1f}"
     print(
-        "floor of the exact engine: matrix products of each decode step (the faster of"
-        " x @ W^T and W @ x^T) + measured prefill"
+        "floor of the exact engine: matrix products of each decode step (the fastest of"
+        " x @ W^T, W @ x^T and packed) + measured prefill"
     )
     print(
         f"{'batch':>5} {'tokens':>7} {'steps/row':>10} {'x@W^T ms/step':>14} {'W@x^T ms/step':>14}"
+        f" {'packed ms/step':>15}"
         f" {'prefill s':>10} {'floor tok/s':>12} {'ratio':>6} {'5x budget ms/step':>18}"
         f" {'looprl ms/step':>15}"
     )
     for size, looprl_tok_s, generate_tok_s, tokens, engine, batch in floors:
-        plain, first = matmul_floor(engine.model, size)
+        plain, first, packed = matmul_floor(engine.model, size)
         prefill = prefill_seconds(engine, batch)
         steps = tokens / size - 1  # decode steps of an average row (its first token: prefill)
-        floor = tokens / (prefill + steps * min(plain, first))
+        floor = tokens / (prefill + steps * min(plain, first, packed))
         ratio = floor / generate_tok_s
         # what one whole decode step may take for the engine to reach 5x generate, and
         # what it took (the engine's tokens/s above, less this prefill)
@@ -250,6 +264,7 @@ def main() -> None:
         took = (tokens / looprl_tok_s - prefill) / steps
         print(
             f"{size:>5} {tokens:>7.0f} {steps:>10.1f} {plain * 1e3:>14.1f} {first * 1e3:>14.1f}"
+            f" {packed * 1e3:>15.1f}"
             f" {prefill:>10.2f} {floor:>12.1f} {ratio:>6.2f} {budget * 1e3:>18.1f}"
             f" {took * 1e3:>15.1f}"
         )

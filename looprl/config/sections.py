@@ -81,6 +81,11 @@ class ModelConfig(Section):
         description="On the CPU, run decoding's small-batch linear layers as W @ x^T when "
         "a timing at engine start finds that form faster on this machine.",
     )
+    packed_linear: bool = Field(
+        True,
+        description="On the CPU, sample through oneDNN with packed (LoRA-merged) linear "
+        "weights when timed faster at engine start; a second copy while sampling.",
+    )
     tool_format: Literal["auto", "hermes", "llama3", "glm", "mistral"] = Field(
         "auto", description="Tool-call syntax the model writes; auto = detect from template."
     )

@@ -44,7 +44,7 @@ from looprl.engine.sampling import (
     thinking_fields,
     top_alternatives,
 )
-from looprl.forward import cascade, weight_first
+from looprl.forward import cascade, fast_linear
 from looprl.forward.kv import Part, Retained, bufferable, from_retained
 from looprl.forward.prefix import extend, prefix_kwargs, shared_prefill
 from looprl.forward.score import decoder_and_head
@@ -65,6 +65,7 @@ class HFEngine:
         sampler_dtype: str | torch.dtype | None = None,
         cascade_attention: bool = True,
         weight_first_linear: bool = True,
+        packed_linear: bool = True,
     ) -> None:
         self.policy_model = model
         self.model = model  # the module that samples: the policy or its low-precision copy
@@ -84,9 +85,10 @@ class HFEngine:
         self._retained: list[Retained] | None = None  # inside `session()`: the last call's rows
         # the prompts' shared head kept once per batch (cascade attention), where it applies
         self.cascade = cascade.enable(model) if cascade_attention and self.paths.cascade else False
-        # small-batch linear layers as W @ x^T, where this machine runs that form faster
-        self.weight_first_linear = weight_first_linear
-        self.weight_first = weight_first.enable(model) if weight_first_linear else False
+        # sampling's linear layers in the faster forms of this machine (forward/fast_linear.py)
+        self.weight_first_linear, self.packed_linear = weight_first_linear, packed_linear
+        forms = self._linear_forms(model)
+        self.weight_first, self.packed = forms.weight_first, forms.packed
 
     @property
     def device(self) -> torch.device:
@@ -108,6 +110,7 @@ class HFEngine:
             yield
         finally:
             self._retained = None
+            fast_linear.unpack(self.model)
 
     def _refresh_sampler(self) -> None:
         """Point `self.model` at the module to sample from. With `sampler_dtype`, that is
@@ -122,8 +125,7 @@ class HFEngine:
         if self.model is policy:
             self.model = copy.deepcopy(policy).to(self.sampler_dtype).eval()
             self.model.requires_grad_(False)
-            if self.weight_first_linear:  # measured again: the copy has its own dtype
-                weight_first.enable(self.model)
+            self._linear_forms(self.model)  # measured again: the copy has its own dtype
         elif versions != self._sampler_versions:
             with torch.no_grad():
                 for mine, theirs, old, new in zip(
@@ -131,7 +133,17 @@ class HFEngine:
                 ):
                     if old != new:
                         mine.copy_(theirs)
+            fast_linear.unpack(self.model)  # inference tensors: no version to tell it by
         self._sampler_versions = versions
+
+    def _linear_forms(self, model: Any) -> fast_linear.Forms:
+        """Switch `model`'s linear layers to the forms this machine runs faster (each
+        timed, or off where the engine's settings turn it off)."""
+        return fast_linear.enable(
+            model,
+            weight_first=None if self.weight_first_linear else False,
+            packed=None if self.packed_linear else False,
+        )
 
     def grammars(self) -> GrammarCache:
         if self._grammars is None:
@@ -170,6 +182,8 @@ class HFEngine:
         finally:
             self.model.train(was_training)
             batch.close()
+            if not keep_rows:  # a session keeps the packed weights until it ends
+                fast_linear.unpack(self.model)
             release_free_memory()
         return [r for r in results if r is not None]
 
@@ -181,6 +195,7 @@ class HFEngine:
         it (under `torch.inference_mode()`) while it is busy. Requests that carry their
         own `sampling` settings need no common `params`."""
         self._refresh_sampler()
+        fast_linear.pack(self.model)  # layers whose packed form is on (until unpacked)
         seed = params.seed
         if seed is None:
             seed = torch.Generator().seed()  # fresh entropy, global RNG untouched

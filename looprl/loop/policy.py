@@ -101,6 +101,7 @@ def make_engine(cfg: Config, model: Any, tokenizer: Any, renderer: ChatRenderer)
         sampler_dtype=None if cfg.rollout.sampler_dtype == "model" else cfg.rollout.sampler_dtype,
         cascade_attention=cfg.model.cascade_attention,
         weight_first_linear=cfg.model.weight_first_linear,
+        packed_linear=cfg.model.packed_linear,
     )
 
 

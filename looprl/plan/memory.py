@@ -19,6 +19,7 @@ from typing import Any
 from looprl.algo.logprobs import head_logprobs
 from looprl.config import Config
 from looprl.engine.hf import FORCED_LOGIT_ROWS
+from looprl.forward.fast_linear import MIN_WEIGHT_BYTES
 from looprl.loop.optim import EIGHT_BIT_BLOCK
 from looprl.loop.update import micro_batches
 from looprl.plan.devices import Device
@@ -146,6 +147,18 @@ def rollout_phase(cfg: Config, shape: ModelShape, work: Workload, device: Device
     prefill = max(1, rows // per_prompt) * (work.prompt_tokens - head)
     width = 4 * shape.hidden + 3 * shape.mlp_width + shape.attention_width
     phase.add("prefill", prefill * width * b, f"{prefill} prompt tokens through one layer")
+    sampler = dtype_name(cfg, device)
+    if cfg.rollout.sampler_dtype != "model":
+        sampler = cfg.rollout.sampler_dtype
+    packed = shape.linear_params * DTYPE_BYTES[sampler]
+    if (
+        device.kind == "cpu"
+        and cfg.model.packed_linear
+        and sampler in ("float32", "bfloat16")
+        and packed >= MIN_WEIGHT_BYTES
+    ):
+        phase.add("packed weights", packed, "the linear weights in oneDNN's layout, while "
+                  "sampling (model.packed_linear, where timed faster)")  # fmt: skip
     return phase
 
 

@@ -42,6 +42,7 @@ class ModelShape:
     kv_per_token: int  # cached elements per token, summed over the full-attention layers
     state_per_row: int  # linear-attention layers: fixed state bytes per sequence (float32)
     cascade: bool  # the run keeps shared prompt KV once (SDPA, plain full-attention cache)
+    linear_params: int = 0  # in plain nn.Linear weights, the output head included
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -155,6 +156,7 @@ def model_shape(cfg: Config) -> ModelShape:
     kv_heads = _get(config, "num_key_value_heads", default=heads)
     on_cascade = (not state) and cascade.enable(model)
     small = _small(model.parameters())  # before PEFT wraps the model
+    linear = sum(m.weight.numel() for m in model.modules() if type(m) is torch.nn.Linear)
     # counted also for a full fine-tune, so that the plan can weigh LoRA as an option
     lora_params, lora_small, adapted = lora_count(model, cfg)
     return ModelShape(
@@ -176,4 +178,5 @@ def model_shape(cfg: Config) -> ModelShape:
         kv_per_token=kv,
         state_per_row=state,
         cascade=bool(on_cascade and cfg.model.cascade_attention),
+        linear_params=linear,
     )
