@@ -21,7 +21,7 @@ from looprl.engine import GenerationRequest, SamplingParams
 from looprl.engine.hf import HFEngine
 from looprl.envs.extraction import Extraction
 from looprl.envs.tictactoe import TicTacToeMove
-from looprl.forward import cascade
+from looprl.forward import cascade, cascade_kernels
 
 
 def plain_attention(query, keys, values, mask, scale):
@@ -237,16 +237,18 @@ def test_trainer_shares_a_single_prompt_without_copies(tokenizer, renderer, monk
 @pytest.mark.parametrize("q_len", [1, 4])
 @pytest.mark.parametrize("tail_rows", [[1, 0, 0, 1], [2, 0, 0, 0]])
 def test_inference_kernel_path_equals_the_autograd_path(q_len, tail_rows):
-    """Without gradients on the CPU each level runs through the flash kernel and the
-    levels merge by log-sum-exp; that equals the autograd function's result, including a
-    query that sees none of its own columns (left padding), and a level whose rows are
-    read by groups of different sizes or not at all."""
+    """Without gradients on the CPU each level runs through the flash kernel (the own
+    columns too, or as two products for a decode step's few queries: q_len 1 here) and
+    the levels merge by log-sum-exp; that equals the autograd function's result,
+    including a query that sees none of its own columns (left padding), and a level
+    whose rows are read by groups of different sizes or not at all."""
     from looprl.forward.cascade_kernels import FLASH_CPU, Cascade, flash_levels
 
     if FLASH_CPU is None:
         pytest.skip("this PyTorch has no CPU flash-attention kernel")
     torch.manual_seed(3)
     batch, kv_heads, groups, dim, own = 4, 3, 3, 16, 6
+    assert groups * 1 <= cascade_kernels.OWN_PRODUCT_ROWS < groups * 4  # both own paths
     query = torch.randn(batch, kv_heads, groups * q_len, dim)
     own_k, own_v = torch.randn(2, batch, kv_heads, own, dim)
     head_k, head_v = torch.randn(2, 1, kv_heads, 11, dim)

@@ -21,6 +21,10 @@ FLASH_CPU_BACKWARD = FLASH_CPU and getattr(
 )
 
 
+# own-column queries per batch row up to which two products beat the flash kernel
+OWN_PRODUCT_ROWS = 8
+
+
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
         ~mask, float("-inf")
@@ -31,13 +35,10 @@ def flash_levels(query, keys, values, mask, scale, specs, level_kv, with_lse: bo
     """Inference on the CPU: each level (and the own columns) through the flash kernel,
     which also returns each query's log-normaliser; the partial results are then merged
     by log-sum-exp. Same result as `Cascade` (tested), about twice as fast."""
-    own = _own_visible(mask, query.shape[2])
     # the kernel misreads inputs whose last dim is strided (weight-first linears' outputs)
-    query, keys, values = _unit_stride(query), _unit_stride(keys), _unit_stride(values)
-    out, lse = FLASH_CPU(query, keys, values, attn_mask=_additive(own, query.dtype), scale=scale)
-    # the kernel gives a query with no visible own column (left padding) a log-normaliser
-    # of 0: it has no mass there
-    outs, lses = [out], [lse.masked_fill(~own.any(-1), float("-inf"))]
+    query = _unit_stride(query)
+    out, lse = _own_part(query, keys, values, mask, scale)
+    outs, lses = [out], [lse]
     for (groups, valid), level_keys, level_values in zip(specs, level_kv[0::2], level_kv[1::2]):
         level_out, level_lse = torch.zeros_like(out), torch.zeros_like(lses[0])
         for n, rows in groups:
@@ -58,6 +59,26 @@ def flash_levels(query, keys, values, mask, scale, specs, level_kv, with_lse: bo
     for o, part in zip(outs, lses):
         merged += o * (part - total).exp_()[..., None]
     return (merged, total) if with_lse else merged
+
+
+def _own_part(query, keys, values, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the own columns alone: (output, log-normaliser; -inf for a query
+    that sees none). A decode step's few queries per row (up to `OWN_PRODUCT_ROWS`) run
+    as two batched products: the flash kernel's per-(row, head) blocks cost more there
+    (≈ 510 against 290 µs a layer for 64 rows x 3 queries x 60 columns, one probe)."""
+    if query.shape[2] <= OWN_PRODUCT_ROWS:
+        scores = _own_scores(query, keys, mask, scale)
+        lse = torch.logsumexp(scores, -1)
+        finite = lse.masked_fill(lse.isinf(), 0.0)
+        return torch.matmul(scores.sub_(finite[..., None]).exp_(), values), lse
+    own = _own_visible(mask, query.shape[2])
+    out, lse = FLASH_CPU(
+        query, _unit_stride(keys), _unit_stride(values),
+        attn_mask=_additive(own, query.dtype), scale=scale,
+    )  # fmt: skip
+    # the kernel gives a query with no visible own column (left padding) a log-normaliser
+    # of 0: it has no mass there
+    return out, lse.masked_fill(~own.any(-1), float("-inf"))
 
 
 def _save(ctx: Any, scale: float, specs: Any, *tensors: torch.Tensor) -> None:
