@@ -20,10 +20,13 @@ parameters, same state dict) and switches each form on only where a timing on th
 model's own weights at a decode batch finds it faster (`weight_first=` / `packed=`
 True/False skip the timing). Packed copies exist only between `pack(model)` and
 `unpack(model)`: the engine packs when a generation starts and unpacks when it (or its
-multi-turn session) ends, so training never holds them. A layer whose weight changed
-in place since it was packed (an optimizer step, a copied state dict) repacks itself at
-its next call. With autograd, on other devices, and for inputs of another dtype, every
-form falls back to `F.linear`.
+multi-turn session) ends, so training never holds them (a server's open batch keeps
+them). Under PEFT LoRA, `pack` gives each adapted layer one copy of its merged weight
+W + scaling * B @ A instead (`MergedLora`): sampling then costs one product per layer,
+not PEFT's three plus a scale and a sum. A layer whose weights changed in place since
+they were packed (an optimizer step, a copied state dict) packs them again at its next
+call. With autograd, on other devices, and for inputs of another dtype, every form
+falls back to `F.linear` (PEFT's own forward for adapted layers).
 """
 
 from __future__ import annotations
