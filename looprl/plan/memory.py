@@ -16,10 +16,12 @@ from functools import lru_cache
 from types import SimpleNamespace
 from typing import Any
 
+import torch
+
 from looprl.algo.logprobs import head_logprobs
 from looprl.config import Config
 from looprl.engine.hf import FORCED_LOGIT_ROWS
-from looprl.forward.fast_linear import MIN_WEIGHT_BYTES
+from looprl.forward.fast_linear import MIN_WEIGHT_BYTES, PACKED_DTYPES
 from looprl.loop.optim import EIGHT_BIT_BLOCK
 from looprl.loop.update import micro_batches
 from looprl.plan.devices import Device
@@ -72,6 +74,13 @@ def dtype_name(cfg: Config, device: Device) -> str:
     return "bfloat16" if device.kind == "cuda" else "float32"
 
 
+def sampler_dtype_name(cfg: Config, device: Device) -> str:
+    """The dtype the engine samples in: the model's, or `rollout.sampler_dtype`'s copy."""
+    if cfg.rollout.sampler_dtype == "model":
+        return dtype_name(cfg, device)
+    return cfg.rollout.sampler_dtype
+
+
 def optimizer_bytes(cfg: Config, shape: ModelShape, dtype_bytes: int) -> float:
     """AdamW: two states per trainable parameter in its dtype (m and v). 8-bit AdamW: one
     byte each plus a float32 scale per block of 256, for tensors of 4,096 values or more;
@@ -97,9 +106,10 @@ def persistent(cfg: Config, shape: ModelShape, device: Device) -> Phase:
         phase.add("framework", host + CUDA_CONTEXT, "CUDA context and libraries (assumed)")
     routed = f", {shape.expert_params / 1e9:.2f}B in routed experts" if shape.expert_params else ""
     phase.add("weights", shape.params * b, f"{shape.params / 1e6:,.1f}M params in {dtype}{routed}")
-    if cfg.rollout.sampler_dtype != "model" and cfg.rollout.sampler_dtype != dtype:
-        copy = shape.params * DTYPE_BYTES[cfg.rollout.sampler_dtype]
-        phase.add("sampler copy", copy, f"rollout.sampler_dtype={cfg.rollout.sampler_dtype}")
+    sampler = sampler_dtype_name(cfg, device)
+    if sampler != dtype:
+        copy = shape.params * DTYPE_BYTES[sampler]
+        phase.add("sampler copy", copy, f"rollout.sampler_dtype={sampler}")
     if cfg.model.lora.enabled:
         phase.add("LoRA adapters", shape.lora_params * 4,
                   f"{shape.lora_params / 1e6:,.2f}M float32, r={cfg.model.lora.rank}")  # fmt: skip
@@ -147,14 +157,12 @@ def rollout_phase(cfg: Config, shape: ModelShape, work: Workload, device: Device
     prefill = max(1, rows // per_prompt) * (work.prompt_tokens - head)
     width = 4 * shape.hidden + 3 * shape.mlp_width + shape.attention_width
     phase.add("prefill", prefill * width * b, f"{prefill} prompt tokens through one layer")
-    sampler = dtype_name(cfg, device)
-    if cfg.rollout.sampler_dtype != "model":
-        sampler = cfg.rollout.sampler_dtype
+    sampler = sampler_dtype_name(cfg, device)
     packed = shape.linear_params * DTYPE_BYTES[sampler]
     if (
         device.kind == "cpu"
         and cfg.model.packed_linear
-        and sampler in ("float32", "bfloat16")
+        and getattr(torch, sampler) in PACKED_DTYPES
         and packed >= MIN_WEIGHT_BYTES
     ):
         phase.add("packed weights", packed, "the linear weights in oneDNN's layout, while "
