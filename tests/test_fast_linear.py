@@ -56,15 +56,43 @@ def test_forward_equals_f_linear(form, bias, shape):
     assert (layer._packed is not None) == (form == "packed")
 
 
-def test_bfloat16_weights_pack_too():
+def test_bfloat16_weights_pack_where_the_cpu_can():
+    """oneDNN packs bfloat16 only with AVX-512 (or AVX-NE-CONVERT): elsewhere a layer
+    asked to pack stays F.linear, and nothing raises."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(32, 16).to(torch.bfloat16)
     x = torch.randn(5, 32, dtype=torch.bfloat16)
-    switch(layer, FORMS["packed"])
+    forms = switch(layer, FORMS["packed"])
     fast_linear.pack(layer)
     with torch.no_grad():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
-    assert layer._packed is not None and layer._packed.dtype == torch.bfloat16
+    can = fast_linear.packs_dtype(torch.bfloat16)
+    assert forms.packed == can
+    assert (getattr(layer, "_packed", None) is not None) == can
+    if can:
+        assert layer._packed.dtype == torch.bfloat16
+
+
+def test_a_dtype_onednn_cannot_pack_is_left_unpacked(monkeypatch):
+    """A reorder that raises for a dtype (bfloat16 on an AVX2 CPU) turns the packed form
+    off for it, whatever the timing or the caller asks."""
+
+    def reorder(weight, rows):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support")
+
+    monkeypatch.setattr(fast_linear, "_REORDER", reorder)
+    fast_linear.packs_dtype.cache_clear()
+    try:
+        assert not fast_linear.packs_dtype(torch.float32)
+        layer = torch.nn.Linear(8, 4)
+        assert not fast_linear.packing_supported([layer.weight])
+        assert switch(layer, FORMS["packed"]) == Forms()
+        fast_linear.pack(layer)
+        with torch.no_grad():
+            x = torch.randn(3, 8)
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+    finally:
+        fast_linear.packs_dtype.cache_clear()
 
 
 @pytest.mark.parametrize("form", ["weight_first", "packed"])
@@ -262,3 +290,24 @@ def test_engine_with_trained_lora_adapters_samples_the_plain_paths_tokens(tokeni
     for a, b in zip(plain, fast):
         assert b.ids == a.ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+@pytest.mark.parametrize("form", ["weight_first", "packed"])
+def test_a_column_major_input_reaches_the_product_row_major(form, monkeypatch):
+    """A weight-first layer's output is a transposed view and elementwise ops keep that
+    layout, so the next layer can get a column-major input; it is copied row-major first
+    (MKL's W @ x^T is much slower on the other layout)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(24, 40)
+    switch(layer, FORMS[form])
+    fast_linear.pack(layer)
+    seen = []
+    real = fast_linear._row_major
+    monkeypatch.setattr(
+        fast_linear, "_row_major", lambda x: seen.append(real(x).stride()) or real(x)
+    )
+    x = torch.randn(24, 6).t()  # [6, 24], column-major
+    with torch.no_grad():
+        got = layer(x)
+    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert seen == [(24, 1)]
