@@ -311,3 +311,39 @@ def test_a_column_major_input_reaches_the_product_row_major(form, monkeypatch):
         got = layer(x)
     torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     assert seen == [(24, 1)]
+
+
+def test_lora_layers_are_timed_with_their_adapters_products(monkeypatch):
+    """The start-up timing runs each LoRA layer as sampling would: its base weight with
+    the adapter's products in the plain and weight-first forms (the merged copy needs
+    none), and never times the adapters' small A and B layers as layers of their own."""
+    seen = []
+
+    def timings(layers, packed):
+        seen.append(layers)
+        return {"plain": 1.5, "weight_first": 1.0, "packed": 0.9}
+
+    monkeypatch.setattr(fast_linear, "_timings", timings)
+    monkeypatch.setattr(fast_linear, "MIN_WEIGHT_BYTES", 0)
+    model = lora_stack()
+    assert fast_linear.enable(model) == Forms(weight_first=True, packed=True)
+    bases = {id(m.base_layer): m for m in model.modules() if hasattr(m, "get_delta_weight")}
+    (layers,) = seen
+    assert len(layers) == 2
+    for weight, (lora_a, lora_b, scaling) in layers:
+        owner = next(m for m in bases.values() if m.base_layer.weight is weight)
+        assert lora_a is owner.lora_A["default"] and lora_b is owner.lora_B["default"]
+        assert scaling == 2.0  # alpha 8 / r 4
+    plain = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
+    fast_linear.enable(plain)
+    assert [adapter for _, adapter in seen[1]] == [None, None]
+
+
+def test_the_timing_runs_every_form_with_and_without_adapters():
+    model = lora_stack()
+    (layer,) = [m for m in model.modules() if hasattr(m, "get_delta_weight")][:1]
+    adapter = (layer.lora_A["default"], layer.lora_B["default"], 2.0)
+    got = fast_linear._timings(
+        [(layer.base_layer.weight, adapter), (torch.randn(8, 32), None)], True, repeats=1
+    )
+    assert set(got) == {"plain", "weight_first", "packed"} and all(t > 0 for t in got.values())

@@ -18,15 +18,17 @@ products up to float summation order:
 `enable(model)` turns the model's plain `nn.Linear` modules into `FastLinear` (same
 parameters, same state dict) and switches each form on only where a timing on the
 model's own weights at a decode batch finds it faster (`weight_first=` / `packed=`
-True/False skip the timing). Packed copies exist only between `pack(model)` and
-`unpack(model)`: the engine packs when a generation starts and unpacks when it (or its
-multi-turn session) ends, so training never holds them (a server's open batch keeps
-them). Under PEFT LoRA, `pack` gives each adapted layer one copy of its merged weight
-W + scaling * B @ A instead (`MergedLora`): sampling then costs one product per layer,
-not PEFT's three plus a scale and a sum. A layer whose weights changed in place since
-they were packed (an optimizer step, a copied state dict) packs them again at its next
-call. With autograd, on other devices, and for inputs of another dtype, every form
-falls back to `F.linear` (PEFT's own forward for adapted layers).
+True/False skip the timing; a LoRA layer is timed with its adapter's products beside the
+base product, against one product with its merged copy). Packed copies exist only
+between `pack(model)` and `unpack(model)`: the engine packs when a generation starts and
+unpacks when it (or its multi-turn session) ends, so training never holds them (a
+server's open batch keeps them). Under PEFT LoRA, `pack` gives each adapted layer one
+copy of its merged weight W + scaling * B @ A instead (`MergedLora`): sampling then
+costs one product per layer, not PEFT's three plus a scale and a sum. A layer whose
+weights changed in place since they were packed (an optimizer step, a copied state dict)
+packs them again at its next call. With autograd, on other devices, and for inputs of
+another dtype, every form falls back to `F.linear` (PEFT's own forward for adapted
+layers).
 """
 
 from __future__ import annotations
@@ -181,6 +183,19 @@ def _is_lora_linear(layer: Any) -> bool:
     )
 
 
+def _adapters(model: Any) -> dict[int, tuple[torch.nn.Module, torch.nn.Module, float]]:
+    """Per base layer (by id) that `pack` would merge with its LoRA adapter: the
+    adapter's A and B layers and its scaling."""
+    out = {}
+    for m in model.modules():
+        base = getattr(m, "base_layer", None)
+        lora = type(m).__module__.startswith("peft.") and hasattr(m, "get_delta_weight")
+        if lora and type(base) in (torch.nn.Linear, FastLinear) and _plain_adapter(m):
+            name = m.active_adapters[0]
+            out[id(base)] = (m.lora_A[name], m.lora_B[name], float(m.scaling[name]))
+    return out
+
+
 def _plain_adapter(layer: Any) -> bool:
     """One plain adapter active (no DoRA or other variant, no adapter bias, no
     transposed weights), not merged into the base weight by PEFT itself."""
@@ -260,7 +275,13 @@ def enable(model: Any, weight_first: bool | None = None, packed: bool | None = N
     elif packed and not packing_supported(weights):
         packed = False
     if weight_first is None or packed:
-        timed = _timings(weights, packed) if worth else {}
+        # timed on the model's own weights as sampling would run them: a LoRA layer's
+        # base product with its adapter's two products, a scale and a sum in the other
+        # forms, one product with the packed (merged) copy
+        adapters = _adapters(model)
+        own = {id(a) for found in adapters.values() for a in found[:2]}
+        base = [(m.weight, adapters.get(id(m))) for m in layers if id(m) not in own]
+        timed = _timings(base, packed) if worth and base else {}
         plain = timed.get("plain", 0.0)
         if weight_first is None:
             weight_first = bool(timed) and plain >= SPEEDUP_NEEDED * timed["weight_first"]
@@ -320,31 +341,35 @@ def unpack(model: Any) -> None:
 
 
 @torch.no_grad()
-def _timings(weights: list[torch.Tensor], packed: bool, repeats: int = 5) -> dict[str, float]:
-    """Seconds of one pass over (a memory-sized share of) the weights in each form at
-    `CALIBRATION_ROWS` rows, the forms interleaved (the median of `repeats`)."""
+def _timings(layers: list[tuple[torch.Tensor, Any]], packed: bool, repeats: int = 5) -> dict:
+    """Seconds of one pass over (a memory-sized share of) the layers in each form at
+    `CALIBRATION_ROWS` rows, the forms interleaved (the median of `repeats`). A layer is
+    its weight and its LoRA adapter (A, B, scaling) or None: the adapter's products run
+    beside the base product in the plain and weight-first forms, not in the packed one
+    (which `pack` merges)."""
     chosen, size = [], 0
-    for w in weights:
-        chosen.append(w)
-        size += w.numel() * w.element_size()
+    for weight, adapter in layers:
+        chosen.append((weight, adapter))
+        size += weight.numel() * weight.element_size()
         if size >= CALIBRATION_BYTES:
             break
     inputs = {
         (w.shape[1], w.dtype): torch.randn(CALIBRATION_ROWS, w.shape[1], dtype=w.dtype)
-        for w in chosen
+        for w, _ in chosen
     }
-    copies = [_REORDER(w.detach(), PACK_ROWS) for w in chosen] if packed else []
+    copies = [_REORDER(w.detach(), PACK_ROWS) for w, _ in chosen] if packed else []
 
     def seconds(form: str) -> float:
         start = time.perf_counter()
-        for i, w in enumerate(chosen):
+        for i, (w, adapter) in enumerate(chosen):
             x = inputs[(w.shape[1], w.dtype)]
-            if form == "weight_first":
-                torch.mm(w, x.t())
-            elif form == "packed":
+            if form == "packed":
                 _PACKED_LINEAR(x, copies[i], None, "none", [], "")
-            else:
-                F.linear(x, w)
+                continue
+            out = torch.mm(w, x.t()).t() if form == "weight_first" else F.linear(x, w)
+            if adapter is not None:  # PEFT's LoRA forward: base + B(A(x)) * scaling
+                lora_a, lora_b, scaling = adapter
+                out = out + F.linear(F.linear(x, lora_a.weight), lora_b.weight) * scaling
         return time.perf_counter() - start
 
     forms = ["plain", "weight_first"] + (["packed"] if packed else [])
