@@ -33,6 +33,7 @@ from looprl.apps.doctor.machine import (
     check_python,
     check_run_folder,
     check_torch,
+    cpu_kernels,
     declared_requirement,
     memory_gb,
     torch_build,
@@ -189,6 +190,31 @@ def test_cpu_and_memory():
     assert check_cpu().ok
     short = check_cpu(min_available_gb=total * 1000)
     assert problem(short) and "RAM available" in short.detail
+
+
+def test_a_bf16_sampler_on_a_cpu_without_bf16_instructions_is_a_note():
+    """oneDNN emulates bfloat16 on an AVX2 CPU: the bf16 sampler runs slower than
+    float32 there, and doctor says so (and which kernels this CPU has)."""
+    avx2, avx512 = ("AVX2", False), ("AVX512", True)
+    slow = check_cpu(sampler_dtype="bfloat16", kernels=avx2)
+    assert slow.status == "note" and "rollout.sampler_dtype=model" in slow.fix
+    assert "AVX2 kernels, bf16 instructions no" in slow.detail
+    assert check_cpu(sampler_dtype="bfloat16", kernels=avx512).ok
+    assert check_cpu(sampler_dtype="model", kernels=avx2).ok
+    assert check_cpu(sampler_dtype="bfloat16", on_cpu=False, kernels=avx2).ok  # a GPU run
+    capability, _ = cpu_kernels()  # this machine's, as torch reports it
+    assert capability in check_cpu().detail
+
+
+def test_doctor_passes_the_run_s_sampler_dtype_to_the_cpu_check(tmp_path, monkeypatch):
+    from looprl.apps import doctor
+    from looprl.apps.doctor import machine
+
+    monkeypatch.setattr(doctor, "visible_gpus", lambda: [])
+    monkeypatch.setattr(machine, "cpu_kernels", lambda: ("AVX2", False))
+    cfg = load_config(None, [*TINY, "rollout.sampler_dtype=bfloat16"])
+    (cpu,) = [c for c in doctor.run_checks(cfg, tmp_path / "run") if c.name == "CPU and RAM"]
+    assert cpu.status == "note" and not cpu.blocks_run
 
 
 # ------------------------------------------------------------------ embedded model and disks

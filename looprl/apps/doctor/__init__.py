@@ -27,6 +27,7 @@ from looprl.apps.doctor.machine import (
     check_run_folder,
     check_torch,
     check_trl,
+    visible_gpus,
 )
 from looprl.apps.doctor.model import check_environment, model_checks
 from looprl.config import Config
@@ -44,7 +45,7 @@ def run_checks(cfg: Config, out: Path) -> list[Check]:
         check_python(),
         check_torch(),
         cuda,
-        check_cpu(),
+        check_cpu(sampler_dtype=cfg.rollout.sampler_dtype, on_cpu=samples_on_cpu(cfg)),
         check_embedded_package(needed=cfg.model.name in ALIASES),
         *([check_gemma_packages()] if cfg.model.name == "gemma3-270m" else []),
         check_cache(),
@@ -55,6 +56,11 @@ def run_checks(cfg: Config, out: Path) -> list[Check]:
     agent_env = environment.ok and is_agent_env(environment.value[0])
     extras = [check_openai(agent_env), check_trl(), check_chromium()]
     return [*machine, environment, *chosen, *extras]
+
+
+def samples_on_cpu(cfg: Config) -> bool:
+    """Whether the run samples on the CPU: model.device=cpu, or no CUDA device seen."""
+    return cfg.model.device == "cpu" or not visible_gpus()
 
 
 def doctor_table(checks: list[Check]) -> Table:

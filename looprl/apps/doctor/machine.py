@@ -203,16 +203,37 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def check_cpu(min_available_gb: float = MIN_RAM_GB) -> Check:
+def cpu_kernels() -> tuple[str, bool]:
+    """(the vector instructions of torch's CPU kernels: "AVX512", "AVX2", ...; whether
+    oneDNN computes in bfloat16 here, which needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
+    import torch
+
+    from looprl.forward.fast_linear import packs_dtype
+
+    return torch.backends.cpu.get_cpu_capability(), packs_dtype(torch.bfloat16)
+
+
+def check_cpu(
+    min_available_gb: float = MIN_RAM_GB,
+    sampler_dtype: str = "model",
+    on_cpu: bool = True,
+    kernels: tuple[str, bool] | None = None,
+) -> Check:
+    """Cores, RAM and vector instructions; a note for a bfloat16 sampler on a CPU run
+    without bfloat16 instructions (emulated: slower than float32)."""
     total, available = memory_gb()
-    detail = f"{usable_cores()} cores, {available:.1f} of {total:.1f} GB RAM available"
+    capability, bf16 = cpu_kernels() if kernels is None else kernels
+    detail = (
+        f"{usable_cores()} cores, {available:.1f} of {total:.1f} GB RAM available, "
+        f"{capability} kernels, bf16 instructions {'yes' if bf16 else 'no'}"
+    )
     if available < min_available_gb:
-        return Check(
-            "CPU and RAM",
-            False,
-            f"{detail}; a run needs at least {min_available_gb:g} GB",
-            fix="close other programs, or run on a machine with more memory",
-        )
+        fix = "close other programs, or run on a machine with more memory"
+        return Check("CPU and RAM", False, f"{detail}; a run needs {min_available_gb:g} GB", fix)
+    if on_cpu and sampler_dtype == "bfloat16" and not bf16:
+        slower = "rollout.sampler_dtype=bfloat16 is emulated here, slower than float32"
+        fix = "set rollout.sampler_dtype=model (docs/performance.md, 'The machine')"
+        return Check("CPU and RAM", False, f"{detail}; {slower}", fix, kind="optional")
     return Check("CPU and RAM", True, detail)
 
 
