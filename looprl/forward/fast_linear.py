@@ -172,14 +172,21 @@ def _lora_key(layer: Any) -> tuple | None:
     )
 
 
-def _is_lora_linear(layer: Any) -> bool:
-    """A PEFT LoRA linear layer over a packing `FastLinear`."""
-    base = getattr(layer, "base_layer", None)
+def _lora_over_linear(layer: Any) -> bool:
+    """A PEFT LoRA layer over a plain (or fast) linear layer."""
     return (
         type(layer).__module__.startswith("peft.")
         and hasattr(layer, "get_delta_weight")
-        and type(base) is FastLinear
-        and base._packs
+        and type(getattr(layer, "base_layer", None)) in (torch.nn.Linear, FastLinear)
+    )
+
+
+def _is_lora_linear(layer: Any) -> bool:
+    """A PEFT LoRA linear layer over a packing `FastLinear`."""
+    return (
+        _lora_over_linear(layer)
+        and type(layer.base_layer) is FastLinear
+        and layer.base_layer._packs
     )
 
 
@@ -188,11 +195,9 @@ def _adapters(model: Any) -> dict[int, tuple[torch.nn.Module, torch.nn.Module, f
     adapter's A and B layers and its scaling."""
     out = {}
     for m in model.modules():
-        base = getattr(m, "base_layer", None)
-        lora = type(m).__module__.startswith("peft.") and hasattr(m, "get_delta_weight")
-        if lora and type(base) in (torch.nn.Linear, FastLinear) and _plain_adapter(m):
+        if _lora_over_linear(m) and _plain_adapter(m):
             name = m.active_adapters[0]
-            out[id(base)] = (m.lora_A[name], m.lora_B[name], float(m.scaling[name]))
+            out[id(m.base_layer)] = (m.lora_A[name], m.lora_B[name], float(m.scaling[name]))
     return out
 
 
@@ -341,7 +346,9 @@ def unpack(model: Any) -> None:
 
 
 @torch.no_grad()
-def _timings(layers: list[tuple[torch.Tensor, Any]], packed: bool, repeats: int = 5) -> dict:
+def _timings(
+    layers: list[tuple[torch.Tensor, Any]], packed: bool, repeats: int = 5
+) -> dict[str, float]:
     """Seconds of one pass over (a memory-sized share of) the layers in each form at
     `CALIBRATION_ROWS` rows, the forms interleaved (the median of `repeats`). A layer is
     its weight and its LoRA adapter (A, B, scaling) or None: the adapter's products run

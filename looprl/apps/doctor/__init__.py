@@ -40,12 +40,14 @@ STYLES = {"OK": "green", "problem": "bold red", "note": "yellow", "skipped": "di
 
 def run_checks(cfg: Config, out: Path) -> list[Check]:
     """Every check for a `looprl run` of `cfg` into `out`, in the table's order."""
-    cuda = check_cuda(cfg.model.device, cfg.model.dtype)
+    gpus = visible_gpus()
+    cuda = check_cuda(cfg.model.device, cfg.model.dtype, gpus=gpus)
+    on_cpu = cfg.model.device == "cpu" or not gpus  # where the run samples
     machine = [
         check_python(),
         check_torch(),
         cuda,
-        check_cpu(sampler_dtype=cfg.rollout.sampler_dtype, on_cpu=samples_on_cpu(cfg)),
+        check_cpu(sampler_dtype=cfg.rollout.sampler_dtype, on_cpu=on_cpu),
         check_embedded_package(needed=cfg.model.name in ALIASES),
         *([check_gemma_packages()] if cfg.model.name == "gemma3-270m" else []),
         check_cache(),
@@ -56,11 +58,6 @@ def run_checks(cfg: Config, out: Path) -> list[Check]:
     agent_env = environment.ok and is_agent_env(environment.value[0])
     extras = [check_openai(agent_env), check_trl(), check_chromium()]
     return [*machine, environment, *chosen, *extras]
-
-
-def samples_on_cpu(cfg: Config) -> bool:
-    """Whether the run samples on the CPU: model.device=cpu, or no CUDA device seen."""
-    return cfg.model.device == "cpu" or not visible_gpus()
 
 
 def doctor_table(checks: list[Check]) -> Table:
