@@ -345,3 +345,117 @@ def test_readme_result_is_short():
     assert "(docs/learning/demo.md)" in "\n".join(result), "README's result: link the demo's page"
     lines = len(readme.splitlines())
     assert lines <= 250, f"README.md has {lines} lines; keep it at 250 or fewer"
+
+
+# --- who reads each config section ----------------------------------------------------
+
+READERS_HEADING = "Where each config section is consumed"
+CONFIG_PACKAGES = ("loop", "report", "plan", "apps", "cli")  # the packages that import it
+
+
+def config_sections() -> dict[str, type]:
+    """Section name -> its pydantic model, in the config's order (`model`, `env`, ...)."""
+    from looprl.config import Config
+
+    return {
+        name: field.annotation
+        for name, field in Config.model_fields.items()
+        if hasattr(field.annotation, "model_fields")
+    }
+
+
+def config_reads(root: Path = LOOPRL) -> dict[str, dict[str, set[str]]]:
+    """Section -> module (relative to looprl/) -> the fields it reads: as
+    `<config>.<section>.<field>` (`cfg.rollout.top_p`, `self.cfg.algo.loss_on`), or through
+    a parameter annotated with the section's type (`algo: AlgoConfig` ... `algo.eps_low`)."""
+    import ast
+
+    sections = config_sections()
+    by_type = {model.__name__: name for name, model in sections.items()}
+    reads: dict[str, dict[str, set[str]]] = {name: {} for name in sections}
+    for path in sorted(root.rglob("*.py")):
+        module = str(path.relative_to(root))
+        if not module.startswith(CONFIG_PACKAGES):
+            continue
+        tree = ast.parse(path.read_text())
+        typed: dict[str, str] = {}  # parameter name -> section, over the whole module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.arg) and node.annotation is not None:
+                kind = ast.unparse(node.annotation).strip("'\"")
+                if kind in by_type:
+                    typed[node.arg] = by_type[kind]
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            inner = node.value
+            if isinstance(inner, ast.Attribute) and inner.attr in sections:
+                name = inner.attr
+            elif isinstance(inner, ast.Name) and inner.id in typed:
+                name = typed[inner.id]
+            else:
+                continue
+            if node.attr in sections[name].model_fields:
+                reads[name].setdefault(module, set()).add(node.attr)
+    return reads
+
+
+def readers_markdown(reads: dict[str, dict[str, set[str]]]) -> str:
+    """The table architecture.md holds: per section, the modules that read the same fields
+    in one row (modules in path order, fields in the section's order)."""
+    sections = config_sections()
+    lines = ["| section | read by | fields |", "|---|---|---|"]
+    for name, modules in reads.items():
+        order = list(sections[name].model_fields)
+        rows: dict[tuple[str, ...], list[str]] = {}
+        for module, fields in sorted(modules.items()):
+            rows.setdefault(tuple(sorted(fields, key=order.index)), []).append(module)
+        for i, (fields, readers) in enumerate(sorted(rows.items(), key=lambda r: r[1][0])):
+            head = f"`{name}`" if i == 0 else ""
+            who = ", ".join(f"`{m}`" for m in readers)
+            lines.append(f"| {head} | {who} | {', '.join(f'`{f}`' for f in fields)} |")
+    return "\n".join(lines) + "\n"
+
+
+def documented_readers(text: str) -> str:
+    body = section(text, READERS_HEADING)
+    return "\n".join(line for line in body.splitlines() if line.startswith("|")) + "\n"
+
+
+def readers_problems(text: str, reads: dict[str, dict[str, set[str]]]) -> list[str]:
+    actual = readers_markdown(reads)
+    if documented_readers(text) == actual:
+        return []
+    return [
+        f"architecture.md's '{READERS_HEADING}' table is stale; replace it with the output "
+        "of `python tests/test_docs.py`:\n" + actual
+    ]
+
+
+def test_config_readers_table_is_what_the_code_reads():
+    problems = readers_problems(ARCHITECTURE.read_text(), config_reads())
+    assert not problems, problems[0]
+
+
+def test_the_config_readers_check_catches_a_new_and_a_gone_reader(tmp_path):
+    text = ARCHITECTURE.read_text()
+    reads = config_reads()
+    assert (
+        readers_problems(text.replace(documented_readers(text), readers_markdown(reads)), reads)
+        == []
+    )
+    planted = {**reads, "rollout": {**reads["rollout"], "loop/new.py": {"top_p"}}}
+    assert "`loop/new.py` | `top_p`" in readers_markdown(planted)
+    assert readers_problems(
+        text.replace(documented_readers(text), readers_markdown(reads)), planted
+    )
+    (tmp_path / "loop").mkdir()
+    (tmp_path / "loop" / "probe.py").write_text(
+        "def f(cfg, algo: AlgoConfig):\n    return cfg.rollout.top_p, algo.eps_low, algo.nope\n"
+    )
+    found = config_reads(tmp_path)
+    assert found["rollout"] == {"loop/probe.py": {"top_p"}}
+    assert found["algo"] == {"loop/probe.py": {"eps_low"}}
+
+
+if __name__ == "__main__":
+    print(readers_markdown(config_reads()), end="")
