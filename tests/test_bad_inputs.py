@@ -60,7 +60,10 @@ BAD_RUNS = [
         ],
         ["sft.env_args", "agent_plays='Z'"],
     ),
-    (["--set", "algo.entropy_coef=-0.1"], ["algo.entropy_coef = -0.1"]),
+    (
+        ["--set", "algo.experimental.entropy_coef=-0.1"],
+        ["algo.experimental.entropy_coef = -0.1"],
+    ),
     (
         ["--set", "env.name=tictactoe-game", "--set", "env.args={opponent: 'mix:minimax=0.7'}"],
         ["mix:minimax=0.7", "add up to 1"],
@@ -72,18 +75,44 @@ BAD_RUNS = [
         ["algo.greedy_samples=1", "rollout.group_size=8"],
     ),
     (
-        ["--set", "algo.expert_samples=1", "--set", "algo.entropy_coef=0.1"],
-        ["algo.expert_samples", "algo.entropy_coef"],
+        ["--set", "algo.expert_samples=1", "--set", "algo.experimental.entropy_coef=0.1"],
+        ["algo.expert_samples", "algo.experimental.entropy_coef"],
     ),
     (
         ["--set", "env.name=toy_envs:PickSevenAgent", "--set", "algo.expert_samples=1"],
         ["algo.expert_samples needs demonstrations", "PickSevenAgent"],
     ),
     (
-        ["--set", "algo.expert_baseline=samples"],
-        ["algo.expert_baseline=samples", "algo.expert_samples > 0"],
+        ["--set", "algo.experimental.expert_baseline=samples"],
+        ["algo.experimental.expert_baseline=samples", "algo.expert_samples > 0"],
     ),
-    (["--set", "algo.expert_baseline=mean"], ["algo.expert_baseline", "'group' or 'samples'"]),
+    (
+        ["--set", "algo.experimental.expert_baseline=mean"],
+        ["algo.experimental.expert_baseline", "'group' or 'samples'"],
+    ),
+    (
+        ["--set", "algo.entropy_coef=0.1", "--set", "algo.experimental.entropy_coef=0.2"],
+        ["algo.entropy_coef and algo.experimental.entropy_coef are the same lever"],
+    ),
+    (
+        ["--set", "rollout.max_staleness=1", "--set", "algo.tis_cap=null"],
+        ["rollout.max_staleness=1", "set algo.tis_cap"],
+    ),
+    (
+        [
+            "--set",
+            "rollout.max_staleness=1",
+            "--set",
+            "algo.tis_cap=2",
+            "--set",
+            "rollout.engine=vllm",
+            "--set",
+            "rollout.vllm_url=http://127.0.0.1:9",
+            "--set",
+            "model.lora.enabled=false",
+        ],
+        ["rollout.max_staleness > 0 with rollout.engine=vllm", "model.lora.enabled=true"],
+    ),
     (["--set", "model.device=cuda"], ["no CUDA device"]),
     (["no-such-config.yaml"], ["config file not found"]),
 ]

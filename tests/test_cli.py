@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import yaml
 from typer.testing import CliRunner
 
 from looprl.cli import app
-from looprl.config import DEFAULT_CLIP, describe_fields, load_config
+from looprl.config import DEFAULT_CLIP, config_from_dict, describe_fields, load_config
 from looprl.errors import ConfigError
 
 # wide and plain: rich must neither wrap long lines nor add colour codes
@@ -318,3 +319,38 @@ def test_make_demo_runs_the_demo_config():
     (task,) = env.tasks("train", 1, 0)
     assert "Two in a line:" in env.reset(task).messages[-1].content
     assert demonstrations(env, task)  # the SFT's expert move for this board
+
+
+# ------------------------------------------------------------------ config rules in the config
+
+
+def test_the_rules_over_several_sections_stop_the_config_itself():
+    """A rule that needs only the config fails `load_config`, before any command runs."""
+    with pytest.raises(ConfigError, match="set algo.tis_cap"):
+        load_config(None, ["rollout.max_staleness=1"])
+    with pytest.raises(ConfigError, match="model.lora.enabled=true"):
+        load_config(
+            None,
+            ["rollout.max_staleness=1", "algo.tis_cap=2", "rollout.engine=vllm",
+             "model.lora.enabled=false"],
+        )  # fmt: skip
+    assert load_config(None, ["rollout.max_staleness=1", "algo.tis_cap=2"]).algo.tis_cap == 2
+
+
+def test_moved_levers_read_from_the_old_spelling_with_a_warning():
+    with pytest.warns(FutureWarning, match="write algo.experimental.entropy_coef"):
+        cfg = load_config(None, ["algo.entropy_coef=0.2"])
+    assert cfg.algo.experimental.entropy_coef == 0.2
+    assert "entropy_coef" not in cfg.model_dump()["algo"]  # written in the new place only
+    assert cfg.model_dump()["algo"]["experimental"]["entropy_coef"] == 0.2
+
+
+def test_a_run_folder_written_before_the_move_loads_without_a_warning():
+    """config.yaml of an older run holds both levers at their defaults, at algo's top."""
+    old = load_config(None, []).model_dump(mode="json")
+    algo = old["algo"]
+    algo.update(algo.pop("experimental"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = config_from_dict(old)
+    assert cfg == load_config(None, [])

@@ -154,7 +154,7 @@ def test_play_step_with_an_entropy_bonus():
             "model": {"name": "tiny-random"},
             "env": {"name": "tictactoe-move"},
             "rollout": {"tasks_per_step": 3, "group_size": 4, "max_new_tokens": 32},
-            "algo": {"entropy_coef": 0.5},
+            "algo": {"experimental": {"entropy_coef": 0.5}},
         }
     )
     policy = load_policy(cfg)
@@ -181,7 +181,7 @@ def test_a_run_with_an_entropy_bonus_logs_the_decisions(tmp_path):
         "model": {"name": "tiny-random"},
         "env": {"name": "tictactoe-move"},
         "rollout": {"tasks_per_step": 2, "group_size": 4, "max_new_tokens": 32},
-        "algo": {"entropy_coef": 0.1},
+        "algo": {"experimental": {"entropy_coef": 0.1}},
         "train": {"steps": 1, "checkpoint_every": 0},
         "eval": {"tasks": 2, "samples_per_task": 1, "greedy": False},
         "logging": {"trackers": []},

@@ -296,7 +296,15 @@ def test_the_checks_catch_what_they_guard(tmp_path):
     assert graph_problems(text.replace("─► cli\n", "─► cli, loop\n", 1), graph)
 
     (tmp_path / "config").mkdir()
-    for name in ("__init__.py", "sections.py", "load.py", "extra.py"):
+    for name in (
+        "__init__.py",
+        "sections.py",
+        "algo.py",
+        "base.py",
+        "run.py",
+        "load.py",
+        "extra.py",
+    ):
         (tmp_path / "config" / name).write_text("")
     stale = text.replace("`load.py`", "`loader.py`", 1)
     assert module_table_problems(stale, tmp_path) == [

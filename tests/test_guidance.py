@@ -212,7 +212,7 @@ def test_each_group_ends_with_the_expert(guided):
 
 
 def test_the_samples_baseline_leaves_the_samples_their_own_advantages():
-    cfg, _, played = _play_guided({"expert_baseline": "samples"})
+    cfg, _, played = _play_guided({"experimental": {"expert_baseline": "samples"}})
     group = cfg.rollout.group_size
     for members, advantages in ((g.episodes, g.advantages) for g in played.groups):
         assert [e.expert for e in members] == [False] * (group - 1) + [True]
@@ -251,7 +251,7 @@ def _password_run(
             "name": "gspo",
             "num_minibatches": 1,
             "expert_samples": expert_samples,
-            "expert_baseline": baseline,
+            "experimental": {"expert_baseline": baseline},
         },  # fmt: skip
         "train": {"steps": steps, "lr": 3e-3, "checkpoint_every": 0},
         "eval": {"tasks": 4, "temperature": 0.0, "samples_per_task": 1},

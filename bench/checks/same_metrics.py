@@ -81,7 +81,7 @@ RUNS: dict[str, tuple[list[str], str | None]] = {
             *TINY,
             *STEPS,
             "env.name=tictactoe-game",
-            "env.args.opponent=snapshot",
+            "env.args.opponent=mix:random=0.5,snapshot=0.5",
             "env.args.move_rewards=true",
             "algo.name=gspo_turn",
             "algo.turn_reward_weight=0.5",
@@ -98,15 +98,14 @@ RUNS: dict[str, tuple[list[str], str | None]] = {
         ],
         None,
     ),
-    "data-file": (
+    "data-file": (  # a config file first: the run's CONFIG argument
         [
+            "examples/bookings/run.yaml",
             *TINY,
             *STEPS,
-            "env.name=dataset",
-            "env.args.path=examples/bookings/train.jsonl",
-            "env.args.eval_path=examples/bookings/eval.jsonl",
-            "env.args.scorers=tool_call",
-            "rollout.max_new_tokens=48",
+            "sft.steps=2",
+            "sft.batch_size=4",
+            "eval.greedy_tasks=4",
         ],
         None,
     ),
@@ -159,7 +158,8 @@ def run_one(tree: Path, name: str, out: Path, log: Path) -> float:
     sets = list(sets)
     if replays is not None:
         sets.append(f"train.replay={out.parent / replays}")
-    cmd = [sys.executable, "-m", "looprl", "run", "--out", str(out), "--force"]
+    config = [sets.pop(0)] if sets and sets[0].endswith(".yaml") else []
+    cmd = [sys.executable, "-m", "looprl", "run", *config, "--out", str(out), "--force"]
     for item in sets:
         cmd += ["--set", item]
     env = {**os.environ, "PYTHONPATH": str(tree)}

@@ -30,7 +30,7 @@ when a grade already looks ahead (tic-tac-toe's exact minimax). A group whose re
 all equal gets no turn term, and one whose rewards and returns are all equal is still
 dropped by dynamic sampling.
 
-Expert baseline (`algo.expert_baseline: samples`, with expert guidance): a group of
+Expert baseline (`algo.experimental.expert_baseline: samples`, with expert guidance): a group of
 policy samples s and expert episodes e takes
 
     A_s = the samples' own group advantages (as if no expert were there)
@@ -44,7 +44,7 @@ that tie below it take negative advantages that spread their probability off the
 they preferred (docs/learning/ablations.md, ablation 5). Per-turn terms are anchored the same way.
 
 Entropy bonus (maximum-entropy RL): with b_i the surprisal -log pi of episode i's
-decision tokens (as sampled) and beta = algo.entropy_coef,
+decision tokens (as sampled) and beta = algo.experimental.entropy_coef,
 
     A_i += beta * (b_i - mean(b))        mean over the group, after the scaling above
 

@@ -14,10 +14,11 @@ from looprl.config.load import (
     parse_yaml,
     to_yaml,
 )
+from looprl.config.run import Config
 from looprl.config.sections import (
     DEFAULT_CLIP,
     AlgoConfig,
-    Config,
+    AlgoExperimental,
     CurriculumConfig,
     EnvConfig,
     EvalConfig,
@@ -31,8 +32,24 @@ from looprl.config.sections import (
 )
 
 __all__ = [
-    "DEFAULT_CLIP", "AlgoConfig", "Config", "CurriculumConfig", "EnvConfig", "EvalConfig",
-    "LoggingConfig", "LoraConfig", "ModelConfig", "RolloutConfig", "SFTConfig", "Section",
-    "TrainConfig", "config_from_dict", "describe_fields", "format_validation_error",
-    "load_config", "parse_yaml", "to_yaml",
-]  # fmt: skip
+    "DEFAULT_CLIP",
+    "AlgoConfig",
+    "AlgoExperimental",
+    "Config",
+    "CurriculumConfig",
+    "EnvConfig",
+    "EvalConfig",
+    "LoggingConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "RolloutConfig",
+    "SFTConfig",
+    "Section",
+    "TrainConfig",
+    "config_from_dict",
+    "describe_fields",
+    "format_validation_error",
+    "load_config",
+    "parse_yaml",
+    "to_yaml",
+]

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from looprl.config.sections import Config
+from looprl.config.run import Config
 from looprl.errors import ConfigError
 
 

@@ -1,33 +1,36 @@
-"""Every config section: its fields, defaults and one-line descriptions.
+"""Every config section: its fields, defaults and one-line descriptions (the algorithm's
+own section and the curriculum in `algo.py`; the whole config and the rules over several
+sections in `run.py`).
 
-Defaults live here and nowhere else (`looprl.config` re-exports every name; loading a
+Defaults live in these modules and nowhere else (`looprl.config` re-exports every name; loading a
 config from YAML and `--set` overrides is `looprl/config/load.py`).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-# Clip ranges (eps_low, eps_high) used when the config leaves them unset:
-# GSPO paper (arXiv 2507.18071) sequence-level ranges; DAPO clip-higher for token ratios.
-DEFAULT_CLIP = {
-    "gspo": (3e-4, 4e-4),
-    "gspo_token": (3e-4, 4e-4),
-    "gspo_turn": (3e-4, 4e-4),
-    "grpo": (0.2, 0.28),
-    "dr_grpo": (0.2, 0.28),
-}
+from looprl.config.algo import DEFAULT_CLIP, AlgoConfig, AlgoExperimental, CurriculumConfig
+from looprl.config.base import Section
 
-
-class Section(BaseModel):
-    # strict: "true" is not a group size and 4.0 is not a rank; no NaN/inf anywhere
-    model_config = ConfigDict(
-        extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False
-    )
+__all__ = [
+    "DEFAULT_CLIP",
+    "AlgoConfig",
+    "AlgoExperimental",
+    "CurriculumConfig",
+    "EnvConfig",
+    "EvalConfig",
+    "LoggingConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "RolloutConfig",
+    "SFTConfig",
+    "Section",
+    "TrainConfig",
+]
 
 
 class LoraConfig(Section):
@@ -202,119 +205,6 @@ class RolloutConfig(Section):
     )
 
 
-class AlgoConfig(Section):
-    name: Literal["gspo", "gspo_token", "gspo_turn", "grpo", "dr_grpo"] = Field(
-        "gspo",
-        description="Policy loss: gspo, gspo_token, gspo_turn (one ratio per assistant "
-        "turn), grpo (clip-higher), dr_grpo.",
-    )
-    eps_low: float | None = Field(
-        None, ge=0, lt=1, description="Lower clip range; unset = the algorithm's default."
-    )
-    eps_high: float | None = Field(
-        None, ge=0, description="Upper clip range; unset = the algorithm's default."
-    )
-    num_minibatches: int = Field(
-        4, ge=1, description="Optimizer updates per rollout batch (the ratio moves off 1)."
-    )
-    scale_advantages: bool = Field(
-        True, description="Divide advantages by the group std (off for Dr.GRPO)."
-    )
-    dynamic_sampling: bool = Field(
-        False, description="DAPO: drop groups whose rewards are all equal."
-    )
-    max_oversample: float = Field(
-        1.0,
-        ge=1,
-        le=16,
-        description="With dynamic_sampling: play up to this many times tasks_per_step tasks "
-        "to refill the dropped groups; 1 = drop only.",
-    )
-    turn_reward_weight: float = Field(
-        0.0,
-        ge=0,
-        description="gspo_turn with an env that grades turns: weight w of A_ik = A_i + w * "
-        "normalised turn return; 0 = off.",
-    )
-    turn_gamma: float = Field(
-        1.0,
-        ge=0,
-        le=1,
-        description="Discount of the turn returns G_k = sum_j gamma^(j-k) r_j; 0 = each "
-        "turn's own grade.",
-    )
-    loss_on: Literal["all", "free"] = Field(
-        "all",
-        description="Tokens the policy loss covers: all generated tokens, or only those a "
-        "forced call's grammar leaves free (the decision, e.g. the square's digit).",
-    )
-    entropy_coef: float = Field(
-        0.0,
-        ge=0,
-        le=10,
-        description="Entropy bonus beta: each advantage adds beta * (its decision tokens' "
-        "-log pi - the group's mean); 0 = off.",
-    )
-    expert_samples: int = Field(
-        0,
-        ge=0,
-        description="Expert guidance: in each group this many episodes are the env's "
-        "demonstration instead of policy samples (< rollout.group_size); 0 = off.",
-    )
-    greedy_samples: int = Field(
-        0,
-        ge=0,
-        le=1,
-        description="Greedy member: in each group this many episodes (0 or 1) are decoded "
-        "at T = 0, so the policy's argmax is ranked against its own samples; 0 = off.",
-    )
-    expert_baseline: Literal["group", "samples"] = Field(
-        "group",
-        description="Expert episodes' advantages: group = one member of the group; "
-        "samples = their lead over the samples' mean, floored at 0 (samples keep their own).",
-    )
-    kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the initial policy; 0 = off.")
-    tis_cap: float | None = Field(
-        None,
-        gt=0,
-        description="Truncated importance sampling: weight each token's loss by "
-        "min(exp(trainer old logp - engine logp), cap); unset = off.",
-    )
-
-    @model_validator(mode="after")
-    def _fill_defaults(self) -> AlgoConfig:
-        if self.turn_reward_weight > 0 and self.name != "gspo_turn":
-            raise ValueError(
-                f"algo.turn_reward_weight > 0 gives each turn its own advantage, which only "
-                f"algo.name=gspo_turn takes (one ratio per turn); got algo.name={self.name}"
-            )
-        low, high = DEFAULT_CLIP[self.name]
-        if self.eps_low is None:
-            object.__setattr__(self, "eps_low", low)
-        if self.eps_high is None:
-            object.__setattr__(self, "eps_high", high)
-        return self
-
-
-class CurriculumConfig(Section):
-    enabled: bool = Field(
-        False, description="Prefer train tasks whose recent groups were mixed; retire mastered."
-    )
-    candidates: int = Field(
-        4, ge=1, le=64, description="Tasks drawn per step, as a multiple of tasks_per_step."
-    )
-    window: int = Field(4, ge=1, description="Recent groups remembered per task.")
-    retire_after: int = Field(
-        2, ge=1, description="Equal-reward groups in a row at mastered_reward that retire a task."
-    )
-    mastered_reward: float = Field(
-        0.5, description="Group reward at or above which an equal-reward group counts as mastered."
-    )
-    floor: float = Field(
-        0.2, gt=0, le=1, description="Weight of a seen task whose recent groups were never mixed."
-    )
-
-
 class TrainConfig(Section):
     steps: int = Field(20, ge=0, description="Training steps (one rollout batch each).")
     lr: float = Field(4e-4, gt=0, le=1, description="Peak learning rate (AdamW).")
@@ -480,62 +370,4 @@ class LoggingConfig(Section):
             filename="config",
             lineno=0,
         )
-        return self
-
-
-class Config(Section):
-    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
-    env: EnvConfig = Field(default_factory=EnvConfig, description="The environment.")
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollouts.")
-    algo: AlgoConfig = Field(default_factory=AlgoConfig, description="The RL algorithm.")
-    curriculum: CurriculumConfig = Field(
-        default_factory=CurriculumConfig, description="Which train tasks a step plays."
-    )
-    train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation.")
-    sft: SFTConfig = Field(default_factory=SFTConfig, description="Optional SFT warm start.")
-    eval: EvalConfig = Field(default_factory=EvalConfig, description="Before/after eval.")
-    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
-    seed: int = Field(0, description="Global seed (python, numpy, torch, task order).")
-
-    @model_validator(mode="after")
-    def _check_combinations(self) -> Config:
-        if self.algo.kl_coef > 0 and not self.model.lora.enabled:
-            raise ValueError(
-                "algo.kl_coef > 0 needs model.lora.enabled=true: the KL reference is the "
-                "base model with the adapters switched off"
-            )
-        if self.algo.max_oversample > 1 and not self.algo.dynamic_sampling:
-            raise ValueError(
-                "algo.max_oversample > 1 refills the groups dynamic sampling drops: set "
-                "algo.dynamic_sampling=true as well (or algo.max_oversample=1)"
-            )
-        fixed = self.algo.expert_samples + self.algo.greedy_samples
-        if fixed >= self.rollout.group_size:
-            raise ValueError(
-                f"algo.expert_samples={self.algo.expert_samples} and algo.greedy_samples="
-                f"{self.algo.greedy_samples} leave no sampled episodes in a group of "
-                f"rollout.group_size={self.rollout.group_size}: together they must be smaller"
-            )
-        if self.algo.greedy_samples and self.rollout.temperature == 0:
-            raise ValueError(
-                "algo.greedy_samples adds a greedy episode to groups sampled at "
-                "rollout.temperature, which is 0 already: set algo.greedy_samples=0"
-            )
-        if self.algo.expert_baseline != "group" and not self.algo.expert_samples:
-            raise ValueError(
-                f"algo.expert_baseline={self.algo.expert_baseline} sets the advantages of "
-                "expert episodes, and there are none: set algo.expert_samples > 0 as well"
-            )
-        if self.algo.expert_samples and self.algo.entropy_coef > 0:
-            raise ValueError(
-                "algo.expert_samples cannot be combined with algo.entropy_coef > 0: the "
-                "entropy bonus needs each episode's sampling logprobs, and an expert episode "
-                "was not sampled; set one of them to 0"
-            )
-        eight_bit = self.train.optimizer == "adamw_8bit"
-        if eight_bit and importlib.util.find_spec("bitsandbytes") is None:
-            raise ValueError(
-                "train.optimizer=adamw_8bit needs bitsandbytes, which is not installed: "
-                "pip install 'looprl[optim8bit]' (or train.optimizer=adamw)"
-            )
         return self

@@ -11,7 +11,7 @@ tokens were forced as it samples them (`Turn.free`); for turns without that reco
 grammar over its tokens and finds the same flags.
 
 Three places use this: the SFT warm start with `sft.loss_on: free` (loop/sft.py), the
-entropy bonus `algo.entropy_coef` (`decision_surprisal`), and the policy update with
+entropy bonus `algo.experimental.entropy_coef` (`decision_surprisal`), and the policy update with
 `algo.loss_on: free` (`decision_view`): the loss, its importance ratios
 and its length normalisation then cover each call's decision span only (its first free
 token to its last: one token for a square). Under the grammar-constrained sampler a

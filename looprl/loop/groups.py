@@ -7,7 +7,7 @@ formulas are in algo/selection.py):
 - `algo.dynamic_sampling` drops groups whose rewards are all equal (advantage 0); with
   `algo.max_oversample` > 1 the step then plays more tasks, round after round, until
   `tasks_per_step` groups with a reward spread are kept or the cap is reached (DAPO).
-- `algo.entropy_coef` β adds β × (the episode's decision surprisal − its group's mean)
+- `algo.experimental.entropy_coef` β adds β × (the episode's decision surprisal − its group's mean)
   to each advantage (the decision views: loop/decisions.py; algo/advantages.py), so
   within a group the choice sampled less often is favoured, also among equal rewards.
 - `algo.greedy_samples` 1 makes one member of each group the policy's greedy episode
@@ -113,11 +113,11 @@ def play_step(
     decide: Callable[[Episode], Episode] | None = None,
     expert: Callable[[Task], Episode] | None = None,
 ) -> tuple[StepGroups, dict[str, list[list[float]]]]:
-    """Play the step's groups (refilling dropped ones); returns them and the curriculum
-    history updated with every group played. With `decide` (an episode's decision view)
-    each group keeps its members' views, and with `algo.entropy_coef` the advantages take
-    β × the spread of their decision surprisal. With `expert` (a task's expert episode)
-    the last `algo.expert_samples` members of a group are copies of that episode."""
+    """Play the step's groups (refilling dropped ones); returns them and the curriculum history
+    updated with every group played. With `decide` (an episode's decision view) each group
+    keeps its members' views, and with `algo.experimental.entropy_coef` the advantages take
+    β × the spread of their decision surprisal. With `expert` (a task's expert episode) the
+    last `algo.expert_samples` members of a group are copies of that episode."""
     wanted = cfg.rollout.tasks_per_step
     refill = cfg.algo.dynamic_sampling and cfg.algo.max_oversample > 1
     cap = max(wanted, math.floor(wanted * cfg.algo.max_oversample)) if refill else wanted
@@ -223,9 +223,9 @@ def play_groups(
 def score_group(cfg: Config, group: Group) -> None:
     """The group's advantages (algo/advantages.py) under the config's levers."""
     members = group.episodes
-    anchored = cfg.algo.expert_samples > 0 and cfg.algo.expert_baseline == "samples"
+    anchored = cfg.algo.expert_samples > 0 and cfg.algo.experimental.expert_baseline == "samples"
     bonus = None
-    if group.views is not None and cfg.algo.entropy_coef > 0:
+    if group.views is not None and cfg.algo.experimental.entropy_coef > 0:
         bonus = [
             decision_surprisal(v) if e.trainable else 0.0 for e, v in zip(members, group.views)
         ]
@@ -234,7 +234,7 @@ def score_group(cfg: Config, group: Group) -> None:
         scale=cfg.algo.scale_advantages, dynamic_sampling=cfg.algo.dynamic_sampling,
         turn_rewards=[graded_turns(e) for e in members] if cfg.algo.turn_reward_weight else None,
         turn_weight=cfg.algo.turn_reward_weight, turn_gamma=cfg.algo.turn_gamma,
-        bonus=bonus, bonus_weight=cfg.algo.entropy_coef,
+        bonus=bonus, bonus_weight=cfg.algo.experimental.entropy_coef,
         anchors=[e.expert for e in members] if anchored else None,
     )  # fmt: skip
 

@@ -48,26 +48,15 @@ History = dict[str, list[list[float]]]
 
 
 def check_overlap(cfg: Config, probe: Any, world: int) -> None:
-    """What overlapped rollouts need, checked before anything loads."""
+    """What overlapped rollouts need beyond the config (config/run.py checks the rest):
+    one process, and no snapshot opponent; checked before anything loads."""
     k = cfg.rollout.max_staleness
     if not k:
         return
-    if cfg.algo.tis_cap is None:
-        raise ConfigError(
-            f"rollout.max_staleness={k} trains on episodes sampled by a policy up to {k} "
-            "steps old: set algo.tis_cap (e.g. 2.0) to correct for it, or "
-            "rollout.max_staleness=0"
-        )
     if world > 1:
         raise ConfigError(
             "rollout.max_staleness > 0 runs in one process; under torchrun set "
             "rollout.max_staleness=0"
-        )
-    if cfg.rollout.engine == "vllm" and not cfg.model.lora.enabled:
-        raise ConfigError(
-            "rollout.max_staleness > 0 with rollout.engine=vllm samples from a second set of "
-            "weights on the server, a LoRA adapter of its own: set model.lora.enabled=true "
-            "(full fine-tuning has one set), or rollout.max_staleness=0"
         )
     if getattr(probe, "plays_snapshot", False):
         raise ConfigError(

@@ -3,7 +3,7 @@ the environment's errors, update the policy (loop/update.py), measure the step.
 
 `Trainer` holds what outlives a step (the policy, its optimizer and schedule, the loop
 state, the metrics logger) and `Levers` what the optional levers need (the decision
-views of `algo.loss_on: free` and `algo.entropy_coef`, the expert episodes of
+views of `algo.loss_on: free` and `algo.experimental.entropy_coef`, the expert episodes of
 `algo.expert_samples`); loop/train.py calls `Trainer.step` once a step.
 """
 
@@ -54,9 +54,10 @@ write_report = main_only(report_files.write_report)
 
 @dataclass
 class Levers:
-    """What the optional levers of a step need, built once for a run: `decide`, an
-    episode's decision view (`algo.loss_on: free` trains on the views; `algo.entropy_coef`
-    takes its bonus from them); `expert`, a task's expert episode (`algo.expert_samples`)."""
+    """What the optional levers of a step need, built once for a run: `decide`, an episode's
+    decision view (`algo.loss_on: free` trains on the views;
+    `algo.experimental.entropy_coef` takes its bonus from them); `expert`, a task's expert
+    episode (`algo.expert_samples`)."""
 
     decide: Callable[[Episode], Episode] | None = None
     expert: Callable[[Task], Episode] | None = None
@@ -65,7 +66,7 @@ class Levers:
     @classmethod
     def of(cls, cfg: Config, policy: Policy) -> Levers:
         decide = None
-        if cfg.algo.loss_on == "free" or cfg.algo.entropy_coef > 0:
+        if cfg.algo.loss_on == "free" or cfg.algo.experimental.entropy_coef > 0:
             grammars = grammar_cache(policy)
             decide = partial(decision_view, grammars=grammars, tokenizer=policy.tokenizer)
         expert = None
