@@ -160,8 +160,10 @@ def eval_cmd(
         from looprl.loop.remote import run_remote_eval
 
         if endpoint is None or model is None or out is None or checkpoint is not None:
-            fail("an endpoint eval takes --endpoint URL, --model NAME and --out FILE.json "
-                 "(its episodes go beside it), and no --checkpoint")  # fmt: skip
+            fail(
+                "an endpoint eval takes --endpoint URL, --model NAME and --out FILE.json "
+                "(its episodes go beside it), and no --checkpoint"
+            )
         result = run_remote_eval(cfg, endpoint, model, out, api_key_env, concurrency)
     else:
         from looprl.loop.evaluate import run_eval
@@ -281,9 +283,13 @@ def serve(
     console.print(f"serving {chat_model.name}{where} as: {ids}", highlight=False)
     console.print(f"OpenAI base URL: http://{host}:{port}/v1", highlight=False)
     run_server(
-        chat_model, host=host, port=port, api_key=api_key, default_variant=variant,
+        chat_model,
+        host=host,
+        port=port,
+        api_key=api_key,
+        default_variant=variant,
         max_tokens_limit=max_tokens_limit,
-    )  # fmt: skip
+    )
 
 
 @app.command()
@@ -320,8 +326,15 @@ def play(
     chat_model = load_chat_model(model, checkpoint=checkpoint)
     chosen = check_variant(chat_model, variant)
     if web:
-        serve(chat_model, port=port, human=mark, variant=chosen, temperature=temperature,
-              seed=seed, console=console)  # fmt: skip
+        serve(
+            chat_model,
+            port=port,
+            human=mark,
+            variant=chosen,
+            temperature=temperature,
+            seed=seed,
+            console=console,
+        )
     else:
         play_in_terminal(
             lambda: PlaySession(chat_model, mark, chosen, temperature=temperature, seed=seed),
@@ -449,8 +462,14 @@ def envs_check(
                 continue
             outcomes = " ".join(f"{k}={v}" for k, v in sorted(s.outcomes.items()))
             mean = sum(s.rewards) / len(s.rewards)
-            agents.add_row(agent, str(s.episodes), f"{mean:+.3f}", f"{min(s.rewards):+.2f}",
-                           f"{max(s.rewards):+.2f}", outcomes)  # fmt: skip
+            agents.add_row(
+                agent,
+                str(s.episodes),
+                f"{mean:+.3f}",
+                f"{min(s.rewards):+.2f}",
+                f"{max(s.rewards):+.2f}",
+                outcomes,
+            )
         console.print(agents)
         if not report.ok:
             failed.append(name)

@@ -179,9 +179,14 @@ class AgentSession:
         limit = min(request.max_tokens, self.max_new_tokens, room)
         try:
             generation = generation_request(
-                prompt_ids, tools, tool_choice, self.renderer.format, limit, self.engine,
+                prompt_ids,
+                tools,
+                tool_choice,
+                self.renderer.format,
+                limit,
+                self.engine,
                 request.response_format,
-            )  # fmt: skip
+            )
         except RequestError as err:
             raise APIError(400, str(err), err.param) from None
         self.accepted += 1
@@ -204,9 +209,11 @@ class AgentSession:
             try:
                 ids = previous.prompt_ids + previous.completion_ids
                 ids += self.renderer.continuation_ids(
-                    _history(previous), messages[len(previous.messages) + 1 :], tools,
+                    _history(previous),
+                    messages[len(previous.messages) + 1 :],
+                    tools,
                     previous.completion_ids,
-                )  # fmt: skip
+                )
             except ChatError as err:
                 problem = str(err)
                 break
@@ -301,7 +308,7 @@ class AgentSession:
                 first.text,
                 completion.finish_reason,
                 [c.message for c in choices[1:]],
-            )  # fmt: skip
+            )
         )
         extends = prepared.extends and self.mismatch is None
         if extends and prepared.tip != self.trajectory_calls:
@@ -329,10 +336,15 @@ class AgentSession:
         prefix = f"call_{k}" if i == 0 else f"call_{k}_{i}"
         g = prepared.generation
         return chat_choice(
-            self.renderer, completion, g.prompt_ids, prepared.tools, g.constraint,
-            g.max_new_tokens or self.max_new_tokens, lambda j, _call: f"{prefix}_{j}",
+            self.renderer,
+            completion,
+            g.prompt_ids,
+            prepared.tools,
+            g.constraint,
+            g.max_new_tokens or self.max_new_tokens,
+            lambda j, _call: f"{prefix}_{j}",
             as_sampled=True,
-        )  # fmt: skip
+        )
 
     def trajectory_messages(self) -> list[Message]:
         """The conversation the trajectory's tokens spell: its last call plus the reply."""

@@ -171,9 +171,16 @@ def run_agents(
     hears how many episodes have ended, as they end, like `rollout.run_episodes`, and
     episode i samples from random stream `first_index + i`, as there."""
     play = _play(
-        tasks, make_env, engine, renderer, params, max_turns, max_episode_tokens, on_progress,
+        tasks,
+        make_env,
+        engine,
+        renderer,
+        params,
+        max_turns,
+        max_episode_tokens,
+        on_progress,
         first_index,
-    )  # fmt: skip
+    )
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -204,7 +211,7 @@ async def _play(
             max_episode_tokens,
             params.max_new_tokens,
             engine=engine,
-        )  # fmt: skip
+        )
         for i in range(len(tasks))
     ]
     agents = [

@@ -361,10 +361,18 @@ def grpo_loss(
     The KL term is a token mean as well. clip_frac is over masked tokens.
     """
     return _token_ratio_loss(
-        logp_BT, old_logp_BT, adv_B, mask_BT, eps_low=eps_low, eps_high=eps_high,
-        ref_logp_BT=ref_logp_BT, kl_coef=kl_coef, normalizer=normalizer,
-        loss_scale=loss_scale, token_mean=True,
-    )  # fmt: skip
+        logp_BT,
+        old_logp_BT,
+        adv_B,
+        mask_BT,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        ref_logp_BT=ref_logp_BT,
+        kl_coef=kl_coef,
+        normalizer=normalizer,
+        loss_scale=loss_scale,
+        token_mean=True,
+    )
 
 
 def dr_grpo_loss(
@@ -391,7 +399,15 @@ def dr_grpo_loss(
     is per token.
     """
     return _token_ratio_loss(
-        logp_BT, old_logp_BT, adv_B, mask_BT, eps_low=eps_low, eps_high=eps_high,
-        ref_logp_BT=ref_logp_BT, kl_coef=kl_coef, normalizer=normalizer,
-        loss_scale=loss_scale, token_mean=False,
-    )  # fmt: skip
+        logp_BT,
+        old_logp_BT,
+        adv_B,
+        mask_BT,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        ref_logp_BT=ref_logp_BT,
+        kl_coef=kl_coef,
+        normalizer=normalizer,
+        loss_scale=loss_scale,
+        token_mean=False,
+    )

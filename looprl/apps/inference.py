@@ -125,11 +125,20 @@ class ChatModel:
     ) -> list[ChatChoice]:
         """`n` sampled replies to one conversation (the fields are `ChatRequest`'s)."""
         request = ChatRequest(
-            messages=messages, tools=tools, tool_choice=tool_choice,
-            response_format=response_format, n=n, temperature=temperature, top_p=top_p,
-            max_tokens=max_tokens, stop=list(stop or []), seed=seed,
-            top_logprobs=top_logprobs, variant=variant, on_token=on_token,
-        )  # fmt: skip
+            messages=messages,
+            tools=tools,
+            tool_choice=tool_choice,
+            response_format=response_format,
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            stop=list(stop or []),
+            seed=seed,
+            top_logprobs=top_logprobs,
+            variant=variant,
+            on_token=on_token,
+        )
         return self.chat_many([request])[0]  # type: ignore[return-value]
 
     def complete(
@@ -150,10 +159,18 @@ class ChatModel:
         """`n` continuations of a raw prompt (text, or token ids), no chat template.
         `prompt_logprobs`: also score the prompt's own tokens (`ChatChoice.prompt_logprobs`)."""
         request = ChatRequest(
-            prompt=prompt, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-            stop=list(stop or []), seed=seed, top_logprobs=top_logprobs, variant=variant,
-            on_token=on_token, prompt_logprobs=prompt_logprobs,
-        )  # fmt: skip
+            prompt=prompt,
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            stop=list(stop or []),
+            seed=seed,
+            top_logprobs=top_logprobs,
+            variant=variant,
+            on_token=on_token,
+            prompt_logprobs=prompt_logprobs,
+        )
         return self.chat_many([request])[0]  # type: ignore[return-value]
 
     def chat_many(
@@ -221,9 +238,14 @@ class ChatModel:
                 raise RequestError(str(err), "messages") from None
         with self._grammar_lock:
             generation = generation_request(
-                prompt_ids, tools, tool_choice, self.renderer.format, r.max_tokens,
-                self.engine, response_format,
-            )  # fmt: skip
+                prompt_ids,
+                tools,
+                tool_choice,
+                self.renderer.format,
+                r.max_tokens,
+                self.engine,
+                response_format,
+            )
         generation.top_logprobs = r.top_logprobs
         generation.logit_bias = logit_bias_ids(r.logit_bias, len(self.tokenizer))
         if self.context_length is not None:
@@ -296,10 +318,12 @@ class ChatModel:
         the stream `generate` gives it when the request runs alone."""
         r = p.request
         sampling = SamplingParams(
-            temperature=float(r.temperature), top_p=float(r.top_p),
-            max_new_tokens=p.generation.max_new_tokens or r.max_tokens, seed=r.seed,
+            temperature=float(r.temperature),
+            top_p=float(r.top_p),
+            max_new_tokens=p.generation.max_new_tokens or r.max_tokens,
+            seed=r.seed,
             stop=list(r.stop),
-        )  # fmt: skip
+        )
         return [
             replace(
                 p.generation,
@@ -329,9 +353,15 @@ class ChatModel:
     def _choice(self, p: Prepared, completion: Completion) -> ChatChoice:
         g = p.generation
         return chat_choice(
-            self.renderer, completion, g.prompt_ids, p.tools, g.constraint,
-            g.max_new_tokens or p.request.max_tokens, _call_id, p.request.stop,
-        )  # fmt: skip
+            self.renderer,
+            completion,
+            g.prompt_ids,
+            p.tools,
+            g.constraint,
+            g.max_new_tokens or p.request.max_tokens,
+            _call_id,
+            p.request.stop,
+        )
 
     @contextlib.contextmanager
     def engine_for(self, variant: str) -> Iterator[HFEngine]:

@@ -235,9 +235,13 @@ def create_app(
                 results[0], body.model, model.tokenizer, logprobs, fingerprint
             )
 
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
-                "created": int(time.time()), "model": body.model,
-                "system_fingerprint": fingerprint}  # fmt: skip
+        head = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": body.model,
+            "system_fingerprint": fingerprint,
+        }
         live = not request.tools or request.tool_choice == "none"
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         writer = ChatStream(
@@ -261,9 +265,13 @@ def create_app(
         if not body.stream:
             futures = [batcher.submit(r) for r in requests]
             return respond(await wait_for(batcher, futures, raw))
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                "created": int(time.time()), "model": body.model,
-                "system_fingerprint": fingerprint}  # fmt: skip
+        head = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body.model,
+            "system_fingerprint": fingerprint,
+        }
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         choice_echoes = [echo for echo in echoes for _ in range(body.n)]
         stops = [r.stop for r in requests for _ in range(body.n)]

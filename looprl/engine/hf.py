@@ -226,9 +226,13 @@ class HFEngine:
         if fresh:
             prompts = [requests[i].prompt_ids for i in fresh]
             part = shared_prefill(
-                self.model, prompts, self.pad_id, self.device, use_cascade=self.cascade,
+                self.model,
+                prompts,
+                self.pad_id,
+                self.device,
+                use_cascade=self.cascade,
                 share_head=self.paths.shared_head,
-            )  # fmt: skip
+            )
             out.append((fresh, part))
         if found:
             indices = list(found)
@@ -250,11 +254,19 @@ class HFEngine:
         stream = index if request.stream is None else request.stream
         generator = torch.Generator().manual_seed(stream_seed(base_seed, stream))
         return Row(
-            index, request.prompt_ids, limit, matcher, generator, request.keep_kv,
-            request.top_logprobs, request.on_token, free=None if matcher is None else [],
-            sampling=request.sampling, logit_bias=request.logit_bias,
+            index,
+            request.prompt_ids,
+            limit,
+            matcher,
+            generator,
+            request.keep_kv,
+            request.top_logprobs,
+            request.on_token,
+            free=None if matcher is None else [],
+            sampling=request.sampling,
+            logit_bias=request.logit_bias,
             **thinking_fields(request.constraint),
-        )  # fmt: skip
+        )
 
     def _step(
         self,

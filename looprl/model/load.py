@@ -352,8 +352,9 @@ def load_model_config(name: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoConfig, Gemma3TextConfig, LlamaConfig
 
     if name == "tiny-random":
-        return LlamaConfig(vocab_size=SMOLLM2_VOCAB, bos_token_id=1, eos_token_id=2,
-                           pad_token_id=2, **TINY_CONFIG)  # fmt: skip
+        return LlamaConfig(
+            vocab_size=SMOLLM2_VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=2, **TINY_CONFIG
+        )
     if name == "smollm2-135m":
         return LlamaConfig(**SMOLLM2_CONFIG)
     if name == "gemma3-270m":

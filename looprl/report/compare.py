@@ -68,8 +68,10 @@ def load_run(path: Path) -> Run:
         result = load_eval(path / "eval" / f"{name}.json")
         if result is not None:
             evals[name] = result
-    missing = {"baseline": "stopped before its baseline evaluation",
-               "final": "is still running or stopped before its final evaluation"}  # fmt: skip
+    missing = {
+        "baseline": "stopped before its baseline evaluation",
+        "final": "is still running or stopped before its final evaluation",
+    }
     for name, why in missing.items():
         if name not in evals:
             raise ConfigError(
@@ -78,9 +80,15 @@ def load_run(path: Path) -> Run:
                 f"--out {path} --resume`)"
             )
     settings = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8")) or {}
-    return Run(path=path, name=path.name, cfg=load_config(path / "config.yaml"),
-               settings=flatten(settings), evals=evals, rows=read_metrics(path),
-               curve=read_curve(path))  # fmt: skip
+    return Run(
+        path=path,
+        name=path.name,
+        cfg=load_config(path / "config.yaml"),
+        settings=flatten(settings),
+        evals=evals,
+        rows=read_metrics(path),
+        curve=read_curve(path),
+    )
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -119,14 +127,18 @@ def episode_difference(first: dict, other: dict) -> str | None:
     if len(ids) != len(other_ids):
         return f"a different number of episodes ({len(other_ids)} instead of {len(ids)})"
     if first.get("task_seed") != other.get("task_seed"):
-        return (f"a different eval seed (task seed {other.get('task_seed')} instead of "
-                f"{first.get('task_seed')})")  # fmt: skip
+        return (
+            f"a different eval seed (task seed {other.get('task_seed')} instead of "
+            f"{first.get('task_seed')})"
+        )
     if ids != other_ids:
         moved = sum(a != b for a, b in zip(ids, other_ids))
         return f"different task ids ({moved} of {len(ids)} episodes play another task)"
     if finite(first.get("temperature")) != finite(other.get("temperature")):
-        return (f"a different eval temperature ({other.get('temperature')} instead of "
-                f"{first.get('temperature')})")  # fmt: skip
+        return (
+            f"a different eval temperature ({other.get('temperature')} instead of "
+            f"{first.get('temperature')})"
+        )
     return None
 
 
@@ -192,13 +204,24 @@ def paired_rows(runs: list[Run]) -> list[list[str]]:
             if result is None:
                 rows.append([label, run.name, "-", f"no eval/{key}.json", "-", "-"])
             elif run is first:
-                rows.append([label, run.name, _episodes(result), reward_with_ci(result),
-                             "(reference)", "-"])  # fmt: skip
+                rows.append(
+                    [label, run.name, _episodes(result), reward_with_ci(result), "(reference)", "-"]
+                )
             else:
-                paired = (paired_stats(reference, result) if reference is not None
-                          else f"{first.name} has no eval/{key}.json")  # fmt: skip
-                rows.append([label, run.name, _episodes(result), reward_with_ci(result),
-                             *_difference(paired)])  # fmt: skip
+                paired = (
+                    paired_stats(reference, result)
+                    if reference is not None
+                    else f"{first.name} has no eval/{key}.json"
+                )
+                rows.append(
+                    [
+                        label,
+                        run.name,
+                        _episodes(result),
+                        reward_with_ci(result),
+                        *_difference(paired),
+                    ]
+                )
     return rows
 
 
@@ -209,8 +232,10 @@ def _episodes(result: dict) -> str:
 def _difference(paired: Paired | str) -> list[str]:
     if isinstance(paired, str):  # paired_stats speaks of one run's baseline and final
         return [f"not paired: {paired.replace('baseline and final', 'the two runs')}", "-"]
-    return [f"{paired.mean:+.3f} [{paired.lo:+.3f}, {paired.hi:+.3f}]",
-            f"{paired.better} / {paired.same} / {paired.worse}"]  # fmt: skip
+    return [
+        f"{paired.mean:+.3f} [{paired.lo:+.3f}, {paired.hi:+.3f}]",
+        f"{paired.better} / {paired.same} / {paired.worse}",
+    ]
 
 
 def outcome_shares(result: dict) -> dict[str, float]:
@@ -236,8 +261,17 @@ def outcome_rows(runs: list[Run], key: str = "final") -> list[list[str]]:
 
 
 def header_rows(runs: list[Run]) -> list[list[str]]:
-    return [[run.name, str(run.path), run.cfg.model.name, run.cfg.env.name, run.cfg.algo.name,
-             f"{len(run.rows)} of {run.cfg.train.steps}"] for run in runs]  # fmt: skip
+    return [
+        [
+            run.name,
+            str(run.path),
+            run.cfg.model.name,
+            run.cfg.env.name,
+            run.cfg.algo.name,
+            f"{len(run.rows)} of {run.cfg.train.steps}",
+        ]
+        for run in runs
+    ]
 
 
 # ============================================================================ the plots
@@ -250,16 +284,24 @@ def plot_training(runs: list[Run], path: Path) -> Path | None:
         return None
     from matplotlib.ticker import MaxNLocator
 
-    panels = (("rollout/rewards_mean", "reward (training rollouts)"),
-              ("response_len", "response length (tokens)"))  # fmt: skip
+    panels = (
+        ("rollout/rewards_mean", "reward (training rollouts)"),
+        ("response_len", "response length (tokens)"),
+    )
     fig = _figure(figsize=(9.5, 3.6))
     for ax, (key, label) in zip(fig.subplots(1, 2), panels):
         for i, run in enumerate(runs):
             steps = [finite(r.get("step")) for r in run.rows]
             raw = [finite(r.get(key)) for r in run.rows]
             ax.plot(steps, raw, color=_color(i), alpha=0.25, marker="o", markersize=2)
-            ax.plot(steps, ema(raw), color=_color(i), linestyle=_linestyle(i), linewidth=2,
-                    label=run.name)  # fmt: skip
+            ax.plot(
+                steps,
+                ema(raw),
+                color=_color(i),
+                linestyle=_linestyle(i),
+                linewidth=2,
+                label=run.name,
+            )
         ax.set_title(f"{key} (EMA, β = 0.7)", fontsize=10)
         ax.set_xlabel("step")
         ax.set_ylabel(label)
@@ -282,11 +324,23 @@ def plot_held_out(runs: list[Run], path: Path) -> Path | None:
             continue
         steps = [r["step"] for r in run.curve]
         ci = [list(r.get("reward_ci95") or [math.nan, math.nan]) for r in run.curve]
-        ax.fill_between(steps, [finite(c[0]) for c in ci], [finite(c[1]) for c in ci],
-                        color=_color(i), alpha=0.15)  # fmt: skip
+        ax.fill_between(
+            steps,
+            [finite(c[0]) for c in ci],
+            [finite(c[1]) for c in ci],
+            color=_color(i),
+            alpha=0.15,
+        )
         means = [finite(r.get("reward_mean")) for r in run.curve]
-        ax.plot(steps, means, color=_color(i), linestyle=_linestyle(i), marker="o", linewidth=2,
-                label=run.name)  # fmt: skip
+        ax.plot(
+            steps,
+            means,
+            color=_color(i),
+            linestyle=_linestyle(i),
+            marker="o",
+            linewidth=2,
+            label=run.name,
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("held-out reward")
     ax.set_title("held-out reward over the steps, 95% CI bands", fontsize=10)
@@ -328,20 +382,36 @@ def compare_runs(paths: list[Path], out: Path) -> Path:
         blocks.append(("p", "The runs' config.yaml files hold the same values."))
     blocks += [
         ("h2", f"Held-out evals, paired against {first.name}"),
-        ("p", f"Every run played the same {_episodes(baseline)} held-out episodes (env "
-              f"{baseline.get('env')}, task seed {baseline.get('task_seed')}, eval "
-              f"temperature {baseline.get('temperature')}). Each run's mean reward with its "
-              f"95% CI, and its paired difference to {first.name} over the same episodes "
-              "with a bootstrap 95% CI that resamples whole tasks; better / same / worse "
-              f"counts the episodes whose reward is above, equal to or below {first.name}'s."),
+        (
+            "p",
+            f"Every run played the same {_episodes(baseline)} held-out episodes (env "
+            f"{baseline.get('env')}, task seed {baseline.get('task_seed')}, eval "
+            f"temperature {baseline.get('temperature')}). Each run's mean reward with its "
+            f"95% CI, and its paired difference to {first.name} over the same episodes "
+            "with a bootstrap 95% CI that resamples whole tasks; better / same / worse "
+            f"counts the episodes whose reward is above, equal to or below {first.name}'s.",
+        ),
         *[("p", note) for note in notes],
-        ("table", ["eval", "run", "episodes", "reward mean [95% CI]",
-                   f"− {first.name} [95% CI]", "better / same / worse"], paired_rows(runs)),
+        (
+            "table",
+            [
+                "eval",
+                "run",
+                "episodes",
+                "reward mean [95% CI]",
+                f"− {first.name} [95% CI]",
+                "better / same / worse",
+            ],
+            paired_rows(runs),
+        ),
         ("h2", "Outcomes (final eval)"),
-        ("p", f"The share of the final eval's episodes ending in each outcome, and the "
-              f"difference to {first.name}'s share in percentage points (pp)."),
+        (
+            "p",
+            f"The share of the final eval's episodes ending in each outcome, and the "
+            f"difference to {first.name}'s share in percentage points (pp).",
+        ),
         ("table", ["outcome", *(run.name for run in runs)], outcome_rows(runs)),
-    ]  # fmt: skip
+    ]
     blocks += _plot_blocks(runs, out / "plots")
     out.mkdir(parents=True, exist_ok=True)
     md_path = out / "compare.md"
@@ -361,15 +431,25 @@ def _plot_blocks(runs: list[Run], plots: Path) -> list[tuple]:
         blocks.append(("p", "No run logged a training step (metrics.jsonl missing or empty)."))
     else:
         caption = "Training reward and response length per step, per run"
-        blocks += [("p", "Training rollouts at the training temperature on training tasks: "
-                         "not comparable one-to-one with the held-out numbers."),
-                   ("img", training, caption)]  # fmt: skip
+        blocks += [
+            (
+                "p",
+                "Training rollouts at the training temperature on training tasks: "
+                "not comparable one-to-one with the held-out numbers.",
+            ),
+            ("img", training, caption),
+        ]
     held_out = plot_held_out(runs, plots / HELD_OUT_PLOT)
     if held_out is not None:
         without = [run.name for run in runs if not run.curve]
-        blocks += [("h2", "Held-out curves"),
-                   ("p", "Held-out reward at the steps of each run's eval.every, on the same "
-                         "episodes at every point" + (f" ({', '.join(without)}: no curve, "
-                         "eval.every was off)." if without else ".")),
-                   ("img", held_out, "Held-out reward per evaluated step, per run")]  # fmt: skip
+        blocks += [
+            ("h2", "Held-out curves"),
+            (
+                "p",
+                "Held-out reward at the steps of each run's eval.every, on the same "
+                "episodes at every point"
+                + (f" ({', '.join(without)}: no curve, eval.every was off)." if without else "."),
+            ),
+            ("img", held_out, "Held-out reward per evaluated step, per run"),
+        ]
     return blocks
