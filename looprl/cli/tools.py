@@ -48,7 +48,7 @@ def serve(
     ] = None,
 ) -> None:
     """Serve a model, or a run's trained and baseline model, over an OpenAI-compatible API."""
-    from looprl.apps.inference import load_chat_model
+    from looprl.apps.loading import load_chat_model
     from looprl.apps.serve import model_ids, run_server
 
     if variant not in (None, "trained", "baseline", "base"):
@@ -85,7 +85,7 @@ def play(
     port: Annotated[int, typer.Option(help="Port of the --web page on 127.0.0.1.")] = 8765,
 ) -> None:
     """Play tic-tac-toe against a model, or a run's trained model, in the terminal or --web."""
-    from looprl.apps.inference import load_chat_model
+    from looprl.apps.loading import load_chat_model
     from looprl.apps.play import (
         PlayError,
         PlaySession,
