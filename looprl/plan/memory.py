@@ -20,7 +20,7 @@ import torch
 
 from looprl.algo.logprobs import head_logprobs
 from looprl.config import Config
-from looprl.engine.hf import FORCED_LOGIT_ROWS
+from looprl.engine.forward_step import FORCED_LOGIT_ROWS
 from looprl.forward.fast_linear import MIN_WEIGHT_BYTES, PACKED_DTYPES
 from looprl.loop.optim import EIGHT_BIT_BLOCK
 from looprl.loop.update import micro_batches
@@ -42,7 +42,7 @@ CUDA_HOST_LIBRARIES = 2.0e9
 # contiguous copy, log_softmax, softmax and the constrained candidates (engine/hf.py
 # `_sample`); and while it jumps forward k tokens: one chunk of rows' [rows, k - 1,
 # vocab] logits (about FORCED_LOGIT_ROWS positions), their scaled copy and its
-# log_softmax (`_forced_logprobs`).
+# log_softmax (`engine/forward_step.py` `forced_logprobs`).
 SAMPLING_COPIES = 5
 JUMP_COPIES = 3
 # float32 [chunk, vocab] tensors of one chunk of `head_logprobs` in backward: the
