@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from looprl.model.load import TINY_CONFIG
+from looprl.model.tiny_random import TINY_CONFIG
 
 # The matrix by short name -> (transformers config class, its arguments beyond the common
 # ones). Four layers, so that every kind of layer appears at least once: gemma3 has three
