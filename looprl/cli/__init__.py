@@ -16,4 +16,3 @@ __all__ = ["app", "main"]
 
 def main() -> None:
     app()
-
