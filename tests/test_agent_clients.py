@@ -15,6 +15,7 @@ from itertools import count
 import openai
 import pytest
 
+import looprl.agents.batching as batching
 import looprl.agents.runner as agents
 from examples.agents_sdk_agent import TicTacToeSDKAgent
 from looprl.agents import AgentResult, run_agents
@@ -162,7 +163,7 @@ def test_a_sync_agent_gets_an_openai_client_and_the_same_tokens(tokenizer, rende
 
 def test_sync_agents_in_threads_share_engine_calls(tokenizer, renderer, monkeypatch):
     """Each batch is sent once every agent thread waits for its reply, not on a timeout."""
-    monkeypatch.setattr(agents, "BATCH_WAIT_S", 30.0)
+    monkeypatch.setattr(batching, "BATCH_WAIT_S", 30.0)
 
     def agent(client, task):
         sync_converse(client, 1)

@@ -17,6 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 
+import looprl.agents.batching as batching
 import looprl.agents.runner as agents
 import looprl.loop.train as train
 from examples.tictactoe_agent import TicTacToeAgent
@@ -371,7 +372,7 @@ def test_concurrent_agents_share_engine_calls(tokenizer, renderer, monkeypatch):
     assert seeds == [0, 7919, 2 * 7919]  # batch k is seeded like turn k of run_episodes
 
     # An agent slower than the wait guard does not hold the others back.
-    monkeypatch.setattr(agents, "BATCH_WAIT_S", 0.02)
+    monkeypatch.setattr(batching, "BATCH_WAIT_S", 0.02)
 
     async def slow(client, task):
         if task.data["i"] == 0:

@@ -34,7 +34,7 @@ PUBLIC_MODULES = {"looprl.model.load", "looprl.types", "looprl.seeds", "looprl.e
 
 # (module, name): taken from inside a package until the package exports the name.
 AWAITING_EXPORT: set[tuple[str, str]] = {
-    ("looprl.apps.inference", "load_chat_model"),
+    ("looprl.apps.loading", "load_chat_model"),
     ("looprl.apps.serve", "create_app"),
     ("looprl.apps.serve", "serving"),
     ("looprl.engine.hf", "HFEngine"),

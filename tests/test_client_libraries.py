@@ -25,7 +25,8 @@ import torch
 from pydantic import BaseModel, Field
 
 from looprl.apps.checks import logit_bias_ids
-from looprl.apps.inference import ChatModel, load_chat_model
+from looprl.apps.inference import ChatModel
+from looprl.apps.loading import load_chat_model
 from looprl.apps.serve import create_app, serving
 from looprl.chat.formats import format_tool_call
 from looprl.chat.parsers import parse_tool_calls, validate_arguments

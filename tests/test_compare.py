@@ -13,7 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from looprl.cli import app
-from looprl.report.compare import HELD_OUT_PLOT, TRAINING_PLOT, episode_difference, flatten
+from looprl.report.compare import episode_difference
+from looprl.report.compare_plots import HELD_OUT_PLOT, TRAINING_PLOT
+from looprl.report.compare_read import flatten
 from looprl.report.stats import paired_stats, reward_with_ci
 
 TINY = ["--set", "model.name=tiny-random", "--set", "rollout.tasks_per_step=2",

@@ -107,7 +107,7 @@ def test_a_jump_scores_its_forced_tokens_a_few_rows_at_a_time(
     """A jump-forward step computes the logits of its forced tokens a few rows at a time
     (never [rows, k, vocab] at once): the same tokens, logprobs and top alternatives as
     the whole-batch logits, with each request's own temperature."""
-    import looprl.engine.hf as hf
+    import looprl.engine.forward_step as forward_step
 
     _, requests = forced_requests
     requests = [
@@ -119,12 +119,12 @@ def test_a_jump_scores_its_forced_tokens_a_few_rows_at_a_time(
     widths: dict[str, list[int]] = {"chunked": [], "plain": []}
     seen = widths["chunked"]
     hook = head.register_forward_hook(lambda m, i, o: seen.append(o.numel() // o.shape[-1]))
-    monkeypatch.setattr(hf, "FORCED_LOGIT_ROWS", 8)
+    monkeypatch.setattr(forward_step, "FORCED_LOGIT_ROWS", 8)
     try:
         chunked = HFEngine(tiny_model, tokenizer, renderer.eos_ids).generate(requests, params)
         seen = widths["plain"]
         with monkeypatch.context() as whole:
-            whole.setattr(hf, "decoder_and_head", lambda model: None)
+            whole.setattr(forward_step, "decoder_and_head", lambda model: None)
             plain = HFEngine(tiny_model, tokenizer, renderer.eos_ids).generate(requests, params)
     finally:
         hook.remove()

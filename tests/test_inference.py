@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from looprl.apps.inference import ChatModel, load_chat_model
+from looprl.apps.inference import ChatModel
+from looprl.apps.loading import load_chat_model
 from looprl.config import config_from_dict, to_yaml
 from looprl.errors import RequestError
 from looprl.loop.checkpoint import trainable_state

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from looprl.apps.inference import ChatModel, load_chat_model
+from looprl.apps.inference import ChatModel
+from looprl.apps.loading import load_chat_model
 from looprl.engine import JsonConstraint, SamplingParams
 from looprl.engine.json_schema import unsupported_features
 from looprl.engine.requests import generation_request, json_constraint

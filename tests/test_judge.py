@@ -12,7 +12,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from looprl.apps.inference import load_chat_model
+from looprl.apps.loading import load_chat_model
 from looprl.apps.serve import create_app, serving
 from looprl.cli import app
 from looprl.envs import make_env

@@ -154,7 +154,7 @@ def test_page_switches_variants_and_shows_a_forfeit(browser):
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    from looprl.apps.inference import load_chat_model
+    from looprl.apps.loading import load_chat_model
 
     return load_chat_model("tiny-random", device="cpu")
 

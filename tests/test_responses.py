@@ -9,7 +9,8 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from looprl.apps.inference import ChatModel, load_chat_model
+from looprl.apps.inference import ChatModel
+from looprl.apps.loading import load_chat_model
 from looprl.apps.serve import create_app
 from looprl.openai.responses import ResponseStore
 from looprl.openai.wire import APIError, ChatMessage

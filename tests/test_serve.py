@@ -12,7 +12,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from looprl.apps.inference import ChatModel, load_chat_model
+from looprl.apps.inference import ChatModel
+from looprl.apps.loading import load_chat_model
 from looprl.apps.serve import create_app, serving
 from looprl.errors import RequestError
 from tests.test_inference import RESIGN, SQUARE

@@ -14,7 +14,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from looprl.apps.inference import ChatModel, load_chat_model
+from looprl.apps.inference import ChatModel
+from looprl.apps.loading import load_chat_model
 from looprl.apps.serve import create_app, serving
 from tests.test_serve import HI, TOOLS, client_for, http
 

@@ -13,7 +13,8 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from looprl.apps.inference import ChatModel, load_chat_model
+from looprl.apps.inference import ChatModel
+from looprl.apps.loading import load_chat_model
 from looprl.apps.serve import create_app, serving
 from looprl.config import config_from_dict
 from looprl.loop.policy import load_policy

@@ -621,7 +621,7 @@ def _li_nested(t: Target) -> str:
 
 @contextlib.contextmanager
 def own_server(model: str, device: str) -> Iterator[Target]:
-    from looprl.apps.inference import load_chat_model
+    from looprl.apps.loading import load_chat_model
     from looprl.apps.serve import create_app, serving
 
     chat_model = load_chat_model(model, device=device)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import openai
 
-from looprl.apps.inference import load_chat_model
+from looprl.apps.loading import load_chat_model
 from looprl.apps.serve import create_app, serving
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))

@@ -45,13 +45,20 @@ What the request decides and what it does not, while looprl trains:
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pydantic
 
+from looprl.agents.messages import (
+    ModelCall,
+    alternative,
+    history,
+    is_prefix,
+    short,
+    turn_key,
+)
 from looprl.agents.routes import answer, httpx
 from looprl.chat import ChatRenderer
 from looprl.engine import Completion, GenerationRequest
@@ -72,21 +79,6 @@ from looprl.types import Message
 
 PROXY_URL = "http://looprl-proxy/v1"
 LIMIT_CODE = "looprl_episode_limit"
-
-
-@dataclass
-class ModelCall:
-    """One served call: the request as the agent sent it and the exact tokens."""
-
-    messages: list[Message]
-    tools: list[dict[str, Any]] | None
-    reply: Message  # the assistant message we returned (tool call ids included)
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]
-    text: str
-    finish_reason: str
-    alternatives: list[Message] = field(default_factory=list)  # choices 1.. when n > 1
 
 
 @dataclass
@@ -179,9 +171,14 @@ class AgentSession:
         limit = min(request.max_tokens, self.max_new_tokens, room)
         try:
             generation = generation_request(
-                prompt_ids, tools, tool_choice, self.renderer.format, limit, self.engine,
+                prompt_ids,
+                tools,
+                tool_choice,
+                self.renderer.format,
+                limit,
+                self.engine,
                 request.response_format,
-            )  # fmt: skip
+            )
         except RequestError as err:
             raise APIError(400, str(err), err.param) from None
         self.accepted += 1
@@ -199,14 +196,16 @@ class AgentSession:
         """(prompt ids, extends the trajectory, mismatch explanation or None)."""
         base, problem = None, None
         for previous in reversed(self.calls):
-            if previous.tools != tools or not _is_prefix(_history(previous), messages):
+            if previous.tools != tools or not is_prefix(history(previous), messages):
                 continue
             try:
                 ids = previous.prompt_ids + previous.completion_ids
                 ids += self.renderer.continuation_ids(
-                    _history(previous), messages[len(previous.messages) + 1 :], tools,
+                    history(previous),
+                    messages[len(previous.messages) + 1 :],
+                    tools,
                     previous.completion_ids,
-                )  # fmt: skip
+                )
             except ChatError as err:
                 problem = str(err)
                 break
@@ -238,7 +237,7 @@ class AgentSession:
     ) -> dict[str, Any]:
         """Which call broke the trajectory, where, and the decoded tokens around it."""
         call = len(self.calls)
-        expected = _history(tip)
+        expected = history(tip)
         out: dict[str, Any] = {"call": call}
         if problem is not None:
             out["reason"] = f"call {call}: the chat template cannot continue: {problem}"
@@ -246,11 +245,15 @@ class AgentSession:
             out["reason"] = f"call {call} changed the tools of the conversation"
         else:
             i = next(
-                (k for k, (a, b) in enumerate(zip(expected, messages)) if _key(a) != _key(b)),
+                (
+                    k
+                    for k, (a, b) in enumerate(zip(expected, messages))
+                    if turn_key(a) != turn_key(b)
+                ),
                 min(len(expected), len(messages)),
             )
             out["message"] = i
-            choice = _alternative(tip, messages, i)
+            choice = alternative(tip, messages, i)
             if choice:
                 out["reason"] = (
                     f"call {call} continues choice {choice} of call {self.trajectory_calls - 1} "
@@ -259,8 +262,8 @@ class AgentSession:
             elif i < min(len(expected), len(messages)):
                 out["reason"] = (
                     f"call {call}: message {i} ({messages[i].role}) differs from the "
-                    f"conversation so far: expected {_short(expected[i])}, got "
-                    f"{_short(messages[i])}"
+                    f"conversation so far: expected {short(expected[i])}, got "
+                    f"{short(messages[i])}"
                 )
             else:
                 out["reason"] = (
@@ -301,7 +304,7 @@ class AgentSession:
                 first.text,
                 completion.finish_reason,
                 [c.message for c in choices[1:]],
-            )  # fmt: skip
+            )
         )
         extends = prepared.extends and self.mismatch is None
         if extends and prepared.tip != self.trajectory_calls:
@@ -329,44 +332,21 @@ class AgentSession:
         prefix = f"call_{k}" if i == 0 else f"call_{k}_{i}"
         g = prepared.generation
         return chat_choice(
-            self.renderer, completion, g.prompt_ids, prepared.tools, g.constraint,
-            g.max_new_tokens or self.max_new_tokens, lambda j, _call: f"{prefix}_{j}",
+            self.renderer,
+            completion,
+            g.prompt_ids,
+            prepared.tools,
+            g.constraint,
+            g.max_new_tokens or self.max_new_tokens,
+            lambda j, _call: f"{prefix}_{j}",
             as_sampled=True,
-        )  # fmt: skip
+        )
 
     def trajectory_messages(self) -> list[Message]:
         """The conversation the trajectory's tokens spell: its last call plus the reply."""
         if not self.trajectory_calls:
             return []
-        return _history(self.calls[self.trajectory_calls - 1])
-
-
-def _history(call: ModelCall) -> list[Message]:
-    return [*call.messages, call.reply]
-
-
-def _alternative(tip: ModelCall, messages: list[Message], i: int) -> int:
-    """Which of the tip's other choices (1..) message `i` is, or 0 for none."""
-    if i != len(tip.messages) or i >= len(messages):
-        return 0
-    keys = [_key(m) for m in tip.alternatives]
-    return keys.index(_key(messages[i])) + 1 if _key(messages[i]) in keys else 0
-
-
-def _key(m: Message) -> tuple:
-    """What makes two messages the same turn (tool call ids and parse details aside)."""
-    calls = [(c.name, json.dumps(c.arguments, sort_keys=True)) for c in m.tool_calls]
-    return (m.role, m.content or "", calls, m.tool_call_id, m.name)
-
-
-def _is_prefix(head: list[Message], messages: list[Message]) -> bool:
-    return len(head) <= len(messages) and all(_key(a) == _key(b) for a, b in zip(head, messages))
-
-
-def _short(m: Message, limit: int = 80) -> str:
-    calls = ", ".join(f"{c.name}({json.dumps(c.arguments)})" for c in m.tool_calls)
-    text = (m.content or "") + (f" [calls: {calls}]" if calls else "")
-    return repr(text if len(text) <= limit else text[: limit - 1] + "…")
+        return history(self.calls[self.trajectory_calls - 1])
 
 
 class ProxyTransport(httpx.AsyncBaseTransport):

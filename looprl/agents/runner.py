@@ -15,10 +15,10 @@ like the async ones, so batching, stitching and limits are the same.
 
 Batching. All episodes of a rollout run concurrently in one asyncio event loop. A
 scheduler collects the pending model calls and sends them to `engine.generate` as one
-batch as soon as every live agent is waiting for the model or finished; an agent busy
-elsewhere (slow I/O) holds a batch back at most `BATCH_WAIT_S`. A sync agent's thread
-that waits for its reply counts as waiting; every sync agent has its own thread (no pool),
-so all of them can wait at once. Generation runs on the loop's thread (the tokenizer is
+batch as soon as every live agent is waiting for the model or finished (batching.py); an
+agent busy elsewhere (slow I/O) holds a batch back at most `BATCH_WAIT_S`. A sync agent's
+thread that waits for its reply counts as waiting; every sync agent has its own thread (no
+pool), so all of them can wait at once. Generation runs on the loop's thread (the tokenizer is
 shared with rendering), so async agents pause meanwhile.
 Batch k samples with seed `turn_seed(params.seed, k)`, as run_episodes seeds turn k: agents
 that call in lock-step get the very tokens the built-in rollout would give them.
@@ -42,19 +42,17 @@ import contextlib
 import inspect
 import math
 import threading
-import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
+from looprl.agents.batching import CallBatcher
 from looprl.chat import ChatRenderer
-from looprl.engine import Completion, GenerationRequest, RolloutEngine, SamplingParams
-from looprl.seeds import turn_seed
+from looprl.engine import RolloutEngine, SamplingParams
 from looprl.types import ENV_ERROR, TRUNCATED, Episode, Task, Turn
 
-BATCH_WAIT_S = 0.25  # longest a batch waits for an agent that is neither calling nor done
 EPISODE_TIMEOUT_S = 600.0  # an agent still running after this is an env_error
 
 
@@ -71,85 +69,6 @@ class AgentResult:
 def is_agent_env(env: Any) -> bool:
     """Agent environments are recognised by their `run_agent` method."""
     return callable(getattr(env, "run_agent", None))
-
-
-# ============================================================================ batching
-
-
-@dataclass
-class _Pending:
-    episode: int
-    request: GenerationRequest
-    future: asyncio.Future
-
-
-class _Batcher:
-    """Gathers the model calls of concurrent agents into `engine.generate` batches."""
-
-    def __init__(
-        self,
-        engine: RolloutEngine,
-        params: SamplingParams,
-        live: int,
-        on_progress: Callable[[int], None] | None = None,
-        first_index: int = 0,
-    ) -> None:
-        self.engine, self.params, self.live = engine, params, live
-        self.first_index = first_index
-        self.total, self.on_progress = live, on_progress
-        self.pending: list[_Pending] = []
-        self.batches = 0
-        self.oldest = 0.0  # when the oldest pending call arrived (monotonic seconds)
-        self._wake = asyncio.Event()
-
-    def caller(self, episode: int) -> Callable[[GenerationRequest], Any]:
-        async def generate(request: GenerationRequest) -> Completion:
-            future = asyncio.get_running_loop().create_future()
-            if not self.pending:
-                self.oldest = time.monotonic()
-            self.pending.append(_Pending(episode, request, future))
-            self._wake.set()
-            return await future
-
-        return generate
-
-    def finished(self) -> None:
-        self.live -= 1
-        self._wake.set()
-        if self.on_progress is not None:
-            self.on_progress(self.total - self.live)
-
-    async def run(self) -> None:
-        """Until every agent has finished: flush when all live agents wait (or on timeout)."""
-        while self.live > 0:
-            self.pending = [p for p in self.pending if not p.future.done()]  # timed out
-            waiting = {p.episode for p in self.pending}
-            if not self.pending:
-                await self._sleep(None)
-            elif len(waiting) < self.live and time.monotonic() - self.oldest < BATCH_WAIT_S:
-                await self._sleep(BATCH_WAIT_S - (time.monotonic() - self.oldest))
-            else:
-                self._flush()
-
-    async def _sleep(self, timeout: float | None) -> None:
-        """Until something happens (a call, an agent finishing), or `timeout` passes."""
-        self._wake.clear()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), timeout)
-
-    def _flush(self) -> None:
-        batch = sorted(self.pending, key=lambda p: p.episode)  # the order run_episodes uses
-        self.pending = []
-        seed = self.params.seed
-        params = replace(self.params, seed=turn_seed(seed, self.batches))
-        self.batches += 1
-        for p in batch:  # an agent may call again: keep its KV for that call (see _play)
-            p.request.keep_kv = True
-            p.request.stream = self.first_index + p.episode  # as run_episodes
-        completions = self.engine.generate([p.request for p in batch], params)
-        for p, completion in zip(batch, completions):
-            if not p.future.done():
-                p.future.set_result(completion)
 
 
 # ============================================================================ episodes
@@ -171,9 +90,16 @@ def run_agents(
     hears how many episodes have ended, as they end, like `rollout.run_episodes`, and
     episode i samples from random stream `first_index + i`, as there."""
     play = _play(
-        tasks, make_env, engine, renderer, params, max_turns, max_episode_tokens, on_progress,
+        tasks,
+        make_env,
+        engine,
+        renderer,
+        params,
+        max_turns,
+        max_episode_tokens,
+        on_progress,
         first_index,
-    )  # fmt: skip
+    )
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -195,7 +121,7 @@ async def _play(
 ) -> list[Episode]:
     from looprl.agents.proxy import AgentSession
 
-    batcher = _Batcher(engine, params, len(tasks), on_progress, first_index)
+    batcher = CallBatcher(engine, params, len(tasks), on_progress, first_index)
     sessions = [
         AgentSession(
             renderer,
@@ -204,7 +130,7 @@ async def _play(
             max_episode_tokens,
             params.max_new_tokens,
             engine=engine,
-        )  # fmt: skip
+        )
         for i in range(len(tasks))
     ]
     agents = [
@@ -225,7 +151,7 @@ async def _play(
 
 
 async def _episode(
-    task: Task, make_env: Callable[[], Any], session: Any, batcher: _Batcher
+    task: Task, make_env: Callable[[], Any], session: Any, batcher: CallBatcher
 ) -> Episode:
     """Run one agent and turn its session into an Episode."""
     episode = Episode(

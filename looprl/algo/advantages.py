@@ -193,8 +193,11 @@ def episode_advantages(
     flat form is for callers holding plain lists). Returns every episode's advantage, in
     order, and the number of groups whose rewards are all equal."""
     n = len(rewards)
-    for name, values in (("turn reward lists", turn_rewards), ("bonuses", bonus),
-                         ("anchor flags", anchors)):  # fmt: skip
+    for name, values in (
+        ("turn reward lists", turn_rewards),
+        ("bonuses", bonus),
+        ("anchor flags", anchors),
+    ):
         if values is not None and len(values) != n:
             raise ValueError(f"{n} rewards but {len(values)} {name}")
     if len(trainable) != n or group_size < 1:
@@ -204,11 +207,13 @@ def episode_advantages(
     for i in range(0, n, group_size):
         part = slice(i, i + group_size)
         adv, all_equal = group_advantages_of(
-            rewards[part], trainable[part],
+            rewards[part],
+            trainable[part],
             turn_rewards=None if turn_rewards is None else turn_rewards[part],
             bonus=None if bonus is None else bonus[part],
-            anchors=None if anchors is None else anchors[part], **options,
-        )  # fmt: skip
+            anchors=None if anchors is None else anchors[part],
+            **options,
+        )
         advantages += adv
         zero_std += all_equal
     return advantages, zero_std
@@ -248,8 +253,12 @@ def group_advantages_of(
 
     graded = turn_rewards if turn_rewards is not None and turn_weight > 0 else None
     n = len(rewards)
-    for name, values in (("turn reward lists", graded), ("bonuses", bonus),
-                         ("anchor flags", anchors), ("trainable flags", trainable)):  # fmt: skip
+    for name, values in (
+        ("turn reward lists", graded),
+        ("bonuses", bonus),
+        ("anchor flags", anchors),
+        ("trainable flags", trainable),
+    ):
         if values is not None and len(values) != n:
             raise ValueError(f"{n} rewards but {len(values)} {name}")
     advantages: list[Advantage | None] = [None] * n

@@ -154,8 +154,9 @@ class _FrozenHeadLogprobs(torch.autograd.Function):
         for h_CH, targets_C in zip(
             hidden_NH.split(chunk_tokens), target_ids_N.split(chunk_tokens), strict=True
         ):
-            z_CV = scale_logits(torch.nn.functional.linear(h_CH, weight_VH, bias_V).float(),
-                                temperature)  # fmt: skip
+            z_CV = scale_logits(
+                torch.nn.functional.linear(h_CH, weight_VH, bias_V).float(), temperature
+            )
             lse_C = torch.logsumexp(z_CV, dim=-1)
             logp.append(z_CV.gather(-1, targets_C[:, None]).squeeze(-1) - lse_C)
             # d logp / d z = onehot(y) - softmax(z), then through z = W h / tau

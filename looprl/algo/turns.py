@@ -27,13 +27,13 @@ import torch
 from torch import Tensor
 
 from looprl.algo.kl import MAX_LOG_RATIO
-from looprl.algo.losses import (
-    Normalizer,
+from looprl.algo.loss_parts import (
     _check_shapes,
     _clipped_objective,
     _finish,
     _masked_log_ratio,
 )
+from looprl.algo.losses import Normalizer
 
 
 def turn_ids(mask_BT: Tensor) -> Tensor:

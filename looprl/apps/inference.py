@@ -2,11 +2,12 @@
 A request is one typed `ChatRequest` (openai/wire.py); `chat()` and `complete()` build
 it from their arguments, `chat_many` takes it as the server built it.
 
-`load_chat_model(spec)` takes a model (alias, hub id, local folder, `gguf:PATH`) or a run
-folder. A run is served as two *variants* of one model: "trained" (the base model plus
-the run's newest checkpoint) and "baseline" (the base model as it was before training).
-For a LoRA run the baseline is the same module with its adapters switched off; for a
-full fine-tune it is a second copy of the base weights, loaded on first use.
+`load_chat_model(spec)` (apps/loading.py) takes a model (alias, hub id, local folder,
+`gguf:PATH`) or a run folder. A run is served as two *variants* of one model: "trained"
+(the base model plus the run's newest checkpoint) and "baseline" (the base model as it
+was before training). For a LoRA run the baseline is the same module with its adapters
+switched off; for a full fine-tune it is a second copy of the base weights, loaded on
+first use.
 
 `tool_choice` decides how tools are used:
 - "auto": tools are in the prompt; calls are parsed when the text has any;
@@ -40,14 +41,13 @@ from looprl.apps.checks import (
     raw_prompt_ids,
 )
 from looprl.chat import ChatRenderer
-from looprl.config import Config, config_from_dict, load_config
+from looprl.config import Config
 from looprl.engine import Completion, GenerationRequest, SamplingParams
 from looprl.engine.hf import HFEngine
 from looprl.engine.requests import check_tools, generation_request
-from looprl.errors import ChatError, ConfigError, LoopRLError, RequestError
+from looprl.errors import ChatError, LoopRLError, RequestError
 from looprl.forward.score import prompt_logprobs
-from looprl.loop.checkpoint import list_checkpoints, load_weights
-from looprl.loop.policy import Policy, load_policy, make_engine, pick_device, pick_dtype
+from looprl.loop.policy import Policy, make_engine, pick_device, pick_dtype
 from looprl.openai.replies import chat_choice
 from looprl.openai.wire import ChatChoice, ChatRequest
 from looprl.types import Message, ToolCall
@@ -125,11 +125,20 @@ class ChatModel:
     ) -> list[ChatChoice]:
         """`n` sampled replies to one conversation (the fields are `ChatRequest`'s)."""
         request = ChatRequest(
-            messages=messages, tools=tools, tool_choice=tool_choice,
-            response_format=response_format, n=n, temperature=temperature, top_p=top_p,
-            max_tokens=max_tokens, stop=list(stop or []), seed=seed,
-            top_logprobs=top_logprobs, variant=variant, on_token=on_token,
-        )  # fmt: skip
+            messages=messages,
+            tools=tools,
+            tool_choice=tool_choice,
+            response_format=response_format,
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            stop=list(stop or []),
+            seed=seed,
+            top_logprobs=top_logprobs,
+            variant=variant,
+            on_token=on_token,
+        )
         return self.chat_many([request])[0]  # type: ignore[return-value]
 
     def complete(
@@ -150,10 +159,18 @@ class ChatModel:
         """`n` continuations of a raw prompt (text, or token ids), no chat template.
         `prompt_logprobs`: also score the prompt's own tokens (`ChatChoice.prompt_logprobs`)."""
         request = ChatRequest(
-            prompt=prompt, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-            stop=list(stop or []), seed=seed, top_logprobs=top_logprobs, variant=variant,
-            on_token=on_token, prompt_logprobs=prompt_logprobs,
-        )  # fmt: skip
+            prompt=prompt,
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            stop=list(stop or []),
+            seed=seed,
+            top_logprobs=top_logprobs,
+            variant=variant,
+            on_token=on_token,
+            prompt_logprobs=prompt_logprobs,
+        )
         return self.chat_many([request])[0]  # type: ignore[return-value]
 
     def chat_many(
@@ -221,9 +238,14 @@ class ChatModel:
                 raise RequestError(str(err), "messages") from None
         with self._grammar_lock:
             generation = generation_request(
-                prompt_ids, tools, tool_choice, self.renderer.format, r.max_tokens,
-                self.engine, response_format,
-            )  # fmt: skip
+                prompt_ids,
+                tools,
+                tool_choice,
+                self.renderer.format,
+                r.max_tokens,
+                self.engine,
+                response_format,
+            )
         generation.top_logprobs = r.top_logprobs
         generation.logit_bias = logit_bias_ids(r.logit_bias, len(self.tokenizer))
         if self.context_length is not None:
@@ -296,10 +318,12 @@ class ChatModel:
         the stream `generate` gives it when the request runs alone."""
         r = p.request
         sampling = SamplingParams(
-            temperature=float(r.temperature), top_p=float(r.top_p),
-            max_new_tokens=p.generation.max_new_tokens or r.max_tokens, seed=r.seed,
+            temperature=float(r.temperature),
+            top_p=float(r.top_p),
+            max_new_tokens=p.generation.max_new_tokens or r.max_tokens,
+            seed=r.seed,
             stop=list(r.stop),
-        )  # fmt: skip
+        )
         return [
             replace(
                 p.generation,
@@ -329,9 +353,15 @@ class ChatModel:
     def _choice(self, p: Prepared, completion: Completion) -> ChatChoice:
         g = p.generation
         return chat_choice(
-            self.renderer, completion, g.prompt_ids, p.tools, g.constraint,
-            g.max_new_tokens or p.request.max_tokens, _call_id, p.request.stop,
-        )  # fmt: skip
+            self.renderer,
+            completion,
+            g.prompt_ids,
+            p.tools,
+            g.constraint,
+            g.max_new_tokens or p.request.max_tokens,
+            _call_id,
+            p.request.stop,
+        )
 
     @contextlib.contextmanager
     def engine_for(self, variant: str) -> Iterator[HFEngine]:
@@ -360,65 +390,6 @@ class ChatModel:
         return self._baseline_engine
 
 
-# ---------------------------------------------------------------- loading
-
-
 def _call_id(j: int, call: ToolCall) -> str:
     """A served tool call's id: the one the template wrote, else a fresh `call_…`."""
     return call.id or f"call_{uuid.uuid4().hex[:24]}"
-
-
-def load_chat_model(spec: str, checkpoint: Path | None = None, device: str = "auto") -> ChatModel:
-    """spec: a model (alias like `smollm2-135m` / `tiny-random`, hub id, local path) or a
-    run folder (has config.yaml): its base model + its newest checkpoint (or `checkpoint`:
-    a checkpoint folder, or a name under RUN/checkpoints). A run without any checkpoint
-    is served as its base model (variant "base")."""
-    path = Path(spec).expanduser()
-    if (path / "config.yaml").is_file():
-        return _load_run(path, checkpoint, device)
-    if checkpoint is not None:
-        raise ConfigError(
-            f"--checkpoint needs a run folder, and {spec} is not one (no config.yaml); "
-            "pass the run folder as the model"
-        )
-    cfg = config_from_dict({"model": {"name": spec, "device": device, "lora": {"enabled": False}}})
-    policy = load_policy(cfg)
-    policy.model.eval()
-    if path.is_dir():
-        name = path.resolve().name
-    elif spec.startswith("gguf:"):
-        name = Path(spec[5:]).stem
-    else:
-        name = spec
-    return ChatModel(name, policy, cfg, ("base",))
-
-
-def _load_run(run: Path, checkpoint: Path | None, device: str) -> ChatModel:
-    cfg = load_config(
-        run / "config.yaml", [f"model.device={device}", "model.gradient_checkpointing=false"]
-    )
-    chosen = _pick_checkpoint(run, checkpoint)
-    policy = load_policy(cfg)
-    policy.model.eval()
-    name = run.resolve().name
-    if chosen is None:
-        return ChatModel(name, policy, cfg, ("base",))
-    try:
-        load_weights(policy.model, chosen)
-    except ValueError as err:
-        raise ConfigError(f"{err}; was it written by another run?") from None
-    return ChatModel(name, policy, cfg, ("trained", "baseline"), checkpoint=chosen)
-
-
-def _pick_checkpoint(run: Path, checkpoint: Path | None) -> Path | None:
-    if checkpoint is None:
-        found = list_checkpoints(run)
-        return found[-1] if found else None
-    if not checkpoint.exists() and (run / "checkpoints" / checkpoint).exists():
-        checkpoint = run / "checkpoints" / checkpoint
-    if not (checkpoint / "trainable.safetensors").is_file():
-        names = ", ".join(p.name for p in list_checkpoints(run)) or "none"
-        raise ConfigError(
-            f"{checkpoint} is not a looprl checkpoint folder; the checkpoints of {run}: {names}"
-        )
-    return checkpoint

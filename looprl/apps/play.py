@@ -71,8 +71,14 @@ class ModelTurn:
     variant: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"mark": self.mark, "text": self.text, "square": self.square,
-                "legal": self.legal, "reason": self.reason, "variant": self.variant}  # fmt: skip
+        return {
+            "mark": self.mark,
+            "text": self.text,
+            "square": self.square,
+            "legal": self.legal,
+            "reason": self.reason,
+            "variant": self.variant,
+        }
 
 
 def swap_marks(board: str) -> str:
@@ -189,11 +195,14 @@ class PlaySession:
         seed = None if self.seed is None else self.seed + len(self.moves)
         single = len(self.model.variants) == 1  # a plain model: no variant to pick
         choice = self.model.chat(
-            move_prompt(seen, *self._prompt_args), tools=[CHOOSE_SQUARE_TOOL],
+            move_prompt(seen, *self._prompt_args),
+            tools=[CHOOSE_SQUARE_TOOL],
             tool_choice="choose_square",
-            temperature=self.temperature, max_tokens=MAX_TOKENS, seed=seed,
+            temperature=self.temperature,
+            max_tokens=MAX_TOKENS,
+            seed=seed,
             variant=None if single else self.variant,
-        )[0]  # fmt: skip
+        )[0]
         square, reason = self._read_call(choice.message)
         turn = ModelTurn(self.model_mark, choice.text, square, not reason, reason, self.variant)
         self.turns.append(turn)
@@ -207,10 +216,15 @@ class PlaySession:
     def to_dict(self) -> dict[str, Any]:
         """The state as JSON for the web page."""
         return {
-            "board": self.board, "status": self.status, "message": STATUS_TEXT[self.status],
-            "human": self.human, "model_mark": self.model_mark, "variant": self.variant,
-            "over": self.over, "turns": [t.to_dict() for t in self.turns],
-        }  # fmt: skip
+            "board": self.board,
+            "status": self.status,
+            "message": STATUS_TEXT[self.status],
+            "human": self.human,
+            "model_mark": self.model_mark,
+            "variant": self.variant,
+            "over": self.over,
+            "turns": [t.to_dict() for t in self.turns],
+        }
 
     def _read_call(self, message: Message) -> tuple[int | None, str]:
         """The square of the model's call and, when it cannot be played, why not."""
@@ -285,8 +299,9 @@ class _Quit(Exception):
 
 def _play_one_game(session: PlaySession, console: Console, ask: Callable[[str], str]) -> None:
     model = session.model
-    console.rule(f"you: {session.human} · model: {session.model_mark} ({model.name}, "
-                 f"{session.variant})")  # fmt: skip
+    console.rule(
+        f"you: {session.human} · model: {session.model_mark} ({model.name}, {session.variant})"
+    )
     if session.status == "model_to_move":
         show_turn(console, session.model_move())
     console.print(board_table(session.board))

@@ -50,8 +50,12 @@ class PlayServer(ThreadingHTTPServer):
         return f"http://127.0.0.1:{self.server_address[1]}/"
 
     def info(self) -> dict[str, Any]:
-        return {"model": self.model.name, "variants": list(self.model.variants),
-                "variant": self.defaults["variant"], "human": self.defaults["human"]}  # fmt: skip
+        return {
+            "model": self.model.name,
+            "variants": list(self.model.variants),
+            "variant": self.defaults["variant"],
+            "human": self.defaults["human"],
+        }
 
     def new_game(self, body: dict[str, Any]) -> dict[str, Any]:
         session = PlaySession(

@@ -20,6 +20,7 @@ leaves it when it is done. A long prompt is prefilled in chunks between decode s
 A client that disconnects (or times out) before its reply is complete cancels its
 request: the route polls `Request.is_disconnected()` while it waits, and a stream that
 the server closes cancels its requests too; their rows leave the batch at the next step.
+The waiting and the streaming are in `apps/serve_wait.py`.
 
 Streaming (`stream: true`): the request carries an `on_token` callback; the engine calls
 it on the worker thread for each token as it is sampled, and the callback hands the
@@ -34,17 +35,13 @@ malformed request, 401 for a wrong API key, 404 for an unknown model or route, a
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
 import logging
 import secrets
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import Future
-from dataclasses import replace
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -54,6 +51,7 @@ from starlette.exceptions import HTTPException
 
 from looprl.apps.batcher import Batcher
 from looprl.apps.inference import ChatModel
+from looprl.apps.serve_wait import ClientGone, stream_replies, wait_for
 from looprl.engine.running import CHUNK_TOKENS
 from looprl.errors import RequestError
 from looprl.openai import responses as responses_api
@@ -78,32 +76,6 @@ from looprl.openai.wire import (
 
 log = logging.getLogger("looprl.apps.serve")
 DEFAULT_MAX_TOKENS = 256  # when a request sets neither max_tokens nor max_completion_tokens
-DISCONNECT_POLL_S = 0.1  # how often a waiting route checks that its client is still there
-
-
-class ClientGone(Exception):
-    """The client disconnected before its reply was ready (nobody reads the reply)."""
-
-
-async def wait_for(batcher: Batcher, futures: list[Future], raw: Request | None) -> list[Any]:
-    """The results of `futures`; if the client of `raw` disconnects first, cancel them
-    in the batcher and raise `ClientGone`."""
-    waiting = [asyncio.wrap_future(future) for future in futures]
-    gathered = asyncio.gather(*waiting)
-    try:
-        while True:
-            done, _ = await asyncio.wait({gathered}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return gathered.result()
-            if raw is not None and await raw.is_disconnected():
-                raise ClientGone()
-    except BaseException:  # disconnected, or this task cancelled: stop their generation
-        for future in futures:
-            batcher.cancel(future)
-        gathered.cancel()
-        with contextlib.suppress(BaseException):
-            await gathered
-        raise
 
 
 def model_ids(model: ChatModel, default_variant: str | None = None) -> dict[str, str]:
@@ -235,15 +207,19 @@ def create_app(
                 results[0], body.model, model.tokenizer, logprobs, fingerprint
             )
 
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
-                "created": int(time.time()), "model": body.model,
-                "system_fingerprint": fingerprint}  # fmt: skip
+        head = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": body.model,
+            "system_fingerprint": fingerprint,
+        }
         live = not request.tools or request.tool_choice == "none"
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         writer = ChatStream(
             head, body.n, live, logprobs, model.tokenizer, request.stop, include_usage
         )
-        return await _stream(batcher, [request], body.n, writer, respond, raw)
+        return await stream_replies(batcher, [request], body.n, writer, respond, raw)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Any:
@@ -261,9 +237,13 @@ def create_app(
         if not body.stream:
             futures = [batcher.submit(r) for r in requests]
             return respond(await wait_for(batcher, futures, raw))
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                "created": int(time.time()), "model": body.model,
-                "system_fingerprint": fingerprint}  # fmt: skip
+        head = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body.model,
+            "system_fingerprint": fingerprint,
+        }
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         choice_echoes = [echo for echo in echoes for _ in range(body.n)]
         stops = [r.stop for r in requests for _ in range(body.n)]
@@ -274,99 +254,9 @@ def create_app(
         writer = CompletionStream(
             head, choice_echoes, legacy if logprobs else None, tokenizer, stops, include_usage
         )
-        return await _stream(batcher, requests, body.n, writer, respond, raw)
+        return await stream_replies(batcher, requests, body.n, writer, respond, raw)
 
     return app
-
-
-async def _stream(
-    batcher: Batcher,
-    requests: list[ChatRequest],
-    n: int,
-    writer: ChatStream | CompletionStream,
-    respond: Callable[[list[Any]], dict[str, Any]],
-    raw: Request,
-) -> StreamingResponse:
-    """Submit `requests` (each with `n` choices; request i's choice k is choice i*n + k)
-    with token callbacks, and stream `writer`'s chunks as their tokens arrive. Returns
-    once the first token is there, or raises the error of a request that failed first.
-    A client that goes away (before the first token, or while the stream runs) cancels
-    the requests that are not finished."""
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue[tuple | None] = asyncio.Queue()
-
-    def on_token(offset: int) -> Callable[..., None]:
-        def put(k: int, token: int, logprob: float, top: Any) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, (offset + k, token, logprob, top))
-
-        return put
-
-    futures = []
-    for i, request in enumerate(requests):
-        future = batcher.submit(replace(request, on_token=on_token(i * n)))
-        future.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
-        futures.append(future)
-    first = await _first_event(batcher, futures, events, raw)
-    for future in futures:  # failed before anything was streamed: an ordinary error reply
-        if future.done() and future.exception() is not None:
-            raise future.exception()  # type: ignore[misc]
-
-    async def chunks() -> AsyncIterator[str]:
-        try:
-            for event in writer.start():
-                yield event
-            item, finished = first, 0
-            while True:
-                if item is None:
-                    finished += 1
-                    if finished == len(futures):
-                        break
-                else:
-                    for event in writer.token(*item):
-                        yield event
-                item = await events.get()
-        finally:  # the client went away mid-stream (the server closes the generator)
-            for future in futures:
-                if not future.done():
-                    batcher.cancel(future)
-        try:
-            results = [future.result() for future in futures]
-        except Exception as err:  # failed mid-stream: an error event ends the stream
-            yield f"data: {json.dumps(_error_of(err))}\n\n"
-            return
-        for event in writer.finish(respond(results)):
-            yield event
-
-    return StreamingResponse(chunks(), media_type="text/event-stream")
-
-
-async def _first_event(
-    batcher: Batcher, futures: list[Future], events: asyncio.Queue, raw: Request
-) -> tuple | None:
-    """The first streaming event; if the client disconnects before it, cancel `futures`
-    and raise `ClientGone`."""
-    getting = asyncio.ensure_future(events.get())
-    try:
-        while True:
-            done, _ = await asyncio.wait({getting}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return getting.result()
-            if await raw.is_disconnected():
-                raise ClientGone()
-    except BaseException:
-        getting.cancel()
-        for future in futures:
-            batcher.cancel(future)
-        raise
-
-
-def _error_of(err: Exception) -> dict[str, Any]:
-    if isinstance(err, APIError):
-        return err.body()
-    if isinstance(err, RequestError):
-        return error_body(str(err), param=err.param)
-    log.error("error while streaming", exc_info=err)
-    return error_body(f"the server failed to answer ({type(err).__name__})", "server_error")
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -23,8 +23,18 @@ from looprl.errors import ChatError
 
 # parameters keywords the grammar honours; any other (anyOf at the top, patternProperties,
 # ...) could let through a call that the schema rejects, so such a tool is refused
-_OBJECT_KEYS = {"type", "properties", "required", "additionalProperties", "description",
-                "title", "$defs", "definitions", "$schema", "strict"}  # fmt: skip
+_OBJECT_KEYS = {
+    "type",
+    "properties",
+    "required",
+    "additionalProperties",
+    "description",
+    "title",
+    "$defs",
+    "definitions",
+    "$schema",
+    "strict",
+}
 # where a JSON value's document keeps the tool's parameters, for the references into them
 _PARAMETERS = "/$defs/looprl_parameters"
 

@@ -18,6 +18,9 @@ probability towards the choices the constraint leaves open (e.g. which square). 
 token generated under a grammar is also marked as free or forced by it
 (`Completion.free`, engine/grammar.py `is_forced`), so nobody has to replay the grammar
 to find a call's decision tokens (loop/decisions.py).
+
+The running batch's forward pass (k tokens appended to every row, the jump-forward's
+forced logprobs a chunk of rows at a time) is `engine/forward_step.py`.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 
 from looprl.algo.logprobs import scoring_temperature
 from looprl.engine import Completion, GenerationRequest, SamplingParams
+from looprl.engine.forward_step import batch_forward
 from looprl.engine.grammar import GrammarCache
 from looprl.engine.running import CHUNK_TOKENS, RunningBatch
 from looprl.engine.sampling import (
@@ -46,8 +50,7 @@ from looprl.engine.sampling import (
 )
 from looprl.forward import cascade, fast_linear
 from looprl.forward.kv import Part, Retained, bufferable, from_retained
-from looprl.forward.prefix import extend, prefix_kwargs, shared_prefill
-from looprl.forward.score import decoder_and_head
+from looprl.forward.prefix import extend, shared_prefill
 from looprl.model.arch import fast_paths
 from looprl.model.load import base_model
 from looprl.model.memory import release_free_memory
@@ -226,9 +229,13 @@ class HFEngine:
         if fresh:
             prompts = [requests[i].prompt_ids for i in fresh]
             part = shared_prefill(
-                self.model, prompts, self.pad_id, self.device, use_cascade=self.cascade,
+                self.model,
+                prompts,
+                self.pad_id,
+                self.device,
+                use_cascade=self.cascade,
                 share_head=self.paths.shared_head,
-            )  # fmt: skip
+            )
             out.append((fresh, part))
         if found:
             indices = list(found)
@@ -250,11 +257,19 @@ class HFEngine:
         stream = index if request.stream is None else request.stream
         generator = torch.Generator().manual_seed(stream_seed(base_seed, stream))
         return Row(
-            index, request.prompt_ids, limit, matcher, generator, request.keep_kv,
-            request.top_logprobs, request.on_token, free=None if matcher is None else [],
-            sampling=request.sampling, logit_bias=request.logit_bias,
+            index,
+            request.prompt_ids,
+            limit,
+            matcher,
+            generator,
+            request.keep_kv,
+            request.top_logprobs,
+            request.on_token,
+            free=None if matcher is None else [],
+            sampling=request.sampling,
+            logit_bias=request.logit_bias,
             **thinking_fields(request.constraint),
-        )  # fmt: skip
+        )
 
     def _step(
         self,
@@ -288,7 +303,9 @@ class HFEngine:
                     row.finish = self._finish_reason(row, params)
                 early(now)
         if k > 1 or not all(finished[j] or row.done for j, row in enumerate(rows)):
-            rest_CK, rest_tops = self._forward(running, tokens_CK, rows, temperature, top_k)
+            rest_CK, rest_tops = batch_forward(
+                self.model, self.device, running, tokens_CK, rows, temperature, top_k
+            )
             if k > 1:  # forced tokens 2..k: their logprobs come from this pass
                 logp_CK = torch.cat([logp_CK, rest_CK], dim=1)
                 if tops is not None:
@@ -341,68 +358,6 @@ class HFEngine:
                 if row.matcher is not None:
                     advance_grammar(row, token, self.tokenizer, self._bitmask(1)[:1])
 
-    def _forward(
-        self,
-        running: Part,
-        tokens_CK: torch.Tensor,
-        rows: list[Row],
-        temperature: float | list[float],
-        top_k: int,
-    ) -> tuple[torch.Tensor | None, list | None]:
-        """Append k tokens to every row of the running batch and keep the logits after the
-        last of them (`running.logits_CV`). Rows that had finished get masked columns
-        (their KV stays exactly their own). With k > 1 (jump-forward), also the logprobs
-        of tokens 2..k at `temperature` (and their `top_k` alternatives): [C, k - 1]."""
-        k = tokens_CK.shape[1]
-        width = running.width
-        if running.attention_CL.shape[1] < width + k:  # transformers' growing cache
-            grow = width + k - running.attention_CL.shape[1]
-            running.attention_CL = torch.nn.functional.pad(running.attention_CL, (0, grow))
-        live_C = torch.tensor([not row.done for row in rows], dtype=running.attention_CL.dtype)
-        running.attention_CL[:, width : width + k] = live_C.to(running.attention_CL.device)[:, None]
-        for row in rows:
-            row.fed += 0 if row.done else k
-        steps = torch.arange(k, device=running.next_pos_C.device)
-        inputs = dict(
-            input_ids=tokens_CK.to(self.device),
-            attention_mask=running.attention_CL[:, : width + k],
-            position_ids=running.next_pos_C[:, None] + steps,
-            cache=running.cache,
-            use_cache=True,
-            **prefix_kwargs(running.prefix),
-        )
-        split = decoder_and_head(self.model) if k > 1 else None
-        rest: tuple[torch.Tensor | None, list | None] = (None, None)
-        if split is None:
-            out = self.model(**inputs, logits_to_keep=k)
-            logits_CKV = out.logits.float().cpu()
-            running.logits_CV = logits_CKV[:, -1]
-            if k > 1:
-                rest = _forced_logprobs(logits_CKV[:, :-1], tokens_CK, temperature, top_k)
-        else:
-            # the output projection runs a few rows at a time: a jump of k tokens over C
-            # rows never holds [C, k, vocab] logits (64 rows x 20 tokens: 250 MB a copy)
-            decoder, head = split
-            out = decoder(**inputs)
-            hidden_CKH = out.last_hidden_state
-            running.logits_CV = head(hidden_CKH[:, -1]).float().cpu()
-            per_row = temperature if isinstance(temperature, list) else None
-            chunk = max(1, FORCED_LOGIT_ROWS // (k - 1))
-            parts, tops = [], [] if top_k else None
-            for start in range(0, len(rows), chunk):
-                end = start + chunk
-                logits = head(hidden_CKH[start:end, :-1]).float().cpu()
-                own = temperature if per_row is None else per_row[start:end]
-                logp, top = _forced_logprobs(logits, tokens_CK[start:end], own, top_k)
-                parts.append(logp)
-                if tops is not None:
-                    tops += top
-            rest = (torch.cat(parts), tops)
-        running.cache = out.cache
-        running.width += k
-        running.next_pos_C = running.next_pos_C + k
-        return rest
-
     def _finished(
         self, tokens_CK: torch.Tensor, rows: list[Row], params: SamplingParams
     ) -> list[bool]:
@@ -439,17 +394,3 @@ class HFEngine:
             return False
         tail = self.tokenizer.decode(ids[-16:])
         return any(s in tail for s in stop)
-
-
-FORCED_LOGIT_ROWS = 256  # positions whose full-vocabulary logits a jump-forward step holds
-
-
-def _forced_logprobs(
-    logits_CKV: torch.Tensor, tokens_CK: torch.Tensor, temperature: float | list[float], top_k: int
-) -> tuple[torch.Tensor, list | None]:
-    """The logprobs of tokens_CK[:, 1:] under logits_CKV (the positions before them), at
-    each row's temperature, and their top_k alternatives (None without)."""
-    logp_CKV = tempered_rows(logits_CKV, temperature)
-    logp_CK = logp_CKV.gather(-1, tokens_CK[:, 1:, None]).squeeze(-1)
-    tops = top_alternatives(logits_CKV, temperature, top_k) if top_k else None
-    return logp_CK, tops

@@ -47,15 +47,36 @@ UNSUPPORTED = {
 }
 ENFORCED_FORMATS = frozenset(
     {
-        "date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6",
-        "uri", "uri-reference", "uri-template", "uuid", "json-pointer",
+        "date-time",
+        "date",
+        "time",
+        "duration",
+        "email",
+        "hostname",
+        "ipv4",
+        "ipv6",
+        "uri",
+        "uri-reference",
+        "uri-template",
+        "uuid",
+        "json-pointer",
         "relative-json-pointer",
     }
-)  # fmt: skip
+)
 
 # keywords whose value is one subschema, a list of them, or a name → subschema map
-_ONE = ("additionalProperties", "items", "not", "if", "then", "else", "contains",
-        "propertyNames", "unevaluatedProperties", "unevaluatedItems")  # fmt: skip
+_ONE = (
+    "additionalProperties",
+    "items",
+    "not",
+    "if",
+    "then",
+    "else",
+    "contains",
+    "propertyNames",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+)
 _LIST = ("anyOf", "allOf", "oneOf", "prefixItems")
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 

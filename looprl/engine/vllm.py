@@ -62,9 +62,15 @@ MAX_THREADS = 256  # requests in flight at once; the server queues the rest itse
 
 class VLLMEngine:
     def __init__(
-        self, model: Any, tokenizer: Any, stop_token_ids: list[int], server: VLLMServer,
-        workdir: Path, rescore: Rescorer | None = None, adapter: str = ADAPTER_NAME,
-    ) -> None:  # fmt: skip
+        self,
+        model: Any,
+        tokenizer: Any,
+        stop_token_ids: list[int],
+        server: VLLMServer,
+        workdir: Path,
+        rescore: Rescorer | None = None,
+        adapter: str = ADAPTER_NAME,
+    ) -> None:
         self.policy_model = model
         self.adapter = adapter  # the LoRA adapter's name on the server
         self.owns_server = True  # close() stops it
@@ -83,9 +89,14 @@ class VLLMEngine:
 
     @classmethod
     def launch(
-        cls, model: Any, tokenizer: Any, stop_token_ids: list[int], spec: LaunchSpec | None,
-        url: str | None = None, rescore: Rescorer | None = None,
-    ) -> VLLMEngine:  # fmt: skip
+        cls,
+        model: Any,
+        tokenizer: Any,
+        stop_token_ids: list[int],
+        spec: LaunchSpec | None,
+        url: str | None = None,
+        rescore: Rescorer | None = None,
+    ) -> VLLMEngine:
         """Save the policy's base model to a temporary folder and start a server on it
         (or attach to `url`), then check that it serves one token."""
         workdir = Path(tempfile.mkdtemp(prefix="looprl-vllm-"))
@@ -111,8 +122,10 @@ class VLLMEngine:
         """One token, before any rollout: a model vLLM cannot run fails here."""
         self._push(force=True)
         try:
-            self.generate([GenerationRequest([self.tokenizer.bos_token_id or 0, 1])],
-                          SamplingParams(max_new_tokens=1, seed=0))  # fmt: skip
+            self.generate(
+                [GenerationRequest([self.tokenizer.bos_token_id or 0, 1])],
+                SamplingParams(max_new_tokens=1, seed=0),
+            )
         except EngineError as err:
             raise ModelError(f"vLLM cannot run this model:\n{err}") from None
 
@@ -127,8 +140,15 @@ class VLLMEngine:
                 "fine-tuning there is one (model.lora.enabled=true, or rollout.max_staleness=0)"
             )
         workdir = Path(tempfile.mkdtemp(prefix="looprl-vllm-replica-"))
-        engine = VLLMEngine(model, self.tokenizer, self.stop_token_ids, self.server, workdir,
-                            rescore, adapter=f"{self.adapter}-replica")  # fmt: skip
+        engine = VLLMEngine(
+            model,
+            self.tokenizer,
+            self.stop_token_ids,
+            self.server,
+            workdir,
+            rescore,
+            adapter=f"{self.adapter}-replica",
+        )
         engine.owns_server = False
         engine.check_serves()
         return engine
@@ -173,8 +193,9 @@ class VLLMEngine:
             weights = {name: p.detach().contiguous().cpu() for name, p in params.items()}
             path = self.workdir / "weights.safetensors"
             save_file(weights, str(path))
-            self.server.post("/collective_rpc", {"method": "looprl_load_weights",
-                                                 "args": [str(path)]})  # fmt: skip
+            self.server.post(
+                "/collective_rpc", {"method": "looprl_load_weights", "args": [str(path)]}
+            )
             path.unlink()
         self.server.post("/reset_prefix_cache", {})
         self._versions = versions
@@ -194,9 +215,10 @@ class VLLMEngine:
         )
         temperature = scoring_temperature(params.temperature)
         local = [
-            i for i, r in enumerate(requests)
+            i
+            for i, r in enumerate(requests)
             if r.constraint is not None and self.rescore is not None and not r.top_logprobs
-        ]  # fmt: skip
+        ]
         remote = [i for i, r in enumerate(requests) if r.constraint is not None and i not in local]
         if remote and temperature != 1.0:
             raise EngineError(
@@ -216,8 +238,9 @@ class VLLMEngine:
         if local:
             scored = self.rescore(
                 [list(requests[i].prompt_ids) for i in local],
-                [completions[i].ids for i in local], temperature,
-            )  # fmt: skip
+                [completions[i].ids for i in local],
+                temperature,
+            )
             for i, logprobs in zip(local, scored):
                 completions[i].logprobs = list(logprobs)
         # Server rescoring runs after all sampling and one request at a time: a batch that
@@ -283,10 +306,12 @@ class VLLMEngine:
         ]
         if request.top_logprobs:
             completion.top_logprobs = [
-                sorted(((int(k), float(v["logprob"])) for k, v in entry.items()),
-                       key=lambda pair: -pair[1])[: request.top_logprobs]
+                sorted(
+                    ((int(k), float(v["logprob"])) for k, v in entry.items()),
+                    key=lambda pair: -pair[1],
+                )[: request.top_logprobs]
                 for entry in tail
-            ]  # fmt: skip
+            ]
 
     def _grammar(self, constraint: Constraint) -> str:
         """The EBNF text of the `hf` engine's grammar for this constraint (cached)."""

@@ -73,9 +73,12 @@ def _own_part(query, keys, values, mask, scale) -> tuple[torch.Tensor, torch.Ten
         return torch.matmul(scores.sub_(finite[..., None]).exp_(), values), lse
     own = _own_visible(mask, query.shape[2])
     out, lse = FLASH_CPU(
-        query, _unit_stride(keys), _unit_stride(values),
-        attn_mask=_additive(own, query.dtype), scale=scale,
-    )  # fmt: skip
+        query,
+        _unit_stride(keys),
+        _unit_stride(values),
+        attn_mask=_additive(own, query.dtype),
+        scale=scale,
+    )
     # the kernel gives a query with no visible own column (left padding) a log-normaliser
     # of 0: it has no mass there
     return out, lse.masked_fill(~own.any(-1), float("-inf"))
@@ -119,9 +122,17 @@ class FlashCascade(torch.autograd.Function):
         lse = lse.masked_fill(lse.isinf(), 0.0)  # a row that sees nothing: no probability
         own = _additive(_own_visible(mask, query.shape[2]), query.dtype)
         grad_query, grad_keys, grad_values = FLASH_CPU_BACKWARD(
-            grad_out, query, _unit_stride(keys), _unit_stride(values), out, lse, 0.0, False,
-            attn_mask=own, scale=scale,
-        )  # fmt: skip
+            grad_out,
+            query,
+            _unit_stride(keys),
+            _unit_stride(values),
+            out,
+            lse,
+            0.0,
+            False,
+            attn_mask=own,
+            scale=scale,
+        )
         grads: list[torch.Tensor | None] = []
         for i, (groups, valid) in enumerate(specs):
             level_keys, level_values = level_kv[2 * i], level_kv[2 * i + 1]
@@ -131,11 +142,17 @@ class FlashCascade(torch.autograd.Function):
                     None if valid is None else _additive(valid[n][None, None, None], query.dtype)
                 )
                 gq, gk_n, gv_n = FLASH_CPU_BACKWARD(
-                    _gather(grad_out, rows)[None], _gather(query, rows)[None],
-                    _unit_stride(level_keys[n])[None], _unit_stride(level_values[n])[None],
-                    _gather(out, rows)[None], _gather(lse[..., None], rows)[None, ..., 0],
-                    0.0, False, attn_mask=columns, scale=scale,
-                )  # fmt: skip
+                    _gather(grad_out, rows)[None],
+                    _gather(query, rows)[None],
+                    _unit_stride(level_keys[n])[None],
+                    _unit_stride(level_values[n])[None],
+                    _gather(out, rows)[None],
+                    _gather(lse[..., None], rows)[None, ..., 0],
+                    0.0,
+                    False,
+                    attn_mask=columns,
+                    scale=scale,
+                )
                 _scatter(gq[0], rows, grad_query)
                 gk[n] += gk_n[0]
                 gv[n] += gv_n[0]

@@ -212,9 +212,14 @@ def _trimmed(part: Part, source: torch.Tensor) -> Part:
     attention = part.attention_CL[:, lead:]
     release(part)  # the views hold the storage now: merge frees it layer by layer
     return Part(
-        cache, part.cache_rows, attention, part.next_pos_C, part.logits_CV, part.width - lead,
+        cache,
+        part.cache_rows,
+        attention,
+        part.next_pos_C,
+        part.logits_CV,
+        part.width - lead,
         part.prefix,
-    )  # fmt: skip
+    )
 
 
 def release(part: Part) -> None:

@@ -73,10 +73,13 @@ def completion_logprobs(
         with torch.no_grad():
             for chunk in micro_batches(sequences, lengths, [temperature] * len(todo), token_budget):
                 logp_BS, mask_BS = sequence_logprobs(
-                    model, [sequences[j] for j in chunk],
+                    model,
+                    [sequences[j] for j in chunk],
                     [[0] * lengths[j] + [1] * (len(sequences[j]) - lengths[j]) for j in chunk],
-                    pad_id, device, temperature,
-                )  # fmt: skip
+                    pad_id,
+                    device,
+                    temperature,
+                )
                 for row, j in enumerate(chunk):
                     out[todo[j]] = logp_BS[row][mask_BS[row]].float().tolist()
     finally:

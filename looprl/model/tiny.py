@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from looprl.model.load import TINY_CONFIG
+from looprl.model.tiny_random import TINY_CONFIG
 
 # The matrix by short name -> (transformers config class, its arguments beyond the common
 # ones). Four layers, so that every kind of layer appears at least once: gemma3 has three
@@ -29,7 +29,7 @@ TINY_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             sliding_window=16,
             layer_types=["sliding_attention"] * 3 + ["full_attention"],
         ),
-    ),  # fmt: skip
+    ),
     "qwen3_moe": (
         "Qwen3MoeConfig",
         dict(intermediate_size=128, moe_intermediate_size=32, num_experts=8, head_dim=16, **_MOE),
@@ -55,7 +55,7 @@ TINY_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             num_key_value_heads=4,
             **_MOE,
         ),
-    ),  # fmt: skip
+    ),
 }
 _COMMON = {**TINY_CONFIG, "num_hidden_layers": 4}  # tiny-random's sizes, four layers
 

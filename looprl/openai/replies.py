@@ -58,9 +58,16 @@ def chat_choice(
             renderer, text, tools, constraint, completion.finish_reason, max_tokens, call_id
         )
     return ChatChoice(
-        message, text, list(prompt_ids), list(completion.ids), list(completion.logprobs),
-        finish, reasoning, error, completion.top_logprobs,
-    )  # fmt: skip
+        message,
+        text,
+        list(prompt_ids),
+        list(completion.ids),
+        list(completion.logprobs),
+        finish,
+        reasoning,
+        error,
+        completion.top_logprobs,
+    )
 
 
 def cut_at_stop(text: str, stop: list[str]) -> str:

@@ -102,10 +102,17 @@ class ResponsesRequest(_Strict):
 
 FIELDS = {
     name
-    for model in (ResponsesRequest, InputItem, TextPart, FunctionTool, ToolChoiceFunction,
-                  TextConfig, TextFormat)
+    for model in (
+        ResponsesRequest,
+        InputItem,
+        TextPart,
+        FunctionTool,
+        ToolChoiceFunction,
+        TextConfig,
+        TextFormat,
+    )
     for name in model.model_fields
-} | {"schema"}  # fmt: skip
+} | {"schema"}
 
 
 def input_messages(items: str | list[InputItem]) -> list[ChatMessage]:
@@ -214,9 +221,10 @@ def _chat_tools(tools: list[FunctionTool] | None) -> list[Tool] | None:
     for i, tool in enumerate(tools or []):
         if tool.type != "function":
             raise APIError(
-                400, f"tools[{i}] is a {tool.type!r} tool; looprl serves function tools only",
+                400,
+                f"tools[{i}] is a {tool.type!r} tool; looprl serves function tools only",
                 f"tools[{i}].type",
-            )  # fmt: skip
+            )
         if not tool.name:
             raise APIError(
                 400,
@@ -225,9 +233,11 @@ def _chat_tools(tools: list[FunctionTool] | None) -> list[Tool] | None:
                 f"tools[{i}].name",
             )
         function = FunctionDef(
-            name=tool.name, description=tool.description, parameters=tool.parameters,
+            name=tool.name,
+            description=tool.description,
+            parameters=tool.parameters,
             strict=tool.strict,
-        )  # fmt: skip
+        )
         out.append(Tool(function=function))
     return out or None
 
@@ -251,8 +261,12 @@ def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
         return None
     if fmt.type != "json_schema":
         return {"type": fmt.type}
-    spec = {"name": fmt.name, "description": fmt.description, "schema": fmt.schema_,
-            "strict": fmt.strict}  # fmt: skip
+    spec = {
+        "name": fmt.name,
+        "description": fmt.description,
+        "schema": fmt.schema_,
+        "strict": fmt.strict,
+    }
     return {"type": "json_schema", "json_schema": {k: v for k, v in spec.items() if v is not None}}
 
 

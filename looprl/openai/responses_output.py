@@ -21,23 +21,42 @@ def response_body(request: ResponsesRequest, completion: dict[str, Any]) -> dict
     if message.get("reasoning_content"):
         reasoning = {"type": "reasoning_text", "text": message["reasoning_content"]}
         output.append(
-            {"type": "reasoning", "id": _id("rs"), "summary": [], "content": [reasoning],
-             "status": status}
-        )  # fmt: skip
+            {
+                "type": "reasoning",
+                "id": _id("rs"),
+                "summary": [],
+                "content": [reasoning],
+                "status": status,
+            }
+        )
     calls = message.get("tool_calls", [])
     if message["content"] or not calls:
-        text = {"type": "output_text", "text": message["content"] or "", "annotations": [],
-                "logprobs": []}  # fmt: skip
+        text = {
+            "type": "output_text",
+            "text": message["content"] or "",
+            "annotations": [],
+            "logprobs": [],
+        }
         output.append(
-            {"type": "message", "id": _id("msg"), "role": "assistant", "status": status,
-             "content": [text]}
-        )  # fmt: skip
+            {
+                "type": "message",
+                "id": _id("msg"),
+                "role": "assistant",
+                "status": status,
+                "content": [text],
+            }
+        )
     for call in calls:
         output.append(
-            {"type": "function_call", "id": _id("fc"), "call_id": call["id"],
-             "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-             "status": "completed"}
-        )  # fmt: skip
+            {
+                "type": "function_call",
+                "id": _id("fc"),
+                "call_id": call["id"],
+                "name": call["function"]["name"],
+                "arguments": call["function"]["arguments"],
+                "status": "completed",
+            }
+        )
     usage = completion["usage"]
     tool_choice: Any = request.tool_choice or "auto"
     if isinstance(tool_choice, ToolChoiceFunction):
@@ -70,7 +89,7 @@ def response_body(request: ResponsesRequest, completion: dict[str, Any]) -> dict
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage["total_tokens"],
         },
-    }  # fmt: skip
+    }
 
 
 def _format_dump(text: TextConfig | None) -> dict[str, Any]:
@@ -94,29 +113,41 @@ def response_events(body: dict[str, Any]) -> Iterator[str]:
         data = {"type": kind, "sequence_number": next(sequence), **fields}
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-    start = {**body, "status": "in_progress", "output": [], "usage": None,
-             "incomplete_details": None}  # fmt: skip
+    start = {
+        **body,
+        "status": "in_progress",
+        "output": [],
+        "usage": None,
+        "incomplete_details": None,
+    }
     yield event("response.created", response=start)
     yield event("response.in_progress", response=start)
     for index, item in enumerate(body["output"]):
         where = {"item_id": item["id"], "output_index": index}
         if item["type"] == "message":
             yield event(
-                "response.output_item.added", output_index=index,
+                "response.output_item.added",
+                output_index=index,
                 item={**item, "status": "in_progress", "content": []},
-            )  # fmt: skip
+            )
             for k, part in enumerate(item["content"]):
                 empty = {**part, "text": ""}
                 yield event("response.content_part.added", **where, content_index=k, part=empty)
                 if part["text"]:
                     yield event(
-                        "response.output_text.delta", **where, content_index=k,
-                        delta=part["text"], logprobs=[],
-                    )  # fmt: skip
+                        "response.output_text.delta",
+                        **where,
+                        content_index=k,
+                        delta=part["text"],
+                        logprobs=[],
+                    )
                 yield event(
-                    "response.output_text.done", **where, content_index=k, text=part["text"],
+                    "response.output_text.done",
+                    **where,
+                    content_index=k,
+                    text=part["text"],
                     logprobs=[],
-                )  # fmt: skip
+                )
                 yield event("response.content_part.done", **where, content_index=k, part=part)
         elif item["type"] == "function_call":
             started = {**item, "arguments": "", "status": "in_progress"}
@@ -124,9 +155,11 @@ def response_events(body: dict[str, Any]) -> Iterator[str]:
             arguments = item["arguments"]
             yield event("response.function_call_arguments.delta", **where, delta=arguments)
             yield event(
-                "response.function_call_arguments.done", **where, name=item["name"],
+                "response.function_call_arguments.done",
+                **where,
+                name=item["name"],
                 arguments=arguments,
-            )  # fmt: skip
+            )
         else:
             yield event("response.output_item.added", output_index=index, item=item)
         yield event("response.output_item.done", output_index=index, item=item)

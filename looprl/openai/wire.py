@@ -90,8 +90,12 @@ class APIError(Exception):
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = (
-            status, message, param, code, type,
-        )  # fmt: skip
+            status,
+            message,
+            param,
+            code,
+            type,
+        )
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -284,10 +288,20 @@ def validation_error(
 
 _FIELD_NAMES = {
     name
-    for model in (ChatCompletionRequest, ChatMessage, ContentPart, ToolCallIn, FunctionCall,
-                  Tool, FunctionDef, NamedToolChoice, NamedFunction, StreamOptions)
+    for model in (
+        ChatCompletionRequest,
+        ChatMessage,
+        ContentPart,
+        ToolCallIn,
+        FunctionCall,
+        Tool,
+        FunctionDef,
+        NamedToolChoice,
+        NamedFunction,
+        StreamOptions,
+    )
     for name in model.model_fields
-}  # fmt: skip
+}
 
 
 # ---------------------------------------------------------------- response

@@ -38,8 +38,11 @@ def largest_settings(cfg: Config, shape: ModelShape, work: Workload, device: Dev
     """The largest `rollout.batch_size` and `train.micro_batch_tokens` that fit, each with
     the other left as configured. Each search stops where a larger value no longer changes
     the plan (every episode in one batch, a whole minibatch in one micro-batch)."""
-    episodes = max(cfg.rollout.tasks_per_step * cfg.rollout.group_size,
-                   cfg.eval.tasks * cfg.eval.samples_per_task, cfg.eval.greedy_count)  # fmt: skip
+    episodes = max(
+        cfg.rollout.tasks_per_step * cfg.rollout.group_size,
+        cfg.eval.tasks * cfg.eval.samples_per_task,
+        cfg.eval.greedy_count,
+    )
     minibatch = -(-cfg.rollout.tasks_per_step // cfg.algo.num_minibatches) * cfg.rollout.group_size
     tokens = minibatch * (work.prompt_tokens + work.response_tokens)
 
@@ -53,12 +56,12 @@ def largest_settings(cfg: Config, shape: ModelShape, work: Workload, device: Dev
     batch_top = episodes
     micro_top = max(tokens, MIN_MICRO_BATCH_TOKENS)
     return {
-        "rollout.batch_size": {
-            "value": largest(batch_fits, 1, batch_top), "search_max": batch_top},
+        "rollout.batch_size": {"value": largest(batch_fits, 1, batch_top), "search_max": batch_top},
         "train.micro_batch_tokens": {
             "value": largest(micro_fits, MIN_MICRO_BATCH_TOKENS, micro_top),
-            "search_max": micro_top},
-    }  # fmt: skip
+            "search_max": micro_top,
+        },
+    }
 
 
 def advice(cfg: Config, shape: ModelShape, work: Workload, device: Device) -> list[dict]:
@@ -71,15 +74,17 @@ def advice(cfg: Config, shape: ModelShape, work: Workload, device: Device) -> li
     if cfg.train.optimizer == "adamw":
         options.append(("train.optimizer=adamw_8bit", _with(cfg, "train", optimizer="adamw_8bit")))
     if not cfg.model.gradient_checkpointing:
-        options.append(("model.gradient_checkpointing=true",
-                        _with(cfg, "model", gradient_checkpointing=True)))  # fmt: skip
+        options.append(
+            ("model.gradient_checkpointing=true", _with(cfg, "model", gradient_checkpointing=True))
+        )
     if dtype_name(cfg, device) == "float32":
         options.append(("model.dtype=bfloat16", _with(cfg, "model", dtype="bfloat16")))
     if cfg.rollout.batch_size > 8:
         options.append(("rollout.batch_size=8", _with(cfg, "rollout", batch_size=8)))
     if cfg.train.micro_batch_tokens > 512:
-        options.append(("train.micro_batch_tokens=512",
-                        _with(cfg, "train", micro_batch_tokens=512)))  # fmt: skip
+        options.append(
+            ("train.micro_batch_tokens=512", _with(cfg, "train", micro_batch_tokens=512))
+        )
     out = []
     for change, changed in options:
         peak = _peak(changed, shape, work, device)
@@ -102,7 +107,7 @@ def full_plan(cfg: Config, shape: ModelShape, work: Workload, device: Device) ->
             "usable_bytes": device.usable,
             "unified": device.unified,
             "about": device.about,
-        },  # fmt: skip
+        },
         fits=peak <= device.usable,
         largest=largest_settings(cfg, shape, work, device),
         advice=[] if peak <= device.usable else advice(cfg, shape, work, device),

@@ -20,7 +20,7 @@ import torch
 
 from looprl.algo.logprobs import head_logprobs
 from looprl.config import Config
-from looprl.engine.hf import FORCED_LOGIT_ROWS
+from looprl.engine.forward_step import FORCED_LOGIT_ROWS
 from looprl.forward.fast_linear import MIN_WEIGHT_BYTES, PACKED_DTYPES
 from looprl.loop.optim import EIGHT_BIT_BLOCK
 from looprl.loop.update import micro_batches
@@ -42,7 +42,7 @@ CUDA_HOST_LIBRARIES = 2.0e9
 # contiguous copy, log_softmax, softmax and the constrained candidates (engine/hf.py
 # `_sample`); and while it jumps forward k tokens: one chunk of rows' [rows, k - 1,
 # vocab] logits (about FORCED_LOGIT_ROWS positions), their scaled copy and its
-# log_softmax (`_forced_logprobs`).
+# log_softmax (`engine/forward_step.py` `forced_logprobs`).
 SAMPLING_COPIES = 5
 JUMP_COPIES = 3
 # float32 [chunk, vocab] tensors of one chunk of `head_logprobs` in backward: the
@@ -111,8 +111,11 @@ def persistent(cfg: Config, shape: ModelShape, device: Device) -> Phase:
         copy = shape.params * DTYPE_BYTES[sampler]
         phase.add("sampler copy", copy, f"rollout.sampler_dtype={sampler}")
     if cfg.model.lora.enabled:
-        phase.add("LoRA adapters", shape.lora_params * 4,
-                  f"{shape.lora_params / 1e6:,.2f}M float32, r={cfg.model.lora.rank}")  # fmt: skip
+        phase.add(
+            "LoRA adapters",
+            shape.lora_params * 4,
+            f"{shape.lora_params / 1e6:,.2f}M float32, r={cfg.model.lora.rank}",
+        )
     phase.add("optimizer state", optimizer_bytes(cfg, shape, b), cfg.train.optimizer)
     if plays_snapshot(cfg):
         copy = shape.params * b + (shape.lora_params * 4 if cfg.model.lora.enabled else 0.0)
@@ -132,8 +135,15 @@ def plays_snapshot(cfg: Config) -> bool:
     return bool(getattr(env, "plays_snapshot", False))
 
 
-def rollout_phase(cfg: Config, shape: ModelShape, work: Workload, device: Device,
-                  episodes: int, per_prompt: int, name: str) -> Phase:  # fmt: skip
+def rollout_phase(
+    cfg: Config,
+    shape: ModelShape,
+    work: Workload,
+    device: Device,
+    episodes: int,
+    per_prompt: int,
+    name: str,
+) -> Phase:
     """The engine decoding `episodes` sequences `rollout.batch_size` at a time
     (engine/hf.py): per row a KV buffer of its own columns plus room for every new
     token; the shared head once per batch with cascade attention; the logits of the last
@@ -145,8 +155,11 @@ def rollout_phase(cfg: Config, shape: ModelShape, work: Workload, device: Device
     phase = Phase(name)
     kv = rows * columns * shape.kv_per_token * b + head * shape.kv_per_token * b
     kv += rows * shape.state_per_row
-    phase.add("KV cache", kv, f"{rows} rows × {columns} columns" + (
-        f", shared head of {head} once" if head else ""))  # fmt: skip
+    phase.add(
+        "KV cache",
+        kv,
+        f"{rows} rows × {columns} columns" + (f", shared head of {head} once" if head else ""),
+    )
     jump_positions = 0
     if work.forced_tokens > 1:
         per_row = work.forced_tokens - 1
@@ -165,8 +178,12 @@ def rollout_phase(cfg: Config, shape: ModelShape, work: Workload, device: Device
         and getattr(torch, sampler) in PACKED_DTYPES
         and packed >= MIN_WEIGHT_BYTES
     ):
-        phase.add("packed weights", packed, "the linear weights in oneDNN's layout, while "
-                  "sampling (model.packed_linear, where timed faster)")  # fmt: skip
+        phase.add(
+            "packed weights",
+            packed,
+            "the linear weights in oneDNN's layout, while "
+            "sampling (model.packed_linear, where timed faster)",
+        )
     return phase
 
 
@@ -175,17 +192,27 @@ def _micro_batch(cfg: Config, work: Workload) -> tuple[int, int, int]:
     minibatch, split by the trainer's own `micro_batches` over stand-in episodes of the
     workload's lengths (every episode taken as learning, as at worst)."""
     groups = -(-cfg.rollout.tasks_per_step // cfg.algo.num_minibatches)
-    return _split(groups, cfg.rollout.group_size, cfg.train.micro_batch_tokens,
-                  work.prompt_tokens, work.head_tokens, work.response_tokens)  # fmt: skip
+    return _split(
+        groups,
+        cfg.rollout.group_size,
+        cfg.train.micro_batch_tokens,
+        work.prompt_tokens,
+        work.head_tokens,
+        work.response_tokens,
+    )
 
 
 @lru_cache(maxsize=256)  # the fit searches plan the same split many times
 def _split(groups: int, size: int, budget: int, prompt: int, head: int, response: int) -> tuple:
     episodes = [
-        SimpleNamespace(token_ids=[g] * prompt + [0] * response,
-                        loss_mask=[0] * prompt + [1] * response, temperature=1.0)
-        for g in range(groups) for _ in range(size)
-    ]  # fmt: skip
+        SimpleNamespace(
+            token_ids=[g] * prompt + [0] * response,
+            loss_mask=[0] * prompt + [1] * response,
+            temperature=1.0,
+        )
+        for g in range(groups)
+        for _ in range(size)
+    ]
     best = (0, 0, 0)
     for chunk in micro_batches(episodes, budget):
         prompts = len({e.token_ids[0] for e in chunk})
@@ -227,15 +254,21 @@ def update_phase(cfg: Config, shape: ModelShape, work: Workload, device: Device)
         saved += rows * work.prompt_tokens * shape.kv_per_token * b
     phase.add("activations", saved, f"micro-batch of {tokens:,} tokens ({rows} episodes), {how}")
     chunk = min(HEAD_CHUNK, max(loss, 1))
-    phase.add("logits", chunk * shape.vocab * 4 * HEAD_COPIES,
-              f"{chunk} positions × {shape.vocab:,} at a time")  # fmt: skip
+    phase.add(
+        "logits",
+        chunk * shape.vocab * 4 * HEAD_COPIES,
+        f"{chunk} positions × {shape.vocab:,} at a time",
+    )
     temporaries = 2 * tokens * (shape.hidden + shape.mlp_width) * b
     phase.add("backward temporaries", temporaries, "one layer's gradients in flight")
     if device.kind == "cpu":
         refill = trainable * (4 if lora else b) + optimizer_bytes(cfg, shape, b)
-        phase.add("freed blocks kept", heap_retention(saved, temporaries, refill),
-                  "glibc heap: an earlier micro-batch's freed blocks, less what the "
-                  "gradients and optimizer state refill")  # fmt: skip
+        phase.add(
+            "freed blocks kept",
+            heap_retention(saved, temporaries, refill),
+            "glibc heap: an earlier micro-batch's freed blocks, less what the "
+            "gradients and optimizer state refill",
+        )
     return phase
 
 
@@ -300,8 +333,10 @@ def summary(plan: Plan) -> dict[str, Any]:
     return {
         "persistent": plan.persistent.components,
         "phases": {p.name: {"components": p.components, "total": p.total} for p in plan.phases},
-        "notes": {**plan.persistent.notes,
-                  **{f"{p.name}/{k}": v for p in plan.phases for k, v in p.notes.items()}},
+        "notes": {
+            **plan.persistent.notes,
+            **{f"{p.name}/{k}": v for p in plan.phases for k, v in p.notes.items()},
+        },
         "peak_phase": name,
         "peak_bytes": peak,
-    }  # fmt: skip
+    }

@@ -105,8 +105,11 @@ def _kv_per_token(config: Any, layer_types: list[str]) -> tuple[int, int]:
         if config.model_type == "bailing_hybrid":
             per_layer = config.kv_lora_rank + rope
         else:
-            per_layer = heads * (_get(config, "qk_nope_head_dim", default=0) + rope
-                                 + _get(config, "v_head_dim", default=head_dim))  # fmt: skip
+            per_layer = heads * (
+                _get(config, "qk_nope_head_dim", default=0)
+                + rope
+                + _get(config, "v_head_dim", default=head_dim)
+            )
     else:
         per_layer = 2 * kv_heads * head_dim
     full = sum(1 for kind in layer_types if kind != "linear_attention")
@@ -148,8 +151,9 @@ def model_shape(cfg: Config) -> ModelShape:
     unused_experts = experts - experts * top_k // n_experts if n_experts else 0
     # a lookup reads one row of the input table; a tied table is also the output head
     active = params - unused_experts - (0 if tied else embedding)
-    layer_types = list(_get(config, "layer_types", default=None)
-                       or ["full_attention"] * config.num_hidden_layers)  # fmt: skip
+    layer_types = list(
+        _get(config, "layer_types", default=None) or ["full_attention"] * config.num_hidden_layers
+    )
     kv, state = _kv_per_token(config, layer_types)
     heads = config.num_attention_heads
     head_dim = _get(config, "head_dim", default=config.hidden_size // heads)

@@ -8,103 +8,23 @@ the finals are paired episode by episode (the bootstrap of `stats.paired_differe
 resamples whole tasks), whatever else differs between the runs: the model, the algorithm,
 the learning rate. Runs that did not play the same episodes are refused with the reason,
 and nothing is written.
+
+The run folders are read into `Run`s by `compare_read.py`; the overlaid curves are drawn
+by `compare_plots.py`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from looprl.config import Config, load_config
 from looprl.errors import ConfigError
-from looprl.report.comparisons import load_eval
-from looprl.report.curve import read_curve
-from looprl.report.plots import _figure, _save, ema, finite, render_html, render_markdown
+from looprl.report.compare_plots import plot_blocks
+from looprl.report.compare_read import PAIRED_EVALS, Run, load_run, name_runs
+from looprl.report.plots import finite, render_html, render_markdown
 from looprl.report.stats import Paired, paired_stats, reward_with_ci
-from looprl.report.write import read_metrics
-
-# the evals paired between runs, in the table's order: (file under eval/, label)
-PAIRED_EVALS = (
-    ("baseline", "baseline"),
-    ("after_sft", "after SFT"),
-    ("final", "final"),
-    ("final_greedy", "final, greedy (T = 0)"),
-)
-TRAINING_PLOT = "compare_training.png"
-HELD_OUT_PLOT = "compare_held_out.png"
-# one colour per run, the first run (the reference of every difference) in blue
-COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2")
-LINESTYLES = ("-", "--", ":", "-.")  # runs whose curves coincide stay visible
-
-
-@dataclass
-class Run:
-    """One run folder, read once: its config, its evals, its training and held-out curves."""
-
-    path: Path
-    name: str
-    cfg: Config
-    settings: dict[str, Any]  # config.yaml as dotted keys, for the differences
-    evals: dict[str, dict]  # name under eval/ (without .json) → EvalResult
-    rows: list[dict[str, Any]]  # metrics.jsonl
-    curve: list[dict[str, Any]]  # eval/curve.jsonl (eval.every), [] without one
-
-
-# ============================================================================ reading
-
-
-def load_run(path: Path) -> Run:
-    """A finished run folder; a ConfigError saying what is missing otherwise."""
-    if not (path / "config.yaml").is_file():
-        raise ConfigError(f"{path} is not a run folder (no config.yaml)")
-    evals = {}
-    for name, _ in PAIRED_EVALS:
-        result = load_eval(path / "eval" / f"{name}.json")
-        if result is not None:
-            evals[name] = result
-    missing = {"baseline": "stopped before its baseline evaluation",
-               "final": "is still running or stopped before its final evaluation"}  # fmt: skip
-    for name, why in missing.items():
-        if name not in evals:
-            raise ConfigError(
-                f"{path} has no eval/{name}.json: the run {why}, so it cannot be compared "
-                f"(a stopped run can be finished with `looprl run {path}/config.yaml "
-                f"--out {path} --resume`)"
-            )
-    settings = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8")) or {}
-    return Run(path=path, name=path.name, cfg=load_config(path / "config.yaml"),
-               settings=flatten(settings), evals=evals, rows=read_metrics(path),
-               curve=read_curve(path))  # fmt: skip
-
-
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"train": {"lr": 1e-4}} → {"train.lr": 1e-4}; lists stay whole values."""
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def name_runs(runs: list[Run]) -> None:
-    """Folder names as column names; runs whose folders share a name get their parent's."""
-    counts = Counter(run.path.name for run in runs)
-    for run in runs:
-        if counts[run.path.name] > 1:
-            run.name = f"{run.path.resolve().parent.name}/{run.path.name}"
-    counts = Counter(run.name for run in runs)
-    for i, run in enumerate(runs):  # still equal (the same folder twice): number them
-        if counts[run.name] > 1:
-            run.name = f"{run.name} ({i + 1})"
-
 
 # ============================================================================ the check
 
@@ -119,14 +39,18 @@ def episode_difference(first: dict, other: dict) -> str | None:
     if len(ids) != len(other_ids):
         return f"a different number of episodes ({len(other_ids)} instead of {len(ids)})"
     if first.get("task_seed") != other.get("task_seed"):
-        return (f"a different eval seed (task seed {other.get('task_seed')} instead of "
-                f"{first.get('task_seed')})")  # fmt: skip
+        return (
+            f"a different eval seed (task seed {other.get('task_seed')} instead of "
+            f"{first.get('task_seed')})"
+        )
     if ids != other_ids:
         moved = sum(a != b for a, b in zip(ids, other_ids))
         return f"different task ids ({moved} of {len(ids)} episodes play another task)"
     if finite(first.get("temperature")) != finite(other.get("temperature")):
-        return (f"a different eval temperature ({other.get('temperature')} instead of "
-                f"{first.get('temperature')})")  # fmt: skip
+        return (
+            f"a different eval temperature ({other.get('temperature')} instead of "
+            f"{first.get('temperature')})"
+        )
     return None
 
 
@@ -192,13 +116,24 @@ def paired_rows(runs: list[Run]) -> list[list[str]]:
             if result is None:
                 rows.append([label, run.name, "-", f"no eval/{key}.json", "-", "-"])
             elif run is first:
-                rows.append([label, run.name, _episodes(result), reward_with_ci(result),
-                             "(reference)", "-"])  # fmt: skip
+                rows.append(
+                    [label, run.name, _episodes(result), reward_with_ci(result), "(reference)", "-"]
+                )
             else:
-                paired = (paired_stats(reference, result) if reference is not None
-                          else f"{first.name} has no eval/{key}.json")  # fmt: skip
-                rows.append([label, run.name, _episodes(result), reward_with_ci(result),
-                             *_difference(paired)])  # fmt: skip
+                paired = (
+                    paired_stats(reference, result)
+                    if reference is not None
+                    else f"{first.name} has no eval/{key}.json"
+                )
+                rows.append(
+                    [
+                        label,
+                        run.name,
+                        _episodes(result),
+                        reward_with_ci(result),
+                        *_difference(paired),
+                    ]
+                )
     return rows
 
 
@@ -209,8 +144,10 @@ def _episodes(result: dict) -> str:
 def _difference(paired: Paired | str) -> list[str]:
     if isinstance(paired, str):  # paired_stats speaks of one run's baseline and final
         return [f"not paired: {paired.replace('baseline and final', 'the two runs')}", "-"]
-    return [f"{paired.mean:+.3f} [{paired.lo:+.3f}, {paired.hi:+.3f}]",
-            f"{paired.better} / {paired.same} / {paired.worse}"]  # fmt: skip
+    return [
+        f"{paired.mean:+.3f} [{paired.lo:+.3f}, {paired.hi:+.3f}]",
+        f"{paired.better} / {paired.same} / {paired.worse}",
+    ]
 
 
 def outcome_shares(result: dict) -> dict[str, float]:
@@ -236,72 +173,17 @@ def outcome_rows(runs: list[Run], key: str = "final") -> list[list[str]]:
 
 
 def header_rows(runs: list[Run]) -> list[list[str]]:
-    return [[run.name, str(run.path), run.cfg.model.name, run.cfg.env.name, run.cfg.algo.name,
-             f"{len(run.rows)} of {run.cfg.train.steps}"] for run in runs]  # fmt: skip
-
-
-# ============================================================================ the plots
-
-
-def plot_training(runs: list[Run], path: Path) -> Path | None:
-    """`rollout/rewards_mean` and `response_len` per step, one line per run (EMA, the raw
-    points faint behind it); None when no run logged a step."""
-    if not any(run.rows for run in runs):
-        return None
-    from matplotlib.ticker import MaxNLocator
-
-    panels = (("rollout/rewards_mean", "reward (training rollouts)"),
-              ("response_len", "response length (tokens)"))  # fmt: skip
-    fig = _figure(figsize=(9.5, 3.6))
-    for ax, (key, label) in zip(fig.subplots(1, 2), panels):
-        for i, run in enumerate(runs):
-            steps = [finite(r.get("step")) for r in run.rows]
-            raw = [finite(r.get(key)) for r in run.rows]
-            ax.plot(steps, raw, color=_color(i), alpha=0.25, marker="o", markersize=2)
-            ax.plot(steps, ema(raw), color=_color(i), linestyle=_linestyle(i), linewidth=2,
-                    label=run.name)  # fmt: skip
-        ax.set_title(f"{key} (EMA, β = 0.7)", fontsize=10)
-        ax.set_xlabel("step")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.legend(fontsize=8, loc="best")
-    return _save(fig, path)
-
-
-def plot_held_out(runs: list[Run], path: Path) -> Path | None:
-    """Each run's held-out curve (eval.every) with its 95% band; None when no run has one."""
-    if not any(run.curve for run in runs):
-        return None
-    from matplotlib.ticker import MaxNLocator
-
-    fig = _figure(figsize=(7.5, 3.6))
-    ax = fig.subplots()
-    for i, run in enumerate(runs):
-        if not run.curve:
-            continue
-        steps = [r["step"] for r in run.curve]
-        ci = [list(r.get("reward_ci95") or [math.nan, math.nan]) for r in run.curve]
-        ax.fill_between(steps, [finite(c[0]) for c in ci], [finite(c[1]) for c in ci],
-                        color=_color(i), alpha=0.15)  # fmt: skip
-        means = [finite(r.get("reward_mean")) for r in run.curve]
-        ax.plot(steps, means, color=_color(i), linestyle=_linestyle(i), marker="o", linewidth=2,
-                label=run.name)  # fmt: skip
-    ax.set_xlabel("step")
-    ax.set_ylabel("held-out reward")
-    ax.set_title("held-out reward over the steps, 95% CI bands", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.legend(fontsize=8, loc="best")
-    return _save(fig, path)
-
-
-def _color(i: int) -> str:
-    return COLORS[i % len(COLORS)]
-
-
-def _linestyle(i: int) -> str:
-    return LINESTYLES[i % len(LINESTYLES)]
+    return [
+        [
+            run.name,
+            str(run.path),
+            run.cfg.model.name,
+            run.cfg.env.name,
+            run.cfg.algo.name,
+            f"{len(run.rows)} of {run.cfg.train.steps}",
+        ]
+        for run in runs
+    ]
 
 
 # ============================================================================ the page
@@ -328,48 +210,39 @@ def compare_runs(paths: list[Path], out: Path) -> Path:
         blocks.append(("p", "The runs' config.yaml files hold the same values."))
     blocks += [
         ("h2", f"Held-out evals, paired against {first.name}"),
-        ("p", f"Every run played the same {_episodes(baseline)} held-out episodes (env "
-              f"{baseline.get('env')}, task seed {baseline.get('task_seed')}, eval "
-              f"temperature {baseline.get('temperature')}). Each run's mean reward with its "
-              f"95% CI, and its paired difference to {first.name} over the same episodes "
-              "with a bootstrap 95% CI that resamples whole tasks; better / same / worse "
-              f"counts the episodes whose reward is above, equal to or below {first.name}'s."),
+        (
+            "p",
+            f"Every run played the same {_episodes(baseline)} held-out episodes (env "
+            f"{baseline.get('env')}, task seed {baseline.get('task_seed')}, eval "
+            f"temperature {baseline.get('temperature')}). Each run's mean reward with its "
+            f"95% CI, and its paired difference to {first.name} over the same episodes "
+            "with a bootstrap 95% CI that resamples whole tasks; better / same / worse "
+            f"counts the episodes whose reward is above, equal to or below {first.name}'s.",
+        ),
         *[("p", note) for note in notes],
-        ("table", ["eval", "run", "episodes", "reward mean [95% CI]",
-                   f"− {first.name} [95% CI]", "better / same / worse"], paired_rows(runs)),
+        (
+            "table",
+            [
+                "eval",
+                "run",
+                "episodes",
+                "reward mean [95% CI]",
+                f"− {first.name} [95% CI]",
+                "better / same / worse",
+            ],
+            paired_rows(runs),
+        ),
         ("h2", "Outcomes (final eval)"),
-        ("p", f"The share of the final eval's episodes ending in each outcome, and the "
-              f"difference to {first.name}'s share in percentage points (pp)."),
+        (
+            "p",
+            f"The share of the final eval's episodes ending in each outcome, and the "
+            f"difference to {first.name}'s share in percentage points (pp).",
+        ),
         ("table", ["outcome", *(run.name for run in runs)], outcome_rows(runs)),
-    ]  # fmt: skip
-    blocks += _plot_blocks(runs, out / "plots")
+    ]
+    blocks += plot_blocks(runs, out / "plots")
     out.mkdir(parents=True, exist_ok=True)
     md_path = out / "compare.md"
     md_path.write_text(render_markdown(blocks), encoding="utf-8")
     (out / "compare.html").write_text(render_html(blocks, title=blocks[0][1]), encoding="utf-8")
     return md_path
-
-
-def _plot_blocks(runs: list[Run], plots: Path) -> list[tuple]:
-    """The overlaid curves; a plot from an earlier comparison in the same folder is removed
-    first, so none is left stale."""
-    for name in (TRAINING_PLOT, HELD_OUT_PLOT):
-        (plots / name).unlink(missing_ok=True)
-    blocks: list[tuple] = [("h2", "Training curves")]
-    training = plot_training(runs, plots / TRAINING_PLOT)
-    if training is None:
-        blocks.append(("p", "No run logged a training step (metrics.jsonl missing or empty)."))
-    else:
-        caption = "Training reward and response length per step, per run"
-        blocks += [("p", "Training rollouts at the training temperature on training tasks: "
-                         "not comparable one-to-one with the held-out numbers."),
-                   ("img", training, caption)]  # fmt: skip
-    held_out = plot_held_out(runs, plots / HELD_OUT_PLOT)
-    if held_out is not None:
-        without = [run.name for run in runs if not run.curve]
-        blocks += [("h2", "Held-out curves"),
-                   ("p", "Held-out reward at the steps of each run's eval.every, on the same "
-                         "episodes at every point" + (f" ({', '.join(without)}: no curve, "
-                         "eval.every was off)." if without else ".")),
-                   ("img", held_out, "Held-out reward per evaluated step, per run")]  # fmt: skip
-    return blocks

@@ -40,9 +40,12 @@ def reference_blocks(
     readable = [r for _, r in refs if r is not None]
     blocks: list[tuple] = [
         ("h2", "Reference models"),
-        ("p", "The same held-out episodes (tasks, order and eval settings) played by each "
-              "reference model through its endpoint (`looprl eval --endpoint`)."),
-    ]  # fmt: skip
+        (
+            "p",
+            "The same held-out episodes (tasks, order and eval settings) played by each "
+            "reference model through its endpoint (`looprl eval --endpoint`).",
+        ),
+    ]
     if readable:
         headers = ["metric", "before", "after", *(reference_name(r) for r in readable)]
         blocks.append(("table", headers, summary_rows([baseline, final, *readable])))
@@ -65,13 +68,26 @@ def member_blocks(baseline: dict, final: dict) -> list[tuple]:
     for label, side in before.items():
         other = after.get(label, {})
         paired = paired_stats(side, other) if other else "not in the final eval"
-        change = paired if isinstance(paired, str) else (
-            f"{paired.mean:+.3f} [{paired.lo:+.3f}, {paired.hi:+.3f}]")  # fmt: skip
-        rows.append([label, str(side["n"]), reward_with_ci(side),
-                     reward_with_ci(other) if other else "-", change])  # fmt: skip
+        change = (
+            paired
+            if isinstance(paired, str)
+            else (f"{paired.mean:+.3f} [{paired.lo:+.3f}, {paired.hi:+.3f}]")
+        )
+        rows.append(
+            [
+                label,
+                str(side["n"]),
+                reward_with_ci(side),
+                reward_with_ci(other) if other else "-",
+                change,
+            ]
+        )
     return [
         ("h2", "By environment"),
-        ("p", "Each member of the mixture on its own held-out episodes; the paired difference "
-              "(after − before) with its bootstrap 95% CI."),
+        (
+            "p",
+            "Each member of the mixture on its own held-out episodes; the paired difference "
+            "(after − before) with its bootstrap 95% CI.",
+        ),
         ("table", ["environment", "episodes", "before", "after", "paired difference"], rows),
-    ]  # fmt: skip
+    ]

@@ -37,21 +37,40 @@ def plot_eval_curve(rows: list[dict[str, Any]], curve: list[dict[str, Any]], pat
     steps = [r["step"] for r in curve]
     means = [finite(r.get("reward_mean")) for r in curve]
     ci = [list(r.get("reward_ci95") or [math.nan, math.nan]) for r in curve]
-    ax.fill_between(steps, [finite(c[0]) for c in ci], [finite(c[1]) for c in ci],
-                    color=AFTER_COLOR, alpha=0.2, label="held-out 95% CI")  # fmt: skip
+    ax.fill_between(
+        steps,
+        [finite(c[0]) for c in ci],
+        [finite(c[1]) for c in ci],
+        color=AFTER_COLOR,
+        alpha=0.2,
+        label="held-out 95% CI",
+    )
     ax.plot(steps, means, color=AFTER_COLOR, marker="o", linewidth=2, label="held-out reward")
     if rows:
         train = [finite(r.get("rollout/rewards_mean")) for r in rows]
-        ax.plot([r["step"] for r in rows], ema(train), color=BEFORE_COLOR, linewidth=1.5,
-                label="training reward (EMA)")  # fmt: skip
+        ax.plot(
+            [r["step"] for r in rows],
+            ema(train),
+            color=BEFORE_COLOR,
+            linewidth=1.5,
+            label="training reward (EMA)",
+        )
     best = best_point(curve)
     if best is not None:
-        ax.scatter([best["step"]], [best["reward_mean"]], s=120, facecolors="none",
-                   edgecolors="black", zorder=5, label=f"best: step {best['step']}")  # fmt: skip
+        ax.scatter(
+            [best["step"]],
+            [best["reward_mean"]],
+            s=120,
+            facecolors="none",
+            edgecolors="black",
+            zorder=5,
+            label=f"best: step {best['step']}",
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
-    ax.set_title("held-out reward over the steps (same tasks and seeds at every point)",
-                 fontsize=10)  # fmt: skip
+    ax.set_title(
+        "held-out reward over the steps (same tasks and seeds at every point)", fontsize=10
+    )
     ax.grid(alpha=0.3)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize=8, loc="best")
@@ -71,10 +90,16 @@ def curve_blocks(run_dir: Path, rows: list[dict[str, Any]]) -> list[tuple]:
         f"{len(curve)} held-out evaluations on the same {best.get('n', '?')} episodes, at "
         f"steps {', '.join(str(r['step']) for r in curve)}. Best at step {best['step']}: "
         f"{best['reward_mean']:+.3f} [{lo:+.3f}, {hi:+.3f}]"
-        + (f" (the last point, step {last['step']}: {last['reward_mean']:+.3f})"
-           if last is not best else " (the last point)")
+        + (
+            f" (the last point, step {last['step']}: {last['reward_mean']:+.3f})"
+            if last is not best
+            else " (the last point)"
+        )
         + "; its weights are in checkpoints/best."
-    )  # fmt: skip
+    )
     png = plot_eval_curve(rows, curve, run_dir / "plots" / PLOT)
-    return [("h2", "Held-out curve"), ("p", text),
-            ("img", png, "Held-out reward per evaluated step and the training reward")]  # fmt: skip
+    return [
+        ("h2", "Held-out curve"),
+        ("p", text),
+        ("img", png, "Held-out reward per evaluated step and the training reward"),
+    ]

@@ -43,8 +43,10 @@ def headline(
         for label, after in member_results(final).items():
             paired = paired_stats(before[label], after) if label in before else "no baseline"
             change = "" if isinstance(paired, str) else f", paired {_short(paired)}"
-            lines.append(f"  {label}: {reward_with_ci(before.get(label, {}))} → "
-                         f"{reward_with_ci(after)}{change}")  # fmt: skip
+            lines.append(
+                f"  {label}: {reward_with_ci(before.get(label, {}))} → "
+                f"{reward_with_ci(after)}{change}"
+            )
     for ref in references or []:
         paired = paired_stats(ref, final)
         change = "" if isinstance(paired, str) else f", trained − reference {_short(paired)}"

@@ -90,8 +90,10 @@ def run_warnings(rows: list[dict[str, Any]], evals: dict[str, dict | None]) -> l
         fired = [r["step"] for r in rows if r.get(f"health/{check}")]
         if fired:
             text = sentence.format(patience="K").split(":")[0]
-            out.append(f"health check {check} on {len(fired)} of {len(rows)} steps "
-                       f"(steps {_steps(fired)}): {text}")  # fmt: skip
+            out.append(
+                f"health check {check} on {len(fired)} of {len(rows)} steps "
+                f"(steps {_steps(fired)}): {text}"
+            )
     for name, result in evals.items():
         share = ((result or {}).get("outcomes") or {}).get(TRUNCATED, 0.0)
         if share > 0:

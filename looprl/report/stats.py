@@ -104,7 +104,11 @@ def member_results(result: dict) -> dict[str, dict]:
         mean = sum(rewards) / n
         sd = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1)) if n > 1 else 0.0
         half = 1.96 * sd / math.sqrt(n)
-        out[label] = {"rewards": rewards, "n": n, "reward_mean": mean,
-                      "reward_ci95": [mean - half, mean + half],
-                      "task_ids": [result["task_ids"][i] for i in keep]}  # fmt: skip
+        out[label] = {
+            "rewards": rewards,
+            "n": n,
+            "reward_mean": mean,
+            "reward_ci95": [mean - half, mean + half],
+            "task_ids": [result["task_ids"][i] for i in keep],
+        }
     return out

@@ -35,9 +35,9 @@ from looprl.report.stats import (
     paired_stats,
     reward_with_ci,
 )
+from looprl.report.transcripts import first_by_task, shown_prompt, transcript_side
 
 TRANSCRIPT_TASKS = 4
-MAX_TEXT = 1500  # characters of one message shown in a transcript
 PLOTS = ("before_after.png", "outcomes.png", "training_curves.png", CURVE_PLOT)
 
 # ============================================================================ run folder
@@ -348,6 +348,7 @@ def _facts(
 
 
 # ============================================================================ transcripts
+# (one episode as shown: looprl/report/transcripts.py)
 
 
 def _transcripts(run_dir: Path) -> list[tuple]:
@@ -357,7 +358,7 @@ def _transcripts(run_dir: Path) -> list[tuple]:
     after = _read_jsonl(run_dir / "samples" / "final.jsonl")
     if not before or not after:
         return [("p", "Skipped: samples/baseline.jsonl or samples/final.jsonl is missing.")]
-    first_before, first_after = _first_by_task(before), _first_by_task(after)
+    first_before, first_after = first_by_task(before), first_by_task(after)
     common = [t for t in first_before if t in first_after]
     if not common:
         return [("p", "Skipped: the baseline and final samples share no task.")]
@@ -374,56 +375,12 @@ def _transcripts(run_dir: Path) -> list[tuple]:
         "outcome or reward changed are shown first, in evaluation order."
     )
     pairs = [
-        (t, _prompt(first_before[t]), _side(first_before[t]), _side(first_after[t])) for t in chosen
+        (
+            t,
+            shown_prompt(first_before[t]),
+            transcript_side(first_before[t]),
+            transcript_side(first_after[t]),
+        )
+        for t in chosen
     ]
     return [("p", note), ("transcripts", pairs)]
-
-
-def _first_by_task(records: list[dict]) -> dict[str, dict]:
-    out: dict[str, dict] = {}
-    for r in records:
-        out.setdefault(str(r.get("task_id")), r)
-    return out
-
-
-def _prompt(record: dict) -> str:
-    """What the model was shown before its first reply, less the system prompt."""
-    parts = []
-    for m in record.get("messages") or []:
-        if m.get("role") == "assistant":
-            break
-        if m.get("role") != "system":
-            parts.append(_clip(_text(m.get("content"))))
-    return "\n\n".join(parts)
-
-
-def _side(record: dict) -> tuple[str, list[tuple[str, str]]]:
-    """'reward … · outcome', then (role, text) for everything from the first reply on."""
-    messages = record.get("messages") or []
-    start = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), None)
-    lines = []
-    for m in messages[len(messages) if start is None else start :]:
-        text = _text(m.get("content"))
-        for call in m.get("tool_calls") or []:
-            fn = call.get("function") or {}
-            args = fn.get("arguments")
-            args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-            text += f"{chr(10) if text else ''}→ {fn.get('name')}({args})"
-        if m.get("parse_failure"):
-            text += f"{chr(10) if text else ''}[no valid call: {m['parse_failure']}]"
-        lines.append((str(m.get("role")), _clip(text) or "(empty)"))
-    if record.get("info"):
-        lines.append(("info", _clip(json.dumps(record["info"], ensure_ascii=False))))
-    if record.get("error"):
-        lines.append(("error", _clip(str(record["error"]))))
-    head = f"reward {fmt(record.get('reward'), '+.3f')} · {record.get('outcome')}"
-    return head, lines
-
-
-def _text(content: Any) -> str:
-    return content if isinstance(content, str) else "" if content is None else json.dumps(content)
-
-
-def _clip(text: str) -> str:
-    extra = len(text) - MAX_TEXT
-    return text if extra <= 0 else f"{text[:MAX_TEXT]}… ({extra} more characters)"

@@ -194,8 +194,13 @@ def model_checks(cfg: Config, environment: Check, device_ready: bool) -> list[Ch
     return checks + [check_generate(weights.value.engine, checks[-1].value)]
 
 
-MODEL_CHECKS = ("model config", "chat template", "model weights", "forced-call grammar",
-                "1-token generate")  # fmt: skip
+MODEL_CHECKS = (
+    "model config",
+    "chat template",
+    "model weights",
+    "forced-call grammar",
+    "1-token generate",
+)
 
 
 def _skip_from(name: str, because: str) -> list[Check]:

@@ -1,0 +1,58 @@
+"""What every `looprl` command shares: the typer apps the commands register on, the
+consoles, the option types, and `guarded`."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from looprl.errors import LoopRLError
+
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+
+app = typer.Typer(
+    help="Agentic RL post-training on one machine: baseline → post-train → retest.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+envs_app = typer.Typer(help="List, show and check environments.", invoke_without_command=True)
+config_app = typer.Typer(help="Show the resolved config and describe every field.")
+app.add_typer(envs_app, name="envs")
+app.add_typer(config_app, name="config")
+
+console = Console()
+err_console = Console(stderr=True, soft_wrap=True)
+
+ConfigArg = Annotated[Path | None, typer.Argument(help="YAML config file (optional).")]
+EnvConfigOpt = Annotated[
+    Path | None, typer.Option("--config", help="A run config: its env.name and env.args.")
+]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option("--set", "-s", help="Override a config field: section.field=value (repeatable)."),
+]
+
+
+def fail(message: str, code: int = 2) -> None:
+    err_console.print("[bold red]error:[/] ", end="")
+    err_console.print(message, markup=False, highlight=False)
+    raise typer.Exit(code)
+
+
+def guarded(fn: Any) -> Any:
+    """Turn looprl's own errors into a clear message and exit code 2 (no traceback)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except LoopRLError as err:
+            fail(str(err), code=getattr(err, "exit_code", 2))
+
+    return wrapper
