@@ -35,6 +35,7 @@ from looprl.envs.judge import cache_verdicts_in
 from looprl.errors import ConfigError, LoopRLError
 from looprl.loop import dist as ranks
 from looprl.loop import log, preflight, sft
+from looprl.loop.batches import UpdateState
 from looprl.loop.curve import EvalCurve
 from looprl.loop.decisions import grammar_cache
 from looprl.loop.dist import Dist, main_only
@@ -57,7 +58,6 @@ from looprl.loop.run_state import (
 from looprl.loop.snapshot import start_snapshots
 from looprl.loop.step import Levers, Trainer, save_checkpoint, say_health, write_report
 from looprl.loop.trackers import check_trackers
-from looprl.loop.update import UpdateState
 from looprl.report import write as report_files
 from looprl.report.comparisons import load_references
 from looprl.report.health import run_warnings
@@ -138,24 +138,7 @@ def train(
     curve = EvalCurve.of(held_out, start)  # eval.every: the held-out reward over the steps
     if curve is not None and start == 0:
         curve.point(0, (after_sft or baseline) if curve.full else None)
-    with (
-        progress.phase("training", total=cfg.train.steps, unit="step") as phase,
-        StopOnSignal() as stop,
-    ):
-        phase.update(start)
-        step_seconds: list[float] = []  # this process's steps, for the mean it shows
-        for step in range(start + 1, cfg.train.steps + 1):
-            metrics = trainer.step(step)
-            say_health(trainer, step, progress)  # train.health: warn, or stop here
-            if curve is not None and curve.due(step):
-                curve.point(step)
-            step_seconds.append(metrics["perf/step_s"])
-            phase.update(
-                advance=1,
-                detail=f"step {step} · reward {metrics['rollout/rewards_mean']:+.3f} · "
-                f"{metrics['perf/step_s']:.1f} s (mean {np.mean(step_seconds):.1f} s/step)",
-            )
-            trainer.stop_if_asked(step, stop)  # Ctrl-C / SIGTERM, or too many NaN steps
+    run_steps(trainer, start, curve, progress)
 
     # ---- retest on exactly the same tasks and seeds, then report
     final = held_out.run("final")
@@ -184,6 +167,31 @@ def train(
         "warnings": warned,
         "references": [r for _, r in load_references(cfg.eval.references) if r],
     }
+
+
+def run_steps(trainer: Trainer, start: int, curve: EvalCurve | None, progress: Progress) -> None:
+    """Steps start + 1 .. train.steps (`Trainer.step`), each followed by its health checks,
+    the held-out curve's point when due, and a stop when asked (Ctrl-C, SIGTERM, too many
+    NaN steps)."""
+    cfg = trainer.cfg
+    with (
+        progress.phase("training", total=cfg.train.steps, unit="step") as phase,
+        StopOnSignal() as stop,
+    ):
+        phase.update(start)
+        step_seconds: list[float] = []  # this process's steps, for the mean it shows
+        for step in range(start + 1, cfg.train.steps + 1):
+            metrics = trainer.step(step)
+            say_health(trainer, step, progress)  # train.health: warn, or stop here
+            if curve is not None and curve.due(step):
+                curve.point(step)
+            step_seconds.append(metrics["perf/step_s"])
+            phase.update(
+                advance=1,
+                detail=f"step {step} · reward {metrics['rollout/rewards_mean']:+.3f} · "
+                f"{metrics['perf/step_s']:.1f} s (mean {np.mean(step_seconds):.1f} s/step)",
+            )
+            trainer.stop_if_asked(step, stop)  # Ctrl-C / SIGTERM, or too many NaN steps
 
 
 # ============================================================================ run setup
