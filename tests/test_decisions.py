@@ -13,8 +13,8 @@ from looprl.config import config_from_dict
 from looprl.envs import make_env
 from looprl.loop.decisions import decision_metrics, decision_view, grammar_cache
 from looprl.loop.dist import Dist
-from looprl.loop.evaluate import player
 from looprl.loop.groups import play_step
+from looprl.loop.play import player
 from looprl.loop.policy import load_policy
 from looprl.loop.train import run_training
 

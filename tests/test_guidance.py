@@ -15,13 +15,13 @@ from looprl.envs import make_env
 from looprl.envs.tictactoe import TicTacToeGame
 from looprl.envs.tictactoe_board import expert_move
 from looprl.loop.dist import Dist
-from looprl.loop.evaluate import player
 from looprl.loop.groups import play_step
 from looprl.loop.guidance import (
     expert_advantage,
     expert_episode,
     safe_expert_episode,
 )
+from looprl.loop.play import player
 from looprl.loop.policy import load_policy
 from looprl.loop.train import run_training
 from looprl.types import ENV_ERROR, Episode, Message, Task

@@ -33,7 +33,7 @@ from looprl.engine import SamplingParams
 from looprl.envs import make_env
 from looprl.forward.score import micro_batches, prompt_length, sequence_logprobs
 from looprl.loop.batches import minibatches, scoring_keys
-from looprl.loop.evaluate import player
+from looprl.loop.play import player
 from looprl.loop.policy import load_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))

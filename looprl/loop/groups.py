@@ -48,7 +48,7 @@ from looprl.config import Config
 from looprl.engine import SamplingParams
 from looprl.loop.decisions import decision_surprisal
 from looprl.loop.dist import Dist
-from looprl.loop.evaluate import Player, distinct_tasks
+from looprl.loop.play import Player, distinct_tasks
 from looprl.seeds import refill_seed, step_seed
 from looprl.types import Episode, Task
 

@@ -39,8 +39,8 @@ import torch
 from looprl.config import Config
 from looprl.errors import ConfigError, EngineError
 from looprl.loop.dist import Dist
-from looprl.loop.evaluate import player
 from looprl.loop.groups import StepGroups, play_step
+from looprl.loop.play import player
 from looprl.loop.policy import Policy, make_engine, policy_rescorer
 from looprl.types import Episode, Task
 

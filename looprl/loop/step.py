@@ -27,16 +27,17 @@ from looprl.loop import checkpoint as checkpoints
 from looprl.loop import log
 from looprl.loop.decisions import decision_metrics, decision_view, grammar_cache
 from looprl.loop.dist import Dist, main_only
-from looprl.loop.evaluate import Player, by_member, judge_cost, summarize
 from looprl.loop.groups import StepGroups, greedy_member, play_step, replay_step
 from looprl.loop.guidance import expert_advantage, mean_advantage, safe_expert_episode
 from looprl.loop.log import MetricsLogger
 from looprl.loop.overlap import Overlap
+from looprl.loop.play import Player
 from looprl.loop.policy import Policy
 from looprl.loop.progress import Progress
 from looprl.loop.replay import load_rollouts, save_rollouts
 from looprl.loop.run_state import Interrupted, LoopState, StopOnSignal, peak_rss_gb
 from looprl.loop.snapshot import SnapshotPlayer
+from looprl.loop.summary import by_member, judge_cost, summarize
 from looprl.loop.update import update_policy
 from looprl.report import write as report_files
 from looprl.report.health import step_health

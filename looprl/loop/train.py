@@ -39,10 +39,11 @@ from looprl.loop.batches import UpdateState
 from looprl.loop.curve import EvalCurve
 from looprl.loop.decisions import grammar_cache
 from looprl.loop.dist import Dist, main_only
-from looprl.loop.evaluate import HeldOut, player
+from looprl.loop.evaluate import HeldOut
 from looprl.loop.log import MetricsLogger
 from looprl.loop.optim import make_optimizer
 from looprl.loop.overlap import Overlap, check_overlap
+from looprl.loop.play import player
 from looprl.loop.policy import Policy, load_model
 from looprl.loop.progress import DONE, Progress
 from looprl.loop.replay import check_replay
