@@ -21,6 +21,7 @@ from looprl.loop.guidance import (
     expert_episode,
     safe_expert_episode,
 )
+from looprl.loop.levers import Levers
 from looprl.loop.play import player
 from looprl.loop.policy import load_policy
 from looprl.loop.train import run_training
@@ -193,7 +194,9 @@ def _play_guided(algo: dict):
         return safe_expert_episode(lambda: make_env(cfg.env.name), task, policy.renderer, 1.0)
 
     play = player(cfg, policy, probe)
-    played, _ = play_step(cfg, probe, play, Dist(), step=1, history={}, expert=expert)
+    played, _ = play_step(
+        cfg, probe, play, Dist(), step=1, history={}, levers=Levers(expert=expert)
+    )
     return cfg, policy, played
 
 

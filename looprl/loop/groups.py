@@ -48,6 +48,7 @@ from looprl.config import Config
 from looprl.engine import SamplingParams
 from looprl.loop.decisions import decision_surprisal
 from looprl.loop.dist import Dist
+from looprl.loop.levers import Levers
 from looprl.loop.play import Player, distinct_tasks
 from looprl.seeds import refill_seed, step_seed
 from looprl.types import Episode, Task
@@ -110,14 +111,14 @@ def play_step(
     dist: Dist,
     step: int,
     history: dict[str, list[list[float]]],
-    decide: Callable[[Episode], Episode] | None = None,
-    expert: Callable[[Task], Episode] | None = None,
+    levers: Levers | None = None,
 ) -> tuple[StepGroups, dict[str, list[list[float]]]]:
     """Play the step's groups (refilling dropped ones); returns them and the curriculum
-    history updated with every group played. With `decide` (an episode's decision view)
-    each group keeps its members' views, and with `algo.entropy_coef` the advantages take
-    β × the spread of their decision surprisal. With `expert` (a task's expert episode)
-    the last `algo.expert_samples` members of a group are copies of that episode."""
+    history updated with every group played. With `levers.decide` (an episode's decision
+    view) each group keeps its members' views, and with `algo.entropy_coef` the advantages
+    take β × the spread of their decision surprisal. With `levers.expert` (a task's expert
+    episode) the last `algo.expert_samples` members of a group are copies of that episode."""
+    levers = levers or Levers()
     wanted = cfg.rollout.tasks_per_step
     refill = cfg.algo.dynamic_sampling and cfg.algo.max_oversample > 1
     cap = max(wanted, math.floor(wanted * cfg.algo.max_oversample)) if refill else wanted
@@ -145,10 +146,10 @@ def play_step(
                 [tasks[i] for i in mine],
                 params,
                 sampled + (mine[0] if mine else 0),
-                expert,
+                levers.expert,
             )
         )
-        kept = score_groups(cfg, groups, kept, decide)
+        kept = score_groups(cfg, groups, kept, levers.decide)
         if round_ == 0:
             out.metrics["train/zero_std_groups"] = sum(g.all_equal for g in groups)
         history = _remember(cfg, history, groups)
@@ -163,14 +164,12 @@ def play_step(
     return out, history
 
 
-def replay_step(
-    cfg: Config, groups: list[Group], decide: Callable[[Episode], Episode] | None = None
-) -> StepGroups:
+def replay_step(cfg: Config, groups: list[Group], levers: Levers | None = None) -> StepGroups:
     """A step of saved groups (loop/replay.py), scored again under this run's config as
     `play_step` scores the groups it plays; round 0 is the first `tasks_per_step`."""
     wanted = cfg.rollout.tasks_per_step
     out = StepGroups(groups)
-    kept = score_groups(cfg, groups, 0, decide)
+    kept = score_groups(cfg, groups, 0, (levers or Levers()).decide)
     out.metrics["train/zero_std_groups"] = sum(g.all_equal for g in groups[:wanted])
     out.metrics["train/kept_groups"] = kept
     out.metrics["train/oversample_ratio"] = len(groups) / wanted

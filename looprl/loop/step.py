@@ -2,18 +2,15 @@
 the environment's errors, update the policy (loop/update.py), measure the step.
 
 `Trainer` holds what outlives a step (the policy, its optimizer and schedule, the loop
-state, the metrics logger) and `Levers` what the optional levers need (the decision
-views of `algo.loss_on: free` and `algo.entropy_coef`, the expert episodes of
-`algo.expert_samples`); loop/train.py calls `Trainer.step` once a step.
+state, the metrics logger, the group source of loop/sources.py, the levers of
+loop/levers.py); loop/train.py calls `Trainer.step` once a step.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,28 +18,28 @@ import numpy as np
 import torch
 
 from looprl.config import Config
-from looprl.envs import env_factory
 from looprl.errors import EngineError, LoopRLError
 from looprl.loop import checkpoint as checkpoints
 from looprl.loop import log
-from looprl.loop.decisions import decision_metrics, decision_view, grammar_cache
+from looprl.loop.decisions import decision_metrics
 from looprl.loop.dist import Dist, main_only
-from looprl.loop.groups import StepGroups, greedy_member, play_step, replay_step
-from looprl.loop.guidance import expert_advantage, mean_advantage, safe_expert_episode
+from looprl.loop.groups import StepGroups, greedy_member
+from looprl.loop.guidance import expert_advantage, mean_advantage
+from looprl.loop.levers import Levers
 from looprl.loop.log import MetricsLogger
-from looprl.loop.overlap import Overlap
 from looprl.loop.play import Player
 from looprl.loop.policy import Policy
 from looprl.loop.progress import Progress
-from looprl.loop.replay import load_rollouts, save_rollouts
+from looprl.loop.replay import save_rollouts
 from looprl.loop.run_state import Interrupted, LoopState, StopOnSignal, peak_rss_gb
 from looprl.loop.snapshot import SnapshotPlayer
+from looprl.loop.sources import GroupSource
 from looprl.loop.summary import by_member, judge_cost, summarize
 from looprl.loop.update import update_policy
 from looprl.report import write as report_files
 from looprl.report.health import step_health
 from looprl.seeds import minibatch_seed
-from looprl.types import ENV_ERROR, PARSE_FAILURES, TRUNCATED, Episode, Task
+from looprl.types import ENV_ERROR, PARSE_FAILURES, TRUNCATED, Episode
 
 # Under torchrun every rank runs the loop and computes the same metrics from all ranks'
 # episodes (loop/dist.py); rank 0 alone writes the run folder. These writers do nothing
@@ -51,31 +48,6 @@ UNSCORABLE = (*PARSE_FAILURES, TRUNCATED)  # outcomes that say nothing of the ta
 save_checkpoint = main_only(checkpoints.save_checkpoint)
 write_samples = main_only(log.write_samples)
 write_report = main_only(report_files.write_report)
-
-
-@dataclass
-class Levers:
-    """What the optional levers of a step need, built once for a run: `decide`, an
-    episode's decision view (`algo.loss_on: free` trains on the views; `algo.entropy_coef`
-    takes its bonus from them); `expert`, a task's expert episode (`algo.expert_samples`)."""
-
-    decide: Callable[[Episode], Episode] | None = None
-    expert: Callable[[Task], Episode] | None = None
-    loss_on_views: bool = False
-
-    @classmethod
-    def of(cls, cfg: Config, policy: Policy) -> Levers:
-        decide = None
-        if cfg.algo.loss_on == "free" or cfg.algo.entropy_coef > 0:
-            grammars = grammar_cache(policy)
-            decide = partial(decision_view, grammars=grammars, tokenizer=policy.tokenizer)
-        expert = None
-        if cfg.algo.expert_samples:
-            expert = partial(
-                safe_expert_episode, env_factory(cfg.env.name, cfg.env.args),
-                renderer=policy.renderer, temperature=cfg.rollout.temperature,
-            )  # fmt: skip
-        return cls(decide, expert, cfg.algo.loss_on == "free")
 
 
 @dataclass
@@ -94,11 +66,11 @@ class Trainer:
     logger: MetricsLogger
     snapshot: SnapshotPlayer | None
     levers: Levers
+    source: GroupSource  # where each step's groups come from (loop/sources.py)
     baseline: dict  # the baseline eval: the report written when a run stops early
     started: float  # time.time() at the run's start
     rows: list[dict[str, Any]] = field(default_factory=list)  # the steps' metrics so far
     problems: dict[str, str] = field(default_factory=dict)  # the last step's failed checks
-    overlap: Overlap | None = None  # rollout.max_staleness ≥ 1: the rollout thread
 
     def step(self, step: int) -> dict[str, Any]:
         """Play, learn, measure and log one step; checkpoint when due. Returns its metrics."""
@@ -114,11 +86,10 @@ class Trainer:
             views=self.levers.loss_on_views, group_size=cfg.rollout.group_size,
             max_tokens=cfg.rollout.max_new_tokens * self.probe.max_turns,
             seed=minibatch_seed(cfg.seed, step), state=self.state.update, dist=self.dist,
-            fresh=self.overlap is None and cfg.train.replay is None,  # sampled just now
+            fresh=self.source.fresh,  # sampled just now, by these weights
         )  # fmt: skip
         train_s = time.time() - t1
-        if self.overlap is not None:
-            self.overlap.publish(step)  # for the step that samples from these weights
+        self.source.publish(step)  # for the step that samples from these weights
         if stats["skipped"]:
             self.state.bad_steps += 1
         elif stats["updated"]:
@@ -155,20 +126,11 @@ class Trainer:
         return metrics
 
     def play_groups(self, step: int) -> StepGroups:
-        """The step's groups (loop/groups.py), or a saved run's (`train.replay`,
-        loop/replay.py). An engine that fails (a vLLM server that died) stops the run with
-        the state after the previous step checkpointed."""
-        if self.cfg.train.replay is not None:
-            groups = load_rollouts(Path(self.cfg.train.replay), step)
-            return replay_step(self.cfg, groups, self.levers.decide)
+        """The step's groups, from the run's group source (loop/sources.py). An engine
+        that fails (a vLLM server that died) stops the run with the state after the
+        previous step checkpointed."""
         try:
-            if self.overlap is not None:  # played meanwhile by the rollout thread
-                played, self.state.curriculum = self.overlap.groups(step)
-            else:
-                played, self.state.curriculum = play_step(
-                    self.cfg, self.probe, self.play, self.dist, step, self.state.curriculum,
-                    self.levers.decide, self.levers.expert,
-                )  # fmt: skip
+            played, self.state.curriculum = self.source.groups(step, self.state.curriculum)
         except EngineError as err:
             self.checkpoint(step - 1)
             self.close()
@@ -228,9 +190,8 @@ class Trainer:
         )
 
     def close(self) -> None:
-        """Stop the rollout thread, if any, after the step it is playing."""
-        if self.overlap is not None:
-            self.overlap.close()
+        """Close the group source (a rollout thread stops after the step it is playing)."""
+        self.source.close()
 
     def stop_early(self) -> None:
         """The report of a run that stops before its last step (no final eval)."""

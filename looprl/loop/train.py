@@ -40,9 +40,10 @@ from looprl.loop.curve import EvalCurve
 from looprl.loop.decisions import grammar_cache
 from looprl.loop.dist import Dist, main_only
 from looprl.loop.evaluate import HeldOut
+from looprl.loop.levers import Levers
 from looprl.loop.log import MetricsLogger
 from looprl.loop.optim import make_optimizer
-from looprl.loop.overlap import Overlap, check_overlap
+from looprl.loop.overlap import check_overlap
 from looprl.loop.play import player
 from looprl.loop.policy import Policy, load_model
 from looprl.loop.progress import DONE, Progress
@@ -57,7 +58,8 @@ from looprl.loop.run_state import (
     seed_everything,
 )
 from looprl.loop.snapshot import start_snapshots
-from looprl.loop.step import Levers, Trainer, save_checkpoint, say_health, write_report
+from looprl.loop.sources import group_source
+from looprl.loop.step import Trainer, save_checkpoint, say_health, write_report
 from looprl.loop.trackers import check_trackers
 from looprl.report import write as report_files
 from looprl.report.comparisons import load_references
@@ -268,15 +270,13 @@ def start_trainer(
         enabled=dist.is_main,
     )  # fmt: skip
     levers = Levers.of(cfg, policy)
+    rows = report_files.read_metrics(run_dir) if resume else []
+    # the run's one group source: played now, by a rollout thread, or replayed
+    source = group_source(cfg, policy, probe, play, dist, levers, start, state.curriculum)
     trainer = Trainer(
         cfg, policy, probe, play, dist, run_dir, optimizer, scheduler, state, logger,
-        snapshot, levers, baseline={}, started=time.time(),
-        rows=report_files.read_metrics(run_dir) if resume else [],
+        snapshot, levers, source, baseline={}, started=time.time(), rows=rows,
     )  # fmt: skip
-    if cfg.rollout.max_staleness and cfg.train.replay is None and start < cfg.train.steps:
-        trainer.overlap = Overlap(
-            cfg, policy, probe, start, state.curriculum, levers.decide, levers.expert
-        )
     return trainer, start
 
 
