@@ -78,10 +78,14 @@ def minibatches(
     order = torch.randperm(total, generator=torch.Generator().manual_seed(seed))
     splits = [split for split in torch.tensor_split(order, min(count, total)) if len(split)]
     return [
-        [item for i in split.tolist() if first <= i < first + len(units)
-         for item in units[i - first]]
+        [
+            item
+            for i in split.tolist()
+            if first <= i < first + len(units)
+            for item in units[i - first]
+        ]
         for split in splits
-    ]  # fmt: skip
+    ]
 
 
 def scoring_keys(

@@ -99,17 +99,25 @@ def evaluate(
     mine = dist.share(range(len(repeated)))
     with (progress or Progress(quiet=True)).phase(title, len(mine), "episode") as phase:
         episodes = dist.gather(
-            play([repeated[i] for i in mine], params=params, on_progress=phase.update,
-                 first_index=mine[0] if mine else 0)
-        )  # fmt: skip
+            play(
+                [repeated[i] for i in mine],
+                params=params,
+                on_progress=phase.update,
+                first_index=mine[0] if mine else 0,
+            )
+        )
         solved = solved_outcomes(make_env(cfg.env.name, cfg.env.args))
         result = eval_result(
             episodes, cfg.env.name, cfg.model.name, cfg.eval.seed, temperature, solved
         )
         cut = result["episode_outcomes"].count(TRUNCATED)
         # a text task's replies never try a call: its call rate says nothing
-        tried = any(m.tool_calls or m.parse_failure for e in episodes for m in e.messages
-                    if m.role == "assistant")  # fmt: skip
+        tried = any(
+            m.tool_calls or m.parse_failure
+            for e in episodes
+            for m in e.messages
+            if m.role == "assistant"
+        )
         calls = f" · valid calls {result['valid_tool_call_rate']:.0%}" if tried else ""
         phase.done(
             f"reward {reward_with_ci(result)}{calls} · {result['n']} episodes"
@@ -138,9 +146,14 @@ class HeldOut:
 
     @classmethod
     def of(
-        cls, cfg: Config, policy: Policy, play: Player, probe: Any, run_dir: Path,
+        cls,
+        cfg: Config,
+        policy: Policy,
+        play: Player,
+        probe: Any,
+        run_dir: Path,
         progress: Progress,
-    ) -> HeldOut:  # fmt: skip
+    ) -> HeldOut:
         tasks = probe.tasks("eval", n=cfg.eval.tasks, seed=cfg.eval.seed)
         greedy_tasks = greedy_eval_tasks(probe, cfg, tasks)
         kept = cls.read(run_dir, "baseline" + GREEDY_SUFFIX)
@@ -158,9 +171,15 @@ class HeldOut:
         """Play eval NAME (NAME_greedy with `greedy`) and write it to the run folder."""
         tasks = self.greedy_tasks if greedy else self.tasks
         return evaluate(
-            self.policy, self.play, tasks, self.cfg, self.run_dir,
-            name + (GREEDY_SUFFIX if greedy else ""), self.progress, greedy=greedy,
-        )  # fmt: skip
+            self.policy,
+            self.play,
+            tasks,
+            self.cfg,
+            self.run_dir,
+            name + (GREEDY_SUFFIX if greedy else ""),
+            self.progress,
+            greedy=greedy,
+        )
 
     def kept_or_run(self, name: str, greedy: bool = False) -> dict:
         """The eval kept in the run folder, or played now."""

@@ -206,8 +206,9 @@ def play_groups(
     experts = cfg.algo.expert_samples if expert is not None else 0
     greedy = cfg.algo.greedy_samples
     sampling = cfg.rollout.group_size - experts - greedy
-    played = play([t for t in tasks for _ in range(sampling)], params=params,
-                  first_index=first * sampling)  # fmt: skip
+    played = play(
+        [t for t in tasks for _ in range(sampling)], params=params, first_index=first * sampling
+    )
     groups = [Group(t, played[j * sampling : (j + 1) * sampling]) for j, t in enumerate(tasks)]
     if greedy:  # T = 0 needs no random stream
         for group, argmax in zip(groups, play(tasks, params=replace(params, temperature=0.0))):
@@ -229,13 +230,17 @@ def score_group(cfg: Config, group: Group) -> None:
             decision_surprisal(v) if e.trainable else 0.0 for e, v in zip(members, group.views)
         ]
     group.advantages, group.all_equal = group_advantages_of(
-        [e.reward for e in members], [e.trainable for e in members],
-        scale=cfg.algo.scale_advantages, dynamic_sampling=cfg.algo.dynamic_sampling,
+        [e.reward for e in members],
+        [e.trainable for e in members],
+        scale=cfg.algo.scale_advantages,
+        dynamic_sampling=cfg.algo.dynamic_sampling,
         turn_rewards=[graded_turns(e) for e in members] if cfg.algo.turn_reward_weight else None,
-        turn_weight=cfg.algo.turn_reward_weight, turn_gamma=cfg.algo.turn_gamma,
-        bonus=bonus, bonus_weight=cfg.algo.entropy_coef,
+        turn_weight=cfg.algo.turn_reward_weight,
+        turn_gamma=cfg.algo.turn_gamma,
+        bonus=bonus,
+        bonus_weight=cfg.algo.entropy_coef,
         anchors=[e.expert for e in members] if anchored else None,
-    )  # fmt: skip
+    )
 
 
 def greedy_member(cfg: Config, episode: Episode) -> bool:
@@ -263,9 +268,12 @@ def step_tasks(
         return probe.tasks("train", n=n, seed=seed), []  # a pool too small to choose from
     c = cfg.curriculum
     weights = task_weights(
-        history, [t.id for t in candidates], retire_after=c.retire_after,
-        mastered_reward=c.mastered_reward, floor=c.floor,
-    )  # fmt: skip
+        history,
+        [t.id for t in candidates],
+        retire_after=c.retire_after,
+        mastered_reward=c.mastered_reward,
+        floor=c.floor,
+    )
     chosen = choose_tasks(weights, n, seed)
     return [candidates[i] for i in chosen], [weights[i] for i in chosen]
 

@@ -104,9 +104,11 @@ class Overlap:
         self.stopping = False
         self.cond = threading.Condition()
         self.thread = threading.Thread(
-            target=self._produce, args=(start + 1, cfg.train.steps, history),
-            name="looprl-rollouts", daemon=True,
-        )  # fmt: skip
+            target=self._produce,
+            args=(start + 1, cfg.train.steps, history),
+            name="looprl-rollouts",
+            daemon=True,
+        )
         self.thread.start()
 
     def needed(self, step: int) -> int:
@@ -125,8 +127,11 @@ class Overlap:
         for step in range(first, last + 1):
             want = self.needed(step)
             with self.cond:
-                self.cond.wait_for(lambda want=want: self.stopping or want in self.published
-                                   or want == self.version)  # fmt: skip
+                self.cond.wait_for(
+                    lambda want=want: (
+                        self.stopping or want in self.published or want == self.version
+                    )
+                )
                 if self.stopping:
                     return
                 state = self.published.pop(want, None)
@@ -175,8 +180,11 @@ class Overlap:
         them (step + 1 + K)."""
         if step + 1 + self.cfg.rollout.max_staleness > self.cfg.train.steps:
             return  # no later step samples from them
-        state = {name: p.detach().clone() for name, p in self.policy.model.named_parameters()
-                 if p.requires_grad}  # fmt: skip
+        state = {
+            name: p.detach().clone()
+            for name, p in self.policy.model.named_parameters()
+            if p.requires_grad
+        }
         with self.cond:
             self.trained = step
             self.published[step] = state

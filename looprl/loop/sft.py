@@ -50,9 +50,13 @@ def sft_step(
     for indices in micro_batches(*scoring_keys(episodes), cfg.train.micro_batch_tokens):
         chunk = [episodes[i] for i in indices]
         logp_BS, mask_BS = sequence_logprobs(
-            policy.model, [e.token_ids for e in chunk], [e.loss_mask for e in chunk],
-            policy.tokenizer.pad_token_id or 0, policy.device, temperature=1.0,
-        )  # fmt: skip
+            policy.model,
+            [e.token_ids for e in chunk],
+            [e.loss_mask for e in chunk],
+            policy.tokenizer.pad_token_id or 0,
+            policy.device,
+            temperature=1.0,
+        )
         loss = -(logp_BS * mask_BS).sum() / tokens
         loss.backward()
         total += float(loss.detach())

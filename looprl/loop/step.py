@@ -82,12 +82,19 @@ class Trainer:
         errors = self.count_env_errors(played.episodes, step)
         t1 = time.time()
         stats = update_policy(
-            self.policy, self.optimizer, self.dist.share(played.groups), cfg.algo, cfg.train,
-            views=self.levers.loss_on_views, group_size=cfg.rollout.group_size,
+            self.policy,
+            self.optimizer,
+            self.dist.share(played.groups),
+            cfg.algo,
+            cfg.train,
+            views=self.levers.loss_on_views,
+            group_size=cfg.rollout.group_size,
             max_tokens=cfg.rollout.max_new_tokens * self.probe.max_turns,
-            seed=minibatch_seed(cfg.seed, step), state=self.state.update, dist=self.dist,
+            seed=minibatch_seed(cfg.seed, step),
+            state=self.state.update,
+            dist=self.dist,
             fresh=self.source.fresh,  # sampled just now, by these weights
-        )  # fmt: skip
+        )
         train_s = time.time() - t1
         self.source.publish(step)  # for the step that samples from these weights
         if stats["skipped"]:
@@ -111,9 +118,11 @@ class Trainer:
         metrics = step_metrics(cfg, step, played, stats, errors, self.levers, run)
         self.rows.append(metrics)
         problems = step_health(
-            self.rows, cfg.train.health_patience, cfg.rollout.tasks_per_step,
+            self.rows,
+            cfg.train.health_patience,
+            cfg.rollout.tasks_per_step,
             cfg.rollout.max_new_tokens,
-        )  # fmt: skip
+        )
         metrics.update({f"health/{check}": 1 for check in problems})
         self.logger.log(metrics)
         if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
@@ -156,16 +165,24 @@ class Trainer:
                 f"{self.state.env_errors} episodes ended in env_error (budget "
                 f"env.error_budget={self.cfg.env.error_budget}); tracebacks are in "
                 f"{self.run_dir / 'samples' / 'env_errors.jsonl'}; "
-                + (f"the last checkpoint ({kept.name}) is kept" if kept else
-                   "no step had been checkpointed yet")
-            )  # fmt: skip
+                + (
+                    f"the last checkpoint ({kept.name}) is kept"
+                    if kept
+                    else "no step had been checkpointed yet"
+                )
+            )
         return len(errors)
 
     def checkpoint(self, step: int) -> None:
         save_checkpoint(
-            self.run_dir, step, self.policy.model, self.optimizer, self.scheduler,
-            {"model": self.cfg.model.name, **self.state.to_meta()}, self.cfg.train.keep_checkpoints,
-        )  # fmt: skip
+            self.run_dir,
+            step,
+            self.policy.model,
+            self.optimizer,
+            self.scheduler,
+            {"model": self.cfg.model.name, **self.state.to_meta()},
+            self.cfg.train.keep_checkpoints,
+        )
         if self.snapshot is not None:  # train games meet the policy of the last checkpoint
             self.snapshot.refresh(self.policy.model)
 
@@ -196,8 +213,9 @@ class Trainer:
     def stop_early(self) -> None:
         """The report of a run that stops before its last step (no final eval)."""
         self.close()
-        write_report(self.run_dir, self.cfg, self.baseline, None, time.time() - self.started,
-                     peak_rss_gb())  # fmt: skip
+        write_report(
+            self.run_dir, self.cfg, self.baseline, None, time.time() - self.started, peak_rss_gb()
+        )
         self.logger.close(report_dir=self.run_dir)
 
 
@@ -288,8 +306,11 @@ def say_health(trainer: Trainer, step: int, progress: Progress) -> None:
             f"(train.health=stop) with step {step} checkpointed; set train.health=warn to "
             "train on regardless"
         )
-    before = {k[7:] for k, v in (trainer.rows[-2] if len(trainer.rows) > 1 else {}).items()
-              if k.startswith("health/") and v}  # fmt: skip
+    before = {
+        k[7:]
+        for k, v in (trainer.rows[-2] if len(trainer.rows) > 1 else {}).items()
+        if k.startswith("health/") and v
+    }
     for check, sentence in problems.items():
         if check not in before:
             progress.note(f"warning: step {step}: {sentence}")

@@ -80,8 +80,10 @@ def judge_cost(episodes: list[Episode]) -> dict[str, float]:
         verdicts += found if isinstance(found, list) else [found] if found else []
     if not verdicts:
         return {}
-    return {"calls": sum(int(v.get("calls", 0)) for v in verdicts),
-            "seconds": sum(float(v.get("seconds", 0.0)) for v in verdicts)}  # fmt: skip
+    return {
+        "calls": sum(int(v.get("calls", 0)) for v in verdicts),
+        "seconds": sum(float(v.get("seconds", 0.0)) for v in verdicts),
+    }
 
 
 def score_means(episodes: list[Episode]) -> dict[str, float]:

@@ -149,8 +149,10 @@ def train(
     if curve is not None:
         curve.point(cfg.train.steps, final if curve.full else None)
         best = curve.best()
-        progress.note(f"{DONE} held-out curve: best at step {best['step']} "
-                      f"({best['reward_mean']:+.3f}), weights in {curve.best_dir}")  # fmt: skip
+        progress.note(
+            f"{DONE} held-out curve: best at step {best['step']} "
+            f"({best['reward_mean']:+.3f}), weights in {curve.best_dir}"
+        )
     with progress.phase("write report") as phase:
         write_report(run_dir, cfg, baseline, final, time.time() - started, peak_rss_gb())
         report = run_dir / "report.md"
@@ -266,17 +268,34 @@ def start_trainer(
     if snapshot is not None and resume:
         snapshot.refresh(policy.model)  # the resumed checkpoint's weights
     logger = MetricsLogger(
-        run_dir, cfg.logging.trackers, cfg.model_dump(mode="json"), cfg.logging.project,
+        run_dir,
+        cfg.logging.trackers,
+        cfg.model_dump(mode="json"),
+        cfg.logging.project,
         enabled=dist.is_main,
-    )  # fmt: skip
+    )
     levers = Levers.of(cfg, policy)
     rows = report_files.read_metrics(run_dir) if resume else []
     # the run's one group source: played now, by a rollout thread, or replayed
     source = group_source(cfg, policy, probe, play, dist, levers, start, state.curriculum)
     trainer = Trainer(
-        cfg, policy, probe, play, dist, run_dir, optimizer, scheduler, state, logger,
-        snapshot, levers, source, baseline={}, started=time.time(), rows=rows,
-    )  # fmt: skip
+        cfg,
+        policy,
+        probe,
+        play,
+        dist,
+        run_dir,
+        optimizer,
+        scheduler,
+        state,
+        logger,
+        snapshot,
+        levers,
+        source,
+        baseline={},
+        started=time.time(),
+        rows=rows,
+    )
     return trainer, start
 
 

@@ -108,6 +108,7 @@ def update_policy(
     minibatch `minibatch_gradient` (accumulated over micro-batches) and `optimizer_step`.
     """
     dist = dist or Dist()
+    # the step's stats, as they stand when no episode takes part
     out = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "ratio_max": 1.0,
            "logprob_gap": 0.0, "mismatch_kl": 0.0, "skipped": 0, "updated": 0,
            "tokens": 0}  # fmt: skip
@@ -126,8 +127,9 @@ def update_policy(
                 lambda budget, mb=minibatch, n=normalizer, g=gap: minibatch_gradient(
                     scorer, mb, n, budget, g
                 ),
-                state, optimizer,
-            )  # fmt: skip
+                state,
+                optimizer,
+            )
             checks += acc.pop("checks")
             norm = optimizer_step(policy, optimizer, train, acc, out, dist)
             if norm is not None:
@@ -162,10 +164,13 @@ class Scorer:
         micro-batch (forward/score.py `micro_batches`)."""
         policy = self.policy
         return sequence_logprobs(
-            policy.model, [s.episode.token_ids for s in chunk],
-            [s.episode.loss_mask for s in chunk], policy.tokenizer.pad_token_id or 0,
-            policy.device, scoring_temperature(chunk[0].episode.temperature),
-        )  # fmt: skip
+            policy.model,
+            [s.episode.token_ids for s in chunk],
+            [s.episode.loss_mask for s in chunk],
+            policy.tokenizer.pad_token_id or 0,
+            policy.device,
+            scoring_temperature(chunk[0].episode.temperature),
+        )
 
     def masked_values(self, samples: list[Scored], budget: int) -> list[torch.Tensor]:
         """Each episode's logprobs at its generated tokens, in order (no grad)."""
@@ -242,16 +247,16 @@ def minibatch_gradient(
     # pass (unless the KL term needs them); they still count in the normaliser.
     active = [s for s in minibatch if moves(s.advantage) or algo.kl_coef > 0]
     optimizer.zero_grad(set_to_none=True)
-    acc = {"loss": 0.0, "units": 0.0, "clipped": 0.0, "ratio_max": 1.0, "tokens": 0,
-           "checks": []}  # fmt: skip
+    acc = {"loss": 0.0, "units": 0.0, "clipped": 0.0, "ratio_max": 1.0, "tokens": 0, "checks": []}
     for indices in micro_batches(*scoring_keys([s.episode for s in active]), budget):
         chunk = [active[i] for i in indices]
         logp_BK, mask_BK = scorer.logprobs(chunk)
         if gap:
             acc["checks"] += [
                 (logp_BK[row][mask_BK[row]].detach().float().cpu(), s.sampled)
-                for row, s in enumerate(chunk) if not s.episode.expert
-            ]  # fmt: skip
+                for row, s in enumerate(chunk)
+                if not s.episode.expert
+            ]
         old_BK = torch.zeros_like(logp_BK)
         old_BK[mask_BK] = torch.cat([s.old for s in chunk]).to(old_BK)
         if algo.tis_cap is not None:  # off-policy correction (algo/tis.py)
@@ -264,6 +269,7 @@ def minibatch_gradient(
             ref_BK = torch.zeros_like(logp_BK)
             ref_BK[mask_BK] = torch.cat([s.ref for s in chunk]).to(ref_BK)
         adv_B = advantage_tensor([s.advantage for s in chunk]).to(logp_BK.device)
+        # the loss's inputs, its clip range, its KL term (a line each)
         loss, st = LOSSES[algo.name](
             logp_BK, old_BK, adv_B, mask_BK.float(),
             eps_low=algo.eps_low, eps_high=algo.eps_high,
@@ -337,8 +343,9 @@ def _gap_stats(checks: list[tuple[torch.Tensor, torch.Tensor]], dist: Dist) -> d
     gaps = [(trainer - engine).abs().mean().item() for trainer, engine in checks]
     gap_sum, gap_count = dist.all_reduce([float(np.sum(gaps)), len(gaps)])
     kls = [k3_kl(engine, trainer) for trainer, engine in checks]
-    kl_sum, kl_count = dist.all_reduce([float(sum(k.sum().item() for k in kls)),
-                                        sum(k.numel() for k in kls)])  # fmt: skip
+    kl_sum, kl_count = dist.all_reduce(
+        [float(sum(k.sum().item() for k in kls)), sum(k.numel() for k in kls)]
+    )
     return {
         "logprob_gap": gap_sum / gap_count if gap_count else float("nan"),
         "mismatch_kl": kl_sum / kl_count if kl_count else float("nan"),
