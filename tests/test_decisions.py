@@ -13,8 +13,9 @@ from looprl.config import config_from_dict
 from looprl.envs import make_env
 from looprl.loop.decisions import decision_metrics, decision_view, grammar_cache
 from looprl.loop.dist import Dist
-from looprl.loop.evaluate import player
 from looprl.loop.groups import play_step
+from looprl.loop.levers import Levers
+from looprl.loop.play import player
 from looprl.loop.policy import load_policy
 from looprl.loop.train import run_training
 
@@ -32,7 +33,9 @@ def _played(env: dict, tasks: int = 2, group: int = 4):
     probe = make_env(cfg.env.name, cfg.env.args)
     decide = partial(decision_view, grammars=grammar_cache(policy), tokenizer=policy.tokenizer)
     play = player(cfg, policy, probe)
-    played, _ = play_step(cfg, probe, play, Dist(), step=1, history={}, decide=decide)
+    played, _ = play_step(
+        cfg, probe, play, Dist(), step=1, history={}, levers=Levers(decide=decide)
+    )
     return policy, probe, played
 
 
@@ -162,7 +165,13 @@ def test_play_step_with_an_entropy_bonus():
     grammars = grammar_cache(policy)
     decide = partial(decision_view, grammars=grammars, tokenizer=policy.tokenizer)
     played, _ = play_step(
-        cfg, probe, player(cfg, policy, probe), Dist(), step=1, history={}, decide=decide
+        cfg,
+        probe,
+        player(cfg, policy, probe),
+        Dist(),
+        step=1,
+        history={},
+        levers=Levers(decide=decide),
     )
     episodes = played.episodes
     plain, _ = episode_advantages([e.reward for e in episodes], [e.trainable for e in episodes], 4)

@@ -1,11 +1,13 @@
 """The hand-kept lists in the docs stay true to the tree: architecture.md's layer table,
 import graph and modules over 400 lines, testing.md's table of test files, the module
 paths the pages name, every relative link (and its anchor) in docs/ and README.md, and the
-README's short result. Each check names what to add or remove;
+README's short result, and the length of the loop's functions. Each check names what to
+add or remove;
 `test_the_checks_catch_what_they_guard` plants a mistake of each kind."""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -18,6 +20,7 @@ LOOPRL = REPO / "looprl"
 ARCHITECTURE = REPO / "docs" / "architecture.md"
 TESTING = REPO / "docs" / "testing.md"
 LONG_MODULE = 400  # lines, counted as `wc -l` counts them
+LONG_LOOP_FUNCTION = 80  # lines, from `def` to the function's last line
 
 
 def section(text: str, heading: str) -> str:
@@ -84,6 +87,29 @@ def long_module_problems(text: str, actual: dict[str, int]) -> list[str]:
 
 def test_modules_over_400_lines_are_listed_with_a_reason():
     problems = long_module_problems(ARCHITECTURE.read_text(), long_modules())
+    assert not problems, "\n".join(problems)
+
+
+# --- functions of the loop under 80 lines --------------------------------------------
+
+
+def long_functions(folder: Path = LOOPRL / "loop") -> list[str]:
+    """Each function (or method) in `folder/*.py` of LONG_LOOP_FUNCTION lines or more."""
+    found = []
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines >= LONG_LOOP_FUNCTION:
+                    found.append(
+                        f"{path.name}: {node.name} is {lines} lines; split it into its "
+                        f"parts (under {LONG_LOOP_FUNCTION})"
+                    )
+    return found
+
+
+def test_loop_functions_are_under_80_lines():
+    problems = long_functions()
     assert not problems, "\n".join(problems)
 
 
@@ -294,6 +320,13 @@ def test_the_checks_catch_what_they_guard(tmp_path):
     graph = documented_graph(text)
     assert graph_problems(text, graph) == []
     assert graph_problems(text.replace("─► cli\n", "─► cli, loop\n", 1), graph)
+
+    (tmp_path / "long.py").write_text(
+        "def short():\n    pass\n\n\ndef long():\n" + "    x = 1\n" * 79
+    )
+    assert long_functions(tmp_path) == [
+        "long.py: long is 80 lines; split it into its parts (under 80)"
+    ]
 
     (tmp_path / "config").mkdir()
     for name in (

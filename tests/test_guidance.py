@@ -15,13 +15,14 @@ from looprl.envs import make_env
 from looprl.envs.tictactoe import TicTacToeGame
 from looprl.envs.tictactoe_board import expert_move
 from looprl.loop.dist import Dist
-from looprl.loop.evaluate import player
 from looprl.loop.groups import play_step
 from looprl.loop.guidance import (
     expert_advantage,
     expert_episode,
     safe_expert_episode,
 )
+from looprl.loop.levers import Levers
+from looprl.loop.play import player
 from looprl.loop.policy import load_policy
 from looprl.loop.train import run_training
 from looprl.types import ENV_ERROR, Episode, Message, Task
@@ -193,7 +194,9 @@ def _play_guided(algo: dict):
         return safe_expert_episode(lambda: make_env(cfg.env.name), task, policy.renderer, 1.0)
 
     play = player(cfg, policy, probe)
-    played, _ = play_step(cfg, probe, play, Dist(), step=1, history={}, expert=expert)
+    played, _ = play_step(
+        cfg, probe, play, Dist(), step=1, history={}, levers=Levers(expert=expert)
+    )
     return cfg, policy, played
 
 

@@ -118,8 +118,32 @@ def test_no_import_cycles():
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
+def reaches(graph: dict[str, set[str]], start: str, target: str) -> bool:
+    """Whether `start` imports `target`, directly or through other looprl modules."""
+    seen, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        for name in graph.get(module, set()) - seen:
+            if name == target:
+                return True
+            seen.add(name)
+            todo.append(name)
+    return False
+
+
+# the training step's rooms: the held-out eval imports them, never the reverse
+STEP_ROOMS = ("step", "groups", "overlap", "update", "replay", "sources", "levers", "batches")
+
+
+def test_the_step_does_not_import_the_eval():
+    reached = [m for m in STEP_ROOMS if reaches(GRAPH, f"looprl.loop.{m}", "looprl.loop.evaluate")]
+    assert not reached, f"loop/evaluate.py imported from the step's rooms: {reached}"
+
+
 def test_the_checks_catch_what_they_guard():
     """An upward import (even a lazy one inside a function) and a circle are reported."""
+    planted = dict(GRAPH, **{"looprl.loop.levers": {"looprl.loop.evaluate"}})
+    assert reaches(planted, "looprl.loop.step", "looprl.loop.evaluate")
     source = "def late():\n    from looprl.loop import train\n"
     assert "looprl.loop.train" in imported_modules_of(source, "looprl.chat.render")
     graph = dict(GRAPH, **{"looprl.chat.render": {"looprl.loop.train"}})

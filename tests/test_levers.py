@@ -270,7 +270,7 @@ def tiny_step():
     """The levers' config on the tiny model, its policy, env and player."""
     from looprl.config import config_from_dict
     from looprl.envs import make_env
-    from looprl.loop.evaluate import player
+    from looprl.loop.play import player
     from looprl.loop.policy import load_policy
 
     cfg = config_from_dict(
@@ -338,9 +338,9 @@ def test_play_step_gives_per_turn_advantages_on_a_graded_game():
     from looprl.config import config_from_dict
     from looprl.envs import make_env
     from looprl.loop.dist import Dist
-    from looprl.loop.evaluate import player
     from looprl.loop.groups import play_step
     from looprl.loop.optim import make_optimizer
+    from looprl.loop.play import player
     from looprl.loop.policy import load_policy
     from looprl.loop.update import UpdateState, update_policy
 

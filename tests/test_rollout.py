@@ -558,16 +558,18 @@ def test_update_scores_each_episode_at_its_own_sampling_temperature(
 
 
 def test_micro_batches_never_mix_temperatures(tokenizer):
-    from looprl.loop.update import micro_batches
+    from looprl.forward.score import micro_batches
+    from looprl.loop.batches import scoring_keys
 
     def episode(temperature: float) -> Episode:
         ids = [1, 2, 3, 4]
         return Episode(Task("t", {}), [], ids, [0, 0, 1, 1], [0.0] * 4, temperature=temperature)
 
     episodes = [episode(t) for t in (1.0, 1.0, 0.5, 0.5, 1.0)]
-    chunks = micro_batches(episodes, token_budget=1_000)
-    assert [[e.temperature for e in chunk] for chunk in chunks] == [[1.0, 1.0], [0.5, 0.5], [1.0]]
-    assert [len(c) for c in micro_batches(episodes[:2], token_budget=1_000)] == [2]
+    chunks = micro_batches(*scoring_keys(episodes), token_budget=1_000)
+    temperatures = [[episodes[i].temperature for i in chunk] for chunk in chunks]
+    assert temperatures == [[1.0, 1.0], [0.5, 0.5], [1.0]]
+    assert [len(c) for c in micro_batches(*scoring_keys(episodes[:2]), token_budget=1_000)] == [2]
     # greedy episodes are scored at T = 1: they share a micro-batch with those sampled at 1
     mixed = [episode(t) for t in (1.0, 0.0, 1.0, 0.5)]
-    assert [len(c) for c in micro_batches(mixed, token_budget=1_000)] == [3, 1]
+    assert [len(c) for c in micro_batches(*scoring_keys(mixed), token_budget=1_000)] == [3, 1]

@@ -31,10 +31,10 @@ import torch
 from looprl.config import load_config
 from looprl.engine import SamplingParams
 from looprl.envs import make_env
-from looprl.forward.score import prompt_length, sequence_logprobs
-from looprl.loop.evaluate import player
+from looprl.forward.score import micro_batches, prompt_length, sequence_logprobs
+from looprl.loop.batches import minibatches, scoring_keys
+from looprl.loop.play import player
 from looprl.loop.policy import load_policy
-from looprl.loop.update import micro_batches, minibatches
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.harness import arguments, median, result_line
@@ -61,9 +61,9 @@ def main() -> None:
     for episode in episodes:
         by_task.setdefault(episode.task.id, []).append(episode)
     chunks = [
-        chunk
+        [minibatch[i] for i in indices]
         for minibatch in minibatches(list(by_task.values()), cfg.algo.num_minibatches, seed=0)
-        for chunk in micro_batches(minibatch, cfg.train.micro_batch_tokens)
+        for indices in micro_batches(*scoring_keys(minibatch), cfg.train.micro_batch_tokens)
     ]
     real = padded = 0
     for chunk in chunks:

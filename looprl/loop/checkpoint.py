@@ -63,10 +63,17 @@ def save_checkpoint(
     for stale in root.glob(".tmp-*"):  # left by a writer that was killed mid-write
         shutil.rmtree(stale, ignore_errors=True)
     final = root / f"{PREFIX}{step:06d}"
-    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-             "rng": rng_state()}  # fmt: skip
-    save_weights(final, model, {"step": step, **extra},
-                 also=lambda folder: torch.save(state, folder / "state.pt"))  # fmt: skip
+    state = {
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "rng": rng_state(),
+    }
+    save_weights(
+        final,
+        model,
+        {"step": step, **extra},
+        also=lambda folder: torch.save(state, folder / "state.pt"),
+    )
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -24,8 +24,16 @@ from looprl.loop.evaluate import HeldOut, evaluate
 from looprl.loop.run_state import trim_steps
 from looprl.types import Task
 
-KEPT = ("n", "reward_mean", "reward_ci95", "valid_tool_call_rate", "response_len", "outcomes",
-        "rewards", "task_ids")  # fmt: skip
+KEPT = (
+    "n",
+    "reward_mean",
+    "reward_ci95",
+    "valid_tool_call_rate",
+    "response_len",
+    "outcomes",
+    "rewards",
+    "task_ids",
+)
 
 
 @dataclass
@@ -82,8 +90,15 @@ class EvalCurve:
             return
         if result is None:
             h = self.held_out
-            result = evaluate(h.policy, h.play, self.tasks, h.cfg, None,
-                              f"held-out curve at step {step}", h.progress)  # fmt: skip
+            result = evaluate(
+                h.policy,
+                h.play,
+                self.tasks,
+                h.cfg,
+                None,
+                f"held-out curve at step {step}",
+                h.progress,
+            )
         row = {"step": step, **{k: result[k] for k in KEPT if k in result}}
         best = max((r["reward_mean"] for r in self.rows), default=float("-inf"))
         self.rows.append(row)

@@ -69,9 +69,11 @@ def grammar_masked(
         flags = turn.free
         if flags is None:
             flags = free_tokens(
-                grammars.matcher(turn.constraint), turn.completion_ids, tokenizer,
+                grammars.matcher(turn.constraint),
+                turn.completion_ids,
+                tokenizer,
                 grammars.info.vocab_size,
-            )  # fmt: skip
+            )
         start = len(turn.prompt_ids)
         mask[start : start + len(flags)] = shape(flags)
     return replace(episode, loss_mask=mask)

@@ -177,5 +177,8 @@ def report_failure(err: BaseException) -> None:
     then stops the other ranks; one blocked in a collective fails at its timeout).
     looprl's own errors are printed by the command line, on every rank."""
     if _current.world > 1 and not isinstance(err, LoopRLError):
-        print(f"[rank {_current.rank}] failed: {type(err).__name__}: {err}", file=sys.stderr,
-              flush=True)  # fmt: skip
+        print(
+            f"[rank {_current.rank}] failed: {type(err).__name__}: {err}",
+            file=sys.stderr,
+            flush=True,
+        )

@@ -48,7 +48,8 @@ from looprl.config import Config
 from looprl.engine import SamplingParams
 from looprl.loop.decisions import decision_surprisal
 from looprl.loop.dist import Dist
-from looprl.loop.evaluate import Player, distinct_tasks
+from looprl.loop.levers import Levers
+from looprl.loop.play import Player, distinct_tasks
 from looprl.seeds import refill_seed, step_seed
 from looprl.types import Episode, Task
 
@@ -110,14 +111,15 @@ def play_step(
     dist: Dist,
     step: int,
     history: dict[str, list[list[float]]],
-    decide: Callable[[Episode], Episode] | None = None,
-    expert: Callable[[Task], Episode] | None = None,
+    levers: Levers | None = None,
 ) -> tuple[StepGroups, dict[str, list[list[float]]]]:
-    """Play the step's groups (refilling dropped ones); returns them and the curriculum history
-    updated with every group played. With `decide` (an episode's decision view) each group
-    keeps its members' views, and with `algo.experimental.entropy_coef` the advantages take
-    β × the spread of their decision surprisal. With `expert` (a task's expert episode) the
-    last `algo.expert_samples` members of a group are copies of that episode."""
+    """Play the step's groups (refilling dropped ones); returns them and the curriculum
+    history updated with every group played. With `levers.decide` (an episode's decision
+    view) each group keeps its members' views, and with `algo.experimental.entropy_coef`
+    the advantages take β × the spread of their decision surprisal. With `levers.expert`
+    (a task's expert episode) the last `algo.expert_samples` members of a group are copies
+    of that episode."""
+    levers = levers or Levers()
     wanted = cfg.rollout.tasks_per_step
     refill = cfg.algo.dynamic_sampling and cfg.algo.max_oversample > 1
     cap = max(wanted, math.floor(wanted * cfg.algo.max_oversample)) if refill else wanted
@@ -145,10 +147,10 @@ def play_step(
                 [tasks[i] for i in mine],
                 params,
                 sampled + (mine[0] if mine else 0),
-                expert,
+                levers.expert,
             )
         )
-        kept = score_groups(cfg, groups, kept, decide)
+        kept = score_groups(cfg, groups, kept, levers.decide)
         if round_ == 0:
             out.metrics["train/zero_std_groups"] = sum(g.all_equal for g in groups)
         history = _remember(cfg, history, groups)
@@ -163,14 +165,12 @@ def play_step(
     return out, history
 
 
-def replay_step(
-    cfg: Config, groups: list[Group], decide: Callable[[Episode], Episode] | None = None
-) -> StepGroups:
+def replay_step(cfg: Config, groups: list[Group], levers: Levers | None = None) -> StepGroups:
     """A step of saved groups (loop/replay.py), scored again under this run's config as
     `play_step` scores the groups it plays; round 0 is the first `tasks_per_step`."""
     wanted = cfg.rollout.tasks_per_step
     out = StepGroups(groups)
-    kept = score_groups(cfg, groups, 0, decide)
+    kept = score_groups(cfg, groups, 0, (levers or Levers()).decide)
     out.metrics["train/zero_std_groups"] = sum(g.all_equal for g in groups[:wanted])
     out.metrics["train/kept_groups"] = kept
     out.metrics["train/oversample_ratio"] = len(groups) / wanted
@@ -207,8 +207,9 @@ def play_groups(
     experts = cfg.algo.expert_samples if expert is not None else 0
     greedy = cfg.algo.greedy_samples
     sampling = cfg.rollout.group_size - experts - greedy
-    played = play([t for t in tasks for _ in range(sampling)], params=params,
-                  first_index=first * sampling)  # fmt: skip
+    played = play(
+        [t for t in tasks for _ in range(sampling)], params=params, first_index=first * sampling
+    )
     groups = [Group(t, played[j * sampling : (j + 1) * sampling]) for j, t in enumerate(tasks)]
     if greedy:  # T = 0 needs no random stream
         for group, argmax in zip(groups, play(tasks, params=replace(params, temperature=0.0))):
@@ -230,13 +231,17 @@ def score_group(cfg: Config, group: Group) -> None:
             decision_surprisal(v) if e.trainable else 0.0 for e, v in zip(members, group.views)
         ]
     group.advantages, group.all_equal = group_advantages_of(
-        [e.reward for e in members], [e.trainable for e in members],
-        scale=cfg.algo.scale_advantages, dynamic_sampling=cfg.algo.dynamic_sampling,
+        [e.reward for e in members],
+        [e.trainable for e in members],
+        scale=cfg.algo.scale_advantages,
+        dynamic_sampling=cfg.algo.dynamic_sampling,
         turn_rewards=[graded_turns(e) for e in members] if cfg.algo.turn_reward_weight else None,
-        turn_weight=cfg.algo.turn_reward_weight, turn_gamma=cfg.algo.turn_gamma,
-        bonus=bonus, bonus_weight=cfg.algo.experimental.entropy_coef,
+        turn_weight=cfg.algo.turn_reward_weight,
+        turn_gamma=cfg.algo.turn_gamma,
+        bonus=bonus,
+        bonus_weight=cfg.algo.experimental.entropy_coef,
         anchors=[e.expert for e in members] if anchored else None,
-    )  # fmt: skip
+    )
 
 
 def greedy_member(cfg: Config, episode: Episode) -> bool:
@@ -264,9 +269,12 @@ def step_tasks(
         return probe.tasks("train", n=n, seed=seed), []  # a pool too small to choose from
     c = cfg.curriculum
     weights = task_weights(
-        history, [t.id for t in candidates], retire_after=c.retire_after,
-        mastered_reward=c.mastered_reward, floor=c.floor,
-    )  # fmt: skip
+        history,
+        [t.id for t in candidates],
+        retire_after=c.retire_after,
+        mastered_reward=c.mastered_reward,
+        floor=c.floor,
+    )
     chosen = choose_tasks(weights, n, seed)
     return [candidates[i] for i in chosen], [weights[i] for i in chosen]
 

@@ -47,8 +47,15 @@ def expert_episode(
         )
     obs = env.reset(task)
     history = list(obs.messages)
-    episode = Episode(task=task, messages=history, token_ids=[], loss_mask=[], logprobs=[],
-                      temperature=temperature, expert=True)  # fmt: skip
+    episode = Episode(
+        task=task,
+        messages=history,
+        token_ids=[],
+        loss_mask=[],
+        logprobs=[],
+        temperature=temperature,
+        expert=True,
+    )
     append_tokens(episode, renderer.prompt_ids(history, obs.tools), mask=0)
     constraint = generation_request([], obs.tools, obs.tool_choice, renderer.format).constraint
     result = None
@@ -88,8 +95,15 @@ def safe_expert_episode(
     try:
         return expert_episode(make_env(), task, renderer, temperature)
     except Exception as err:
-        episode = Episode(task=task, messages=[], token_ids=[], loss_mask=[], logprobs=[],
-                          temperature=temperature, expert=True)  # fmt: skip
+        episode = Episode(
+            task=task,
+            messages=[],
+            token_ids=[],
+            loss_mask=[],
+            logprobs=[],
+            temperature=temperature,
+            expert=True,
+        )
         mark_env_error(episode, err)
         return episode
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,10 +38,10 @@ import torch
 from looprl.config import Config
 from looprl.errors import ConfigError, EngineError
 from looprl.loop.dist import Dist
-from looprl.loop.evaluate import player
 from looprl.loop.groups import StepGroups, play_step
+from looprl.loop.levers import Levers
+from looprl.loop.play import player
 from looprl.loop.policy import Policy, make_engine, policy_rescorer
-from looprl.types import Episode, Task
 
 History = dict[str, list[list[float]]]
 
@@ -67,7 +66,11 @@ def check_overlap(cfg: Config, probe: Any, world: int) -> None:
 
 
 class Overlap:
-    """The rollout thread and the versions it and the trainer exchange."""
+    """The rollout thread and the versions it and the trainer exchange: the group source
+    (loop/sources.py) of a run with `rollout.max_staleness` ≥ 1. Its groups are not fresh:
+    a replica sampled them, from weights up to K steps old."""
+
+    fresh = False
 
     def __init__(
         self,
@@ -76,10 +79,9 @@ class Overlap:
         probe: Any,
         start: int,
         history: History,
-        decide: Callable[[Episode], Episode] | None,
-        expert: Callable[[Task], Episode] | None,
+        levers: Levers,
     ) -> None:
-        self.cfg, self.probe, self.decide, self.expert = cfg, probe, decide, expert
+        self.cfg, self.probe, self.levers = cfg, probe, levers
         self.policy = policy
         self.replica = replica_of(cfg, policy)
         self.play = player(cfg, self.replica, probe)
@@ -91,9 +93,11 @@ class Overlap:
         self.stopping = False
         self.cond = threading.Condition()
         self.thread = threading.Thread(
-            target=self._produce, args=(start + 1, cfg.train.steps, history),
-            name="looprl-rollouts", daemon=True,
-        )  # fmt: skip
+            target=self._produce,
+            args=(start + 1, cfg.train.steps, history),
+            name="looprl-rollouts",
+            daemon=True,
+        )
         self.thread.start()
 
     def needed(self, step: int) -> int:
@@ -112,8 +116,11 @@ class Overlap:
         for step in range(first, last + 1):
             want = self.needed(step)
             with self.cond:
-                self.cond.wait_for(lambda want=want: self.stopping or want in self.published
-                                   or want == self.version)  # fmt: skip
+                self.cond.wait_for(
+                    lambda want=want: (
+                        self.stopping or want in self.published or want == self.version
+                    )
+                )
                 if self.stopping:
                     return
                 state = self.published.pop(want, None)
@@ -124,9 +131,8 @@ class Overlap:
                 self.version = want
             try:
                 played, history = play_step(
-                    self.cfg, self.probe, self.play, Dist(), step, history, self.decide,
-                    self.expert,
-                )  # fmt: skip
+                    self.cfg, self.probe, self.play, Dist(), step, history, self.levers
+                )
                 for episode in played.episodes:
                     if not episode.expert:
                         episode.policy_version = self.version
@@ -146,8 +152,9 @@ class Overlap:
                 params[name].copy_(tensor)
         self.replica.engine.load_weights()
 
-    def groups(self, step: int) -> tuple[StepGroups, History]:
-        """Step `step`'s groups and the curriculum history after them, once played."""
+    def groups(self, step: int, history: History) -> tuple[StepGroups, History]:
+        """Step `step`'s groups and the curriculum history after them, once played (the
+        thread carries the history from step to step: `history` is not read)."""
         with self.cond:
             self.cond.wait_for(lambda: step in self.results)
             result = self.results.pop(step)
@@ -162,8 +169,11 @@ class Overlap:
         them (step + 1 + K)."""
         if step + 1 + self.cfg.rollout.max_staleness > self.cfg.train.steps:
             return  # no later step samples from them
-        state = {name: p.detach().clone() for name, p in self.policy.model.named_parameters()
-                 if p.requires_grad}  # fmt: skip
+        state = {
+            name: p.detach().clone()
+            for name, p in self.policy.model.named_parameters()
+            if p.requires_grad
+        }
         with self.cond:
             self.trained = step
             self.published[step] = state

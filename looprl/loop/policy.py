@@ -134,9 +134,12 @@ def add_lora(model: Any, lora: LoraSettings) -> Any:
             "weights only without dropout; set model.lora.dropout=0"
         )
     config = LoraConfig(
-        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type="CAUSAL_LM",
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        task_type="CAUSAL_LM",
         **targets,
-    )  # fmt: skip
+    )
     with warnings.catch_warnings():  # PEFT's note on its own patterns for expert weights
         warnings.filterwarnings("ignore", message=".*_pattern keys did not match")
         return get_peft_model(model, config)
@@ -179,9 +182,13 @@ def attach_rollout_engine(cfg: Config, policy: Policy) -> None:
     )
     rescore = policy_rescorer(policy, cfg.train.micro_batch_tokens)
     engine = VLLMEngine.launch(
-        policy.model, policy.tokenizer, policy.renderer.eos_ids, spec, rollout.vllm_url,
+        policy.model,
+        policy.tokenizer,
+        policy.renderer.eos_ids,
+        spec,
+        rollout.vllm_url,
         rescore if rollout.vllm_rescore == "policy" else None,
-    )  # fmt: skip
+    )
     atexit.register(engine.close)
     policy.engine = engine
 

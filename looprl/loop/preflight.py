@@ -35,11 +35,14 @@ def check_env(cfg: Config, probe: Any) -> None:
 
     name = cfg.env.name
     check_references(cfg, probe)
-    if cfg.algo.expert_samples and any(getattr(s, "group", False)
-                                       for s in getattr(probe, "scorers", [])):  # fmt: skip
-        raise ConfigError("algo.expert_samples puts the demonstration in each group unjudged, "
-                          "and a judge with mode: group scores only what was sampled; set "
-                          "algo.expert_samples=0 or use mode: pointwise")  # fmt: skip
+    if cfg.algo.expert_samples and any(
+        getattr(s, "group", False) for s in getattr(probe, "scorers", [])
+    ):
+        raise ConfigError(
+            "algo.expert_samples puts the demonstration in each group unjudged, "
+            "and a judge with mode: group scores only what was sampled; set "
+            "algo.expert_samples=0 or use mode: pointwise"
+        )
     for split in SPLITS:
         task = _first_task(probe, name, split, cfg.seed)
         if is_agent_env(probe):
@@ -80,8 +83,9 @@ def _check_schemas(where: str, obs: Observation) -> None:
     grammar (in the hermes syntax: the schema, not the syntax, is what fails)."""
     try:
         tools = check_tools(obs.tools, obs.tool_choice)
-        request = generation_request([], tools, obs.tool_choice, "hermes",
-                                     response_format=obs.response_format)  # fmt: skip
+        request = generation_request(
+            [], tools, obs.tool_choice, "hermes", response_format=obs.response_format
+        )
         if request.constraint is not None:
             build_grammar(request.constraint)
     except Exception as err:
@@ -151,8 +155,9 @@ def check_references(cfg: Config, probe: Any) -> None:
             raise ConfigError(f"eval.references: cannot read {path}: {err}") from None
         if not isinstance(ref, dict) or ref.get("env") != cfg.env.name:
             got = ref.get("env") if isinstance(ref, dict) else None
-            raise ConfigError(f"eval.references: {path} is an eval of {got!r}, not of "
-                              f"{cfg.env.name!r}")  # fmt: skip
+            raise ConfigError(
+                f"eval.references: {path} is an eval of {got!r}, not of {cfg.env.name!r}"
+            )
         if ref.get("task_ids") != ids:
             raise ConfigError(
                 f"eval.references: {path} did not play this run's held-out episodes (eval.tasks"

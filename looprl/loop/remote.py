@@ -62,8 +62,10 @@ def run_remote_eval(
             "itself; looprl eval --endpoint plays environments with reset and step"
         )
     if any(getattr(s, "group", False) for s in getattr(probe, "scorers", [])):
-        raise ConfigError("looprl eval --endpoint scores episode by episode: a judge with "
-                          "mode: group is not supported there; use mode: pointwise")  # fmt: skip
+        raise ConfigError(
+            "looprl eval --endpoint scores episode by episode: a judge with "
+            "mode: group is not supported there; use mode: pointwise"
+        )
     client = _client(endpoint, api_key_env)
     tasks = probe.tasks("eval", n=cfg.eval.tasks, seed=cfg.eval.seed)
     repeated = [t for t in tasks for _ in range(cfg.eval.samples_per_task)]
@@ -94,8 +96,9 @@ def run_remote_eval(
         pool.shutdown()
         ordered = [episodes[i] for i in range(len(repeated))]
         solved = solved_outcomes(probe)
-        result = eval_result(ordered, cfg.env.name, model, cfg.eval.seed,
-                             cfg.eval.temperature, solved)  # fmt: skip
+        result = eval_result(
+            ordered, cfg.env.name, model, cfg.eval.seed, cfg.eval.temperature, solved
+        )
         result["endpoint"] = endpoint
         # the endpoint's own token counts: its episodes hold no token ids
         scored = [e for e in ordered if e.outcome != "env_error"]
@@ -136,16 +139,30 @@ def _kept(path: Path, tasks: list[Task]) -> dict[int, dict]:
 
 
 def _from_record(record: dict, task: Task) -> Episode:
-    return Episode(task=task, messages=[], token_ids=[], loss_mask=[], logprobs=[],
-                   reward=float(record["reward"]), outcome=record["outcome"],
-                   info=record.get("info") or {}, error=record.get("error"))  # fmt: skip
+    return Episode(
+        task=task,
+        messages=[],
+        token_ids=[],
+        loss_mask=[],
+        logprobs=[],
+        reward=float(record["reward"]),
+        outcome=record["outcome"],
+        info=record.get("info") or {},
+        error=record.get("error"),
+    )
 
 
 def play_remote(task: Task, cfg: Config, client: Any, model: str, seed: int) -> Episode:
     """One episode of `task` with the endpoint's model as the policy."""
     env = make_env(cfg.env.name, cfg.env.args)
-    episode = Episode(task=task, messages=[], token_ids=[], loss_mask=[], logprobs=[],
-                      temperature=cfg.eval.temperature)  # fmt: skip
+    episode = Episode(
+        task=task,
+        messages=[],
+        token_ids=[],
+        loss_mask=[],
+        logprobs=[],
+        temperature=cfg.eval.temperature,
+    )
     try:
         obs = env.reset(task)
     except Exception as err:
@@ -160,8 +177,17 @@ def play_remote(task: Task, cfg: Config, client: Any, model: str, seed: int) -> 
     return episode
 
 
-def _play_turns(env: Any, episode: Episode, history: list[Message], obs: Any, cfg: Config,
-                client: Any, model: str, seed: int, generated: list[int]) -> None:  # fmt: skip
+def _play_turns(
+    env: Any,
+    episode: Episode,
+    history: list[Message],
+    obs: Any,
+    cfg: Config,
+    client: Any,
+    model: str,
+    seed: int,
+    generated: list[int],
+) -> None:
     for turn in range(env.max_turns):
         reply, cut, tokens = _ask(client, model, history, obs, cfg, turn_seed(seed, turn))
         generated.append(tokens)
@@ -183,24 +209,30 @@ def _play_turns(env: Any, episode: Episode, history: list[Message], obs: Any, cf
             return
 
 
-def _ask(client: Any, model: str, history: list[Message], obs: Any, cfg: Config,
-         seed: int) -> tuple[Message, bool, int]:  # fmt: skip
+def _ask(
+    client: Any, model: str, history: list[Message], obs: Any, cfg: Config, seed: int
+) -> tuple[Message, bool, int]:
     """The endpoint's reply as a parsed assistant message, whether it was cut, and its
     completion tokens (0 when the endpoint reports no usage)."""
     import openai
 
     request: dict[str, Any] = {
-        "model": model, "messages": [_wire(m) for m in history],
-        "temperature": cfg.eval.temperature, "max_tokens": cfg.rollout.max_new_tokens,
+        "model": model,
+        "messages": [_wire(m) for m in history],
+        "temperature": cfg.eval.temperature,
+        "max_tokens": cfg.rollout.max_new_tokens,
         "seed": seed,
-    }  # fmt: skip
+    }
     if cfg.rollout.top_p < 1:
         request["top_p"] = cfg.rollout.top_p
     if obs.tools and obs.tool_choice != "none":
         request["tools"] = obs.tools
         choice = obs.tool_choice
-        request["tool_choice"] = (choice if choice in ("auto", "required") else
-                                  {"type": "function", "function": {"name": choice}})  # fmt: skip
+        request["tool_choice"] = (
+            choice
+            if choice in ("auto", "required")
+            else {"type": "function", "function": {"name": choice}}
+        )
     if obs.response_format is not None:
         request["response_format"] = obs.response_format
     try:

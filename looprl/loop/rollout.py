@@ -82,9 +82,13 @@ def _request(live: _Live, renderer: ChatRenderer, thinking: Thinking | None) -> 
     obs = live.obs
     live.turn_starts.append(len(live.history))
     return generation_request(
-        live.episode.token_ids, obs.tools, obs.tool_choice, renderer.format,
-        response_format=obs.response_format, thinking=thinking,
-    )  # fmt: skip
+        live.episode.token_ids,
+        obs.tools,
+        obs.tool_choice,
+        renderer.format,
+        response_format=obs.response_format,
+        thinking=thinking,
+    )
 
 
 def retokenize_mismatch(live: _Live, renderer: ChatRenderer) -> int | None:
@@ -212,8 +216,9 @@ def _advance(
         text, live.obs.tools, require_call=bool(live.obs.tools) and live.obs.tool_choice != "none"
     )
     live.history.append(message)
-    if completion.finish_reason == "length" and not (message.tool_calls and not
-                                                     message.parse_failure):  # fmt: skip
+    if completion.finish_reason == "length" and not (
+        message.tool_calls and not message.parse_failure
+    ):
         # the reply was cut by the token limit: the policy's fault, not a parse of what it
         # meant; scored as the env's lowest reward, and the env never sees the stub
         ep.outcome, ep.reward = TRUNCATED, lowest_reward(live.env)

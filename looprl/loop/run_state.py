@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 from looprl.errors import ConfigError, LoopRLError
+from looprl.loop.batches import UpdateState
 from looprl.loop.checkpoint import list_checkpoints, load_training_state, load_weights
 from looprl.loop.dist import main_only
 from looprl.loop.policy import Policy
-from looprl.loop.update import UpdateState
 
 
 @dataclass

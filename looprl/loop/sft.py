@@ -21,11 +21,11 @@ import torch
 
 from looprl.chat import ChatRenderer
 from looprl.config import Config
-from looprl.forward.score import sequence_logprobs
+from looprl.forward.score import micro_batches, sequence_logprobs
+from looprl.loop.batches import scoring_keys
 from looprl.loop.decisions import grammar_masked
 from looprl.loop.guidance import expert_episode
 from looprl.loop.policy import Policy
-from looprl.loop.update import micro_batches
 from looprl.model.memory import release_free_memory
 from looprl.types import Episode, Task
 
@@ -47,11 +47,16 @@ def sft_step(
     optimizer.zero_grad(set_to_none=True)
     tokens = float(sum(e.response_len for e in episodes))
     total = 0.0
-    for chunk in micro_batches(episodes, cfg.train.micro_batch_tokens):
+    for indices in micro_batches(*scoring_keys(episodes), cfg.train.micro_batch_tokens):
+        chunk = [episodes[i] for i in indices]
         logp_BS, mask_BS = sequence_logprobs(
-            policy.model, [e.token_ids for e in chunk], [e.loss_mask for e in chunk],
-            policy.tokenizer.pad_token_id or 0, policy.device, temperature=1.0,
-        )  # fmt: skip
+            policy.model,
+            [e.token_ids for e in chunk],
+            [e.loss_mask for e in chunk],
+            policy.tokenizer.pad_token_id or 0,
+            policy.device,
+            temperature=1.0,
+        )
         loss = -(logp_BS * mask_BS).sum() / tokens
         loss.backward()
         total += float(loss.detach())

@@ -2,18 +2,15 @@
 the environment's errors, update the policy (loop/update.py), measure the step.
 
 `Trainer` holds what outlives a step (the policy, its optimizer and schedule, the loop
-state, the metrics logger) and `Levers` what the optional levers need (the decision
-views of `algo.loss_on: free` and `algo.experimental.entropy_coef`, the expert episodes of
-`algo.expert_samples`); loop/train.py calls `Trainer.step` once a step.
+state, the metrics logger, the group source of loop/sources.py, the levers of
+loop/levers.py); loop/train.py calls `Trainer.step` once a step.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,27 +18,28 @@ import numpy as np
 import torch
 
 from looprl.config import Config
-from looprl.envs import env_factory
 from looprl.errors import EngineError, LoopRLError
 from looprl.loop import checkpoint as checkpoints
 from looprl.loop import log
-from looprl.loop.decisions import decision_metrics, decision_view, grammar_cache
+from looprl.loop.decisions import decision_metrics
 from looprl.loop.dist import Dist, main_only
-from looprl.loop.evaluate import Player, by_member, judge_cost, summarize
-from looprl.loop.groups import StepGroups, greedy_member, play_step, replay_step
-from looprl.loop.guidance import expert_advantage, mean_advantage, safe_expert_episode
+from looprl.loop.groups import StepGroups, greedy_member
+from looprl.loop.guidance import expert_advantage, mean_advantage
+from looprl.loop.levers import Levers
 from looprl.loop.log import MetricsLogger
-from looprl.loop.overlap import Overlap
+from looprl.loop.play import Player
 from looprl.loop.policy import Policy
 from looprl.loop.progress import Progress
-from looprl.loop.replay import load_rollouts, save_rollouts
+from looprl.loop.replay import save_rollouts
 from looprl.loop.run_state import Interrupted, LoopState, StopOnSignal, peak_rss_gb
 from looprl.loop.snapshot import SnapshotPlayer
+from looprl.loop.sources import GroupSource
+from looprl.loop.summary import by_member, judge_cost, summarize
 from looprl.loop.update import update_policy
 from looprl.report import write as report_files
 from looprl.report.health import step_health
 from looprl.seeds import minibatch_seed
-from looprl.types import ENV_ERROR, PARSE_FAILURES, TRUNCATED, Episode, Task
+from looprl.types import ENV_ERROR, PARSE_FAILURES, TRUNCATED, Episode
 
 # Under torchrun every rank runs the loop and computes the same metrics from all ranks'
 # episodes (loop/dist.py); rank 0 alone writes the run folder. These writers do nothing
@@ -50,32 +48,6 @@ UNSCORABLE = (*PARSE_FAILURES, TRUNCATED)  # outcomes that say nothing of the ta
 save_checkpoint = main_only(checkpoints.save_checkpoint)
 write_samples = main_only(log.write_samples)
 write_report = main_only(report_files.write_report)
-
-
-@dataclass
-class Levers:
-    """What the optional levers of a step need, built once for a run: `decide`, an episode's
-    decision view (`algo.loss_on: free` trains on the views;
-    `algo.experimental.entropy_coef` takes its bonus from them); `expert`, a task's expert
-    episode (`algo.expert_samples`)."""
-
-    decide: Callable[[Episode], Episode] | None = None
-    expert: Callable[[Task], Episode] | None = None
-    loss_on_views: bool = False
-
-    @classmethod
-    def of(cls, cfg: Config, policy: Policy) -> Levers:
-        decide = None
-        if cfg.algo.loss_on == "free" or cfg.algo.experimental.entropy_coef > 0:
-            grammars = grammar_cache(policy)
-            decide = partial(decision_view, grammars=grammars, tokenizer=policy.tokenizer)
-        expert = None
-        if cfg.algo.expert_samples:
-            expert = partial(
-                safe_expert_episode, env_factory(cfg.env.name, cfg.env.args),
-                renderer=policy.renderer, temperature=cfg.rollout.temperature,
-            )  # fmt: skip
-        return cls(decide, expert, cfg.algo.loss_on == "free")
 
 
 @dataclass
@@ -94,11 +66,11 @@ class Trainer:
     logger: MetricsLogger
     snapshot: SnapshotPlayer | None
     levers: Levers
+    source: GroupSource  # where each step's groups come from (loop/sources.py)
     baseline: dict  # the baseline eval: the report written when a run stops early
     started: float  # time.time() at the run's start
     rows: list[dict[str, Any]] = field(default_factory=list)  # the steps' metrics so far
     problems: dict[str, str] = field(default_factory=dict)  # the last step's failed checks
-    overlap: Overlap | None = None  # rollout.max_staleness ≥ 1: the rollout thread
 
     def step(self, step: int) -> dict[str, Any]:
         """Play, learn, measure and log one step; checkpoint when due. Returns its metrics."""
@@ -110,15 +82,21 @@ class Trainer:
         errors = self.count_env_errors(played.episodes, step)
         t1 = time.time()
         stats = update_policy(
-            self.policy, self.optimizer, self.dist.share(played.groups), cfg.algo, cfg.train,
-            views=self.levers.loss_on_views, group_size=cfg.rollout.group_size,
+            self.policy,
+            self.optimizer,
+            self.dist.share(played.groups),
+            cfg.algo,
+            cfg.train,
+            views=self.levers.loss_on_views,
+            group_size=cfg.rollout.group_size,
             max_tokens=cfg.rollout.max_new_tokens * self.probe.max_turns,
-            seed=minibatch_seed(cfg.seed, step), state=self.state.update, dist=self.dist,
-            fresh=self.overlap is None and cfg.train.replay is None,  # sampled just now
-        )  # fmt: skip
+            seed=minibatch_seed(cfg.seed, step),
+            state=self.state.update,
+            dist=self.dist,
+            fresh=self.source.fresh,  # sampled just now, by these weights
+        )
         train_s = time.time() - t1
-        if self.overlap is not None:
-            self.overlap.publish(step)  # for the step that samples from these weights
+        self.source.publish(step)  # for the step that samples from these weights
         if stats["skipped"]:
             self.state.bad_steps += 1
         elif stats["updated"]:
@@ -140,9 +118,11 @@ class Trainer:
         metrics = step_metrics(cfg, step, played, stats, errors, self.levers, run)
         self.rows.append(metrics)
         problems = step_health(
-            self.rows, cfg.train.health_patience, cfg.rollout.tasks_per_step,
+            self.rows,
+            cfg.train.health_patience,
+            cfg.rollout.tasks_per_step,
             cfg.rollout.max_new_tokens,
-        )  # fmt: skip
+        )
         metrics.update({f"health/{check}": 1 for check in problems})
         self.logger.log(metrics)
         if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
@@ -155,20 +135,11 @@ class Trainer:
         return metrics
 
     def play_groups(self, step: int) -> StepGroups:
-        """The step's groups (loop/groups.py), or a saved run's (`train.replay`,
-        loop/replay.py). An engine that fails (a vLLM server that died) stops the run with
-        the state after the previous step checkpointed."""
-        if self.cfg.train.replay is not None:
-            groups = load_rollouts(Path(self.cfg.train.replay), step)
-            return replay_step(self.cfg, groups, self.levers.decide)
+        """The step's groups, from the run's group source (loop/sources.py). An engine
+        that fails (a vLLM server that died) stops the run with the state after the
+        previous step checkpointed."""
         try:
-            if self.overlap is not None:  # played meanwhile by the rollout thread
-                played, self.state.curriculum = self.overlap.groups(step)
-            else:
-                played, self.state.curriculum = play_step(
-                    self.cfg, self.probe, self.play, self.dist, step, self.state.curriculum,
-                    self.levers.decide, self.levers.expert,
-                )  # fmt: skip
+            played, self.state.curriculum = self.source.groups(step, self.state.curriculum)
         except EngineError as err:
             self.checkpoint(step - 1)
             self.close()
@@ -194,16 +165,24 @@ class Trainer:
                 f"{self.state.env_errors} episodes ended in env_error (budget "
                 f"env.error_budget={self.cfg.env.error_budget}); tracebacks are in "
                 f"{self.run_dir / 'samples' / 'env_errors.jsonl'}; "
-                + (f"the last checkpoint ({kept.name}) is kept" if kept else
-                   "no step had been checkpointed yet")
-            )  # fmt: skip
+                + (
+                    f"the last checkpoint ({kept.name}) is kept"
+                    if kept
+                    else "no step had been checkpointed yet"
+                )
+            )
         return len(errors)
 
     def checkpoint(self, step: int) -> None:
         save_checkpoint(
-            self.run_dir, step, self.policy.model, self.optimizer, self.scheduler,
-            {"model": self.cfg.model.name, **self.state.to_meta()}, self.cfg.train.keep_checkpoints,
-        )  # fmt: skip
+            self.run_dir,
+            step,
+            self.policy.model,
+            self.optimizer,
+            self.scheduler,
+            {"model": self.cfg.model.name, **self.state.to_meta()},
+            self.cfg.train.keep_checkpoints,
+        )
         if self.snapshot is not None:  # train games meet the policy of the last checkpoint
             self.snapshot.refresh(self.policy.model)
 
@@ -228,15 +207,15 @@ class Trainer:
         )
 
     def close(self) -> None:
-        """Stop the rollout thread, if any, after the step it is playing."""
-        if self.overlap is not None:
-            self.overlap.close()
+        """Close the group source (a rollout thread stops after the step it is playing)."""
+        self.source.close()
 
     def stop_early(self) -> None:
         """The report of a run that stops before its last step (no final eval)."""
         self.close()
-        write_report(self.run_dir, self.cfg, self.baseline, None, time.time() - self.started,
-                     peak_rss_gb())  # fmt: skip
+        write_report(
+            self.run_dir, self.cfg, self.baseline, None, time.time() - self.started, peak_rss_gb()
+        )
         self.logger.close(report_dir=self.run_dir)
 
 
@@ -327,8 +306,11 @@ def say_health(trainer: Trainer, step: int, progress: Progress) -> None:
             f"(train.health=stop) with step {step} checkpointed; set train.health=warn to "
             "train on regardless"
         )
-    before = {k[7:] for k, v in (trainer.rows[-2] if len(trainer.rows) > 1 else {}).items()
-              if k.startswith("health/") and v}  # fmt: skip
+    before = {
+        k[7:]
+        for k, v in (trainer.rows[-2] if len(trainer.rows) > 1 else {}).items()
+        if k.startswith("health/") and v
+    }
     for check, sentence in problems.items():
         if check not in before:
             progress.note(f"warning: step {step}: {sentence}")

@@ -35,13 +35,16 @@ from looprl.envs.judge import cache_verdicts_in
 from looprl.errors import ConfigError, LoopRLError
 from looprl.loop import dist as ranks
 from looprl.loop import log, preflight, sft
+from looprl.loop.batches import UpdateState
 from looprl.loop.curve import EvalCurve
 from looprl.loop.decisions import grammar_cache
 from looprl.loop.dist import Dist, main_only
-from looprl.loop.evaluate import HeldOut, player
+from looprl.loop.evaluate import HeldOut
+from looprl.loop.levers import Levers
 from looprl.loop.log import MetricsLogger
 from looprl.loop.optim import make_optimizer
-from looprl.loop.overlap import Overlap, check_overlap
+from looprl.loop.overlap import check_overlap
+from looprl.loop.play import player
 from looprl.loop.policy import Policy, load_model
 from looprl.loop.progress import DONE, Progress
 from looprl.loop.replay import check_replay
@@ -55,9 +58,9 @@ from looprl.loop.run_state import (
     seed_everything,
 )
 from looprl.loop.snapshot import start_snapshots
-from looprl.loop.step import Levers, Trainer, save_checkpoint, say_health, write_report
+from looprl.loop.sources import group_source
+from looprl.loop.step import Trainer, save_checkpoint, say_health, write_report
 from looprl.loop.trackers import check_trackers
-from looprl.loop.update import UpdateState
 from looprl.report import write as report_files
 from looprl.report.comparisons import load_references
 from looprl.report.health import run_warnings
@@ -138,24 +141,7 @@ def train(
     curve = EvalCurve.of(held_out, start)  # eval.every: the held-out reward over the steps
     if curve is not None and start == 0:
         curve.point(0, (after_sft or baseline) if curve.full else None)
-    with (
-        progress.phase("training", total=cfg.train.steps, unit="step") as phase,
-        StopOnSignal() as stop,
-    ):
-        phase.update(start)
-        step_seconds: list[float] = []  # this process's steps, for the mean it shows
-        for step in range(start + 1, cfg.train.steps + 1):
-            metrics = trainer.step(step)
-            say_health(trainer, step, progress)  # train.health: warn, or stop here
-            if curve is not None and curve.due(step):
-                curve.point(step)
-            step_seconds.append(metrics["perf/step_s"])
-            phase.update(
-                advance=1,
-                detail=f"step {step} · reward {metrics['rollout/rewards_mean']:+.3f} · "
-                f"{metrics['perf/step_s']:.1f} s (mean {np.mean(step_seconds):.1f} s/step)",
-            )
-            trainer.stop_if_asked(step, stop)  # Ctrl-C / SIGTERM, or too many NaN steps
+    run_steps(trainer, start, curve, progress)
 
     # ---- retest on exactly the same tasks and seeds, then report
     final = held_out.run("final")
@@ -163,8 +149,10 @@ def train(
     if curve is not None:
         curve.point(cfg.train.steps, final if curve.full else None)
         best = curve.best()
-        progress.note(f"{DONE} held-out curve: best at step {best['step']} "
-                      f"({best['reward_mean']:+.3f}), weights in {curve.best_dir}")  # fmt: skip
+        progress.note(
+            f"{DONE} held-out curve: best at step {best['step']} "
+            f"({best['reward_mean']:+.3f}), weights in {curve.best_dir}"
+        )
     with progress.phase("write report") as phase:
         write_report(run_dir, cfg, baseline, final, time.time() - started, peak_rss_gb())
         report = run_dir / "report.md"
@@ -184,6 +172,31 @@ def train(
         "warnings": warned,
         "references": [r for _, r in load_references(cfg.eval.references) if r],
     }
+
+
+def run_steps(trainer: Trainer, start: int, curve: EvalCurve | None, progress: Progress) -> None:
+    """Steps start + 1 .. train.steps (`Trainer.step`), each followed by its health checks,
+    the held-out curve's point when due, and a stop when asked (Ctrl-C, SIGTERM, too many
+    NaN steps)."""
+    cfg = trainer.cfg
+    with (
+        progress.phase("training", total=cfg.train.steps, unit="step") as phase,
+        StopOnSignal() as stop,
+    ):
+        phase.update(start)
+        step_seconds: list[float] = []  # this process's steps, for the mean it shows
+        for step in range(start + 1, cfg.train.steps + 1):
+            metrics = trainer.step(step)
+            say_health(trainer, step, progress)  # train.health: warn, or stop here
+            if curve is not None and curve.due(step):
+                curve.point(step)
+            step_seconds.append(metrics["perf/step_s"])
+            phase.update(
+                advance=1,
+                detail=f"step {step} · reward {metrics['rollout/rewards_mean']:+.3f} · "
+                f"{metrics['perf/step_s']:.1f} s (mean {np.mean(step_seconds):.1f} s/step)",
+            )
+            trainer.stop_if_asked(step, stop)  # Ctrl-C / SIGTERM, or too many NaN steps
 
 
 # ============================================================================ run setup
@@ -255,19 +268,34 @@ def start_trainer(
     if snapshot is not None and resume:
         snapshot.refresh(policy.model)  # the resumed checkpoint's weights
     logger = MetricsLogger(
-        run_dir, cfg.logging.trackers, cfg.model_dump(mode="json"), cfg.logging.project,
+        run_dir,
+        cfg.logging.trackers,
+        cfg.model_dump(mode="json"),
+        cfg.logging.project,
         enabled=dist.is_main,
-    )  # fmt: skip
+    )
     levers = Levers.of(cfg, policy)
+    rows = report_files.read_metrics(run_dir) if resume else []
+    # the run's one group source: played now, by a rollout thread, or replayed
+    source = group_source(cfg, policy, probe, play, dist, levers, start, state.curriculum)
     trainer = Trainer(
-        cfg, policy, probe, play, dist, run_dir, optimizer, scheduler, state, logger,
-        snapshot, levers, baseline={}, started=time.time(),
-        rows=report_files.read_metrics(run_dir) if resume else [],
-    )  # fmt: skip
-    if cfg.rollout.max_staleness and cfg.train.replay is None and start < cfg.train.steps:
-        trainer.overlap = Overlap(
-            cfg, policy, probe, start, state.curriculum, levers.decide, levers.expert
-        )
+        cfg,
+        policy,
+        probe,
+        play,
+        dist,
+        run_dir,
+        optimizer,
+        scheduler,
+        state,
+        logger,
+        snapshot,
+        levers,
+        source,
+        baseline={},
+        started=time.time(),
+        rows=rows,
+    )
     return trainer, start
 
 

@@ -18,11 +18,9 @@ memory halves the micro-batch token budget and retries the same minibatch.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -39,10 +37,9 @@ from looprl.algo import (
 )
 from looprl.config import AlgoConfig, TrainConfig
 from looprl.engine.hf import HFEngine
-from looprl.errors import LoopRLError
-from looprl.forward import score
 from looprl.forward.routing import RouterLoad, router_metrics
-from looprl.forward.score import prompt_length, sequence_logprobs
+from looprl.forward.score import micro_batches, sequence_logprobs
+from looprl.loop.batches import UpdateState, minibatches, retry_on_oom, scoring_keys
 from looprl.loop.dist import Dist
 from looprl.loop.policy import Policy
 from looprl.model.load import base_model
@@ -51,49 +48,6 @@ from looprl.types import Episode
 
 if TYPE_CHECKING:
     from looprl.loop.groups import Group
-
-log = logging.getLogger("looprl")
-T = TypeVar("T")
-MIN_MICRO_BATCH_TOKENS = 64
-
-
-@dataclass
-class UpdateState:
-    """What the update carries from step to step (and across a resume)."""
-
-    micro_batch_tokens: int
-    oom_retries: int = 0
-
-
-def is_out_of_memory(err: BaseException) -> bool:
-    if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    text = str(err)
-    return isinstance(err, RuntimeError) and (
-        "out of memory" in text or "can't allocate memory" in text
-    )
-
-
-def retry_on_oom(fn: Callable[[int], T], state: UpdateState, optimizer: torch.optim.Optimizer) -> T:
-    """Run fn(micro_batch_tokens); on out-of-memory halve the budget and run it again."""
-    while True:
-        try:
-            return fn(state.micro_batch_tokens)
-        except BaseException as err:
-            if not is_out_of_memory(err):
-                raise
-            optimizer.zero_grad(set_to_none=True)
-            half = state.micro_batch_tokens // 2
-            if half < MIN_MICRO_BATCH_TOKENS:
-                raise LoopRLError(
-                    "out of memory even with micro-batches of "
-                    f"{state.micro_batch_tokens} tokens; use a smaller model, LoRA "
-                    "(model.lora.enabled=true), model.gradient_checkpointing=true, or "
-                    "shorter episodes (rollout.max_new_tokens)"
-                ) from err
-            log.warning("out of memory: micro-batch budget %d -> %d tokens", half * 2, half)
-            state.micro_batch_tokens = half
-            state.oom_retries += 1
 
 
 @dataclass(eq=False)
@@ -149,135 +103,39 @@ def update_policy(
     Over several processes (`dist`), `groups` is this rank's share; the minibatches, the
     loss normaliser, the gradient and the returned stats are those of the whole batch over
     all ranks, so the update is the one-process update.
+
+    In three parts: `old_logprobs` (and the engine-vs-trainer gap checks), then per
+    minibatch `minibatch_gradient` (accumulated over micro-batches) and `optimizer_step`.
     """
     dist = dist or Dist()
+    # the step's stats, as they stand when no episode takes part
     out = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "ratio_max": 1.0,
            "logprob_gap": 0.0, "mismatch_kl": 0.0, "skipped": 0, "updated": 0,
            "tokens": 0}  # fmt: skip
     batch = [Scored(e, a) for group in groups for e, a in group.learners(views)]
     if not dist.all_reduce([len(batch)])[0]:
         return out
-    model, pad = policy.model, policy.tokenizer.pad_token_id or 0
-
-    def logprobs(chunk: list[Scored]) -> tuple[torch.Tensor, torch.Tensor]:
-        # one temperature per micro-batch (see micro_batches)
-        return sequence_logprobs(
-            model, [s.episode.token_ids for s in chunk], [s.episode.loss_mask for s in chunk],
-            pad, policy.device, scoring_temperature(chunk[0].episode.temperature),
-        )  # fmt: skip
-
-    def masked_values(samples: list[Scored], budget: int) -> list[torch.Tensor]:
-        """Each episode's logprobs at its generated tokens, in order (no grad)."""
-        values: list[torch.Tensor] = []
-        with torch.no_grad():
-            for chunk in scored_chunks(samples, budget):
-                logp_BK, mask_BK = logprobs(chunk)
-                values += [logp_BK[row][mask_BK[row]].float().cpu() for row in range(len(chunk))]
-        return values
-
-    # Old logprobs, before any update. Only the episodes that can move the loss need
-    # them: A = 0 episodes are skipped below (unless the KL term needs them); with none
-    # left on any rank, one group per rank still measures the engine-vs-trainer gap.
-    learning = [s for s in batch if moves(s.advantage) or algo.kl_coef > 0]
-    anyone_learning = dist.all_reduce([len(learning)])[0] > 0
-    scored = learning if anyone_learning else batch[:group_size]
-    reuse = fresh and anyone_learning and samples_policy_exactly(policy)
-    own_pass = [s for s in scored if s.episode.expert] if reuse else scored
-    load = RouterLoad(model)  # MoE models: tokens per expert in the first full pass
-    model.eval()
-    with nullcontext() if reuse else load:
-        old = retry_on_oom(lambda budget: masked_values(own_pass, budget), state, optimizer)
-    for sample, values in zip(own_pass, old, strict=True):
-        sample.old = values
-    # (trainer's, engine's) logprobs of sampled tokens before any weight moved
-    checks = [] if reuse else [(s.old, s.sampled) for s in scored if not s.episode.expert]
-    for sample in [s for s in scored if reuse and not s.episode.expert]:
-        sample.old = sample.sampled  # the engine's, exact to rounding (module doc)
-    if algo.kl_coef > 0:
-        with model.disable_adapter():
-            ref = retry_on_oom(lambda budget: masked_values(scored, budget), state, optimizer)
-        for sample, values in zip(scored, ref, strict=True):
-            sample.ref = values
-    model.train()
-
-    loss_fn = LOSSES[algo.name]
-    moved = False  # whether an optimizer step has changed the weights yet
-
-    def backward(minibatch: list[Scored], normalizer: Normalizer, budget: int) -> dict[str, Any]:
-        """Accumulate the gradient of this rank's part of one minibatch's loss."""
-        # A = 0 sequences add nothing to the policy-gradient loss: skip their forward
-        # pass (unless the KL term needs them); they still count in the normaliser.
-        active = [s for s in minibatch if moves(s.advantage) or algo.kl_coef > 0]
-        optimizer.zero_grad(set_to_none=True)
-        acc = {"loss": 0.0, "units": 0.0, "clipped": 0.0, "ratio_max": 1.0, "tokens": 0,
-               "checks": []}  # fmt: skip
-        for chunk in scored_chunks(active, budget):
-            logp_BK, mask_BK = logprobs(chunk)
-            if reuse and not moved:  # the trainer's logprobs before any update: the gap
-                acc["checks"] += [
-                    (logp_BK[row][mask_BK[row]].detach().float().cpu(), s.sampled)
-                    for row, s in enumerate(chunk) if not s.episode.expert
-                ]  # fmt: skip
-            old_BK = torch.zeros_like(logp_BK)
-            old_BK[mask_BK] = torch.cat([s.old for s in chunk]).to(old_BK)
-            if algo.tis_cap is not None:  # off-policy correction (algo/tis.py)
-                engine_BK = torch.zeros_like(logp_BK)
-                engine_BK[mask_BK] = torch.cat([s.behaviour for s in chunk]).to(engine_BK)
-                w_BK = tis_weights(old_BK, engine_BK, mask_BK, algo.tis_cap)
-                logp_BK = weight_gradient(logp_BK, w_BK)
-            ref_BK = None
-            if algo.kl_coef > 0:
-                ref_BK = torch.zeros_like(logp_BK)
-                ref_BK[mask_BK] = torch.cat([s.ref for s in chunk]).to(ref_BK)
-            adv_B = advantage_tensor([s.advantage for s in chunk]).to(logp_BK.device)
-            loss, st = loss_fn(
-                logp_BK, old_BK, adv_B, mask_BK.float(),
-                eps_low=algo.eps_low, eps_high=algo.eps_high,
-                ref_logp_BT=ref_BK, kl_coef=algo.kl_coef, normalizer=normalizer,
-            )  # fmt: skip
-            loss.backward()
-            acc["loss"] += float(loss.detach())
-            acc["units"] += st["count"]
-            acc["clipped"] += st["clip_frac"] * st["count"]
-            acc["ratio_max"] = max(acc["ratio_max"], st["ratio_max"])
-            acc["tokens"] += sum(len(s.episode.token_ids) for s in chunk)
-        return acc
-
-    losses, clips, norms = [], [], []
+    scorer = Scorer(policy, algo, state, optimizer)
+    load = RouterLoad(policy.model)  # MoE models: tokens per expert in the first full pass
+    reuse, checks = old_logprobs(scorer, batch, group_size, fresh, load, dist)
+    losses, clips, norms = [], [], []  # of the minibatches whose optimizer step was taken
     with load if reuse else nullcontext():
         for minibatch in minibatches(task_units(batch), algo.num_minibatches, seed=seed, dist=dist):
-            # the whole minibatch's counts, over all ranks: each loss divides by its own
-            # (algo/losses.py)
-            sequences, tokens = dist.all_reduce(
-                [len(minibatch), sum(s.episode.response_len for s in minibatch)]
-            )
-            normalizer = Normalizer(sequences=sequences, tokens=tokens, max_tokens=max_tokens)
+            normalizer = minibatch_normalizer(minibatch, max_tokens, dist)
+            gap = reuse and not losses  # no weight has moved yet: measure the gap here
             acc = retry_on_oom(
-                lambda budget, mb=minibatch, n=normalizer: backward(mb, n, budget),
-                state, optimizer,
-            )  # fmt: skip
-            checks += acc.pop("checks")
-            dist.sum_gradients(policy.trainable_parameters())
-            keys = ("loss", "units", "clipped", "tokens")
-            acc.update(zip(keys, dist.all_reduce([acc[k] for k in keys])))
-            acc["ratio_max"] = dist.all_reduce([acc["ratio_max"]], op="max")[0]
-            if not acc["tokens"]:
-                continue  # every advantage was 0: nothing to learn from this minibatch
-            out["tokens"] += int(acc["tokens"])
-            out["ratio_max"] = max(out["ratio_max"], acc["ratio_max"])
-            norm = torch.nn.utils.clip_grad_norm_(
-                policy.trainable_parameters(), train.max_grad_norm
+                lambda budget, mb=minibatch, n=normalizer, g=gap: minibatch_gradient(
+                    scorer, mb, n, budget, g
+                ),
+                state,
+                optimizer,
             )
-            if not (np.isfinite(acc["loss"]) and torch.isfinite(norm)):
-                optimizer.zero_grad(set_to_none=True)  # skip: weights and optimizer untouched
-                out["skipped"] += 1
-                continue
-            optimizer.step()
-            moved = True
-            out["updated"] += 1
-            losses.append(acc["loss"])
-            clips.append(acc["clipped"] / max(acc["units"], 1))
-            norms.append(float(norm))
+            checks += acc.pop("checks")
+            norm = optimizer_step(policy, optimizer, train, acc, out, dist)
+            if norm is not None:
+                losses.append(acc["loss"])
+                clips.append(acc["clipped"] / max(acc["units"], 1))
+                norms.append(float(norm))
     optimizer.zero_grad(set_to_none=True)
     if load.counts_LE is not None or (dist.world > 1 and load.routers):
         out["router"] = _gathered_router_metrics(load, dist)
@@ -289,6 +147,171 @@ def update_policy(
         grad_norm=float(np.mean(norms)) if norms else float("nan"),
     )
     return out
+
+
+@dataclass
+class Scorer:
+    """What the update's forward passes share: the policy, the loss and its settings, and
+    the micro-batch budget (which out-of-memory retries halve)."""
+
+    policy: Policy
+    algo: AlgoConfig
+    state: UpdateState
+    optimizer: torch.optim.Optimizer
+
+    def logprobs(self, chunk: list[Scored]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One micro-batch's logprobs and loss mask, [B, K]: one temperature per
+        micro-batch (forward/score.py `micro_batches`)."""
+        policy = self.policy
+        return sequence_logprobs(
+            policy.model,
+            [s.episode.token_ids for s in chunk],
+            [s.episode.loss_mask for s in chunk],
+            policy.tokenizer.pad_token_id or 0,
+            policy.device,
+            scoring_temperature(chunk[0].episode.temperature),
+        )
+
+    def masked_values(self, samples: list[Scored], budget: int) -> list[torch.Tensor]:
+        """Each episode's logprobs at its generated tokens, in order (no grad)."""
+        values: list[torch.Tensor] = []
+        with torch.no_grad():
+            keys = scoring_keys([s.episode for s in samples])
+            for indices in micro_batches(*keys, budget):
+                chunk = [samples[i] for i in indices]
+                logp_BK, mask_BK = self.logprobs(chunk)
+                values += [logp_BK[row][mask_BK[row]].float().cpu() for row in range(len(chunk))]
+        return values
+
+    def all_values(self, samples: list[Scored]) -> list[torch.Tensor]:
+        """`masked_values` under the out-of-memory retry."""
+        return retry_on_oom(
+            lambda budget: self.masked_values(samples, budget), self.state, self.optimizer
+        )
+
+
+Check = tuple[torch.Tensor, torch.Tensor]  # (trainer's, engine's) logprobs of one episode
+
+
+def old_logprobs(
+    scorer: Scorer, batch: list[Scored], group_size: int, fresh: bool, load: RouterLoad, dist: Dist
+) -> tuple[bool, list[Check]]:
+    """Set each learning episode's old (and, with `algo.kl_coef`, reference) logprobs.
+    Returns whether the engine's logprobs stand in for the old ones (`reuse`: the gap is
+    then measured by the first minibatch's loss pass) and the gap checks made here.
+
+    Only the episodes that can move the loss need them: A = 0 episodes are skipped by the
+    loss passes (unless the KL term needs them); with none left on any rank, one group per
+    rank still measures the engine-vs-trainer gap."""
+    algo, model = scorer.algo, scorer.policy.model
+    learning = [s for s in batch if moves(s.advantage) or algo.kl_coef > 0]
+    anyone_learning = dist.all_reduce([len(learning)])[0] > 0
+    scored = learning if anyone_learning else batch[:group_size]
+    reuse = fresh and anyone_learning and samples_policy_exactly(scorer.policy)
+    own_pass = [s for s in scored if s.episode.expert] if reuse else scored
+    model.eval()
+    with nullcontext() if reuse else load:
+        old = scorer.all_values(own_pass)
+    for sample, values in zip(own_pass, old, strict=True):
+        sample.old = values
+    # (trainer's, engine's) logprobs of sampled tokens before any weight moved
+    checks = [] if reuse else [(s.old, s.sampled) for s in scored if not s.episode.expert]
+    for sample in [s for s in scored if reuse and not s.episode.expert]:
+        sample.old = sample.sampled  # the engine's, exact to rounding (module doc)
+    if algo.kl_coef > 0:
+        with model.disable_adapter():
+            ref = scorer.all_values(scored)
+        for sample, values in zip(scored, ref, strict=True):
+            sample.ref = values
+    model.train()
+    return reuse, checks
+
+
+def minibatch_normalizer(minibatch: list[Scored], max_tokens: int, dist: Dist) -> Normalizer:
+    """The whole minibatch's counts, over all ranks: each loss divides by its own
+    (algo/losses.py)."""
+    sequences, tokens = dist.all_reduce(
+        [len(minibatch), sum(s.episode.response_len for s in minibatch)]
+    )
+    return Normalizer(sequences=sequences, tokens=tokens, max_tokens=max_tokens)
+
+
+def minibatch_gradient(
+    scorer: Scorer, minibatch: list[Scored], normalizer: Normalizer, budget: int, gap: bool
+) -> dict[str, Any]:
+    """Accumulate the gradient of this rank's part of one minibatch's loss, a micro-batch
+    at a time. `gap`: also return the trainer's logprobs as gap checks (no weight has
+    moved yet and the engine's logprobs stood in for the old ones)."""
+    algo, optimizer = scorer.algo, scorer.optimizer
+    # A = 0 sequences add nothing to the policy-gradient loss: skip their forward
+    # pass (unless the KL term needs them); they still count in the normaliser.
+    active = [s for s in minibatch if moves(s.advantage) or algo.kl_coef > 0]
+    optimizer.zero_grad(set_to_none=True)
+    acc = {"loss": 0.0, "units": 0.0, "clipped": 0.0, "ratio_max": 1.0, "tokens": 0, "checks": []}
+    for indices in micro_batches(*scoring_keys([s.episode for s in active]), budget):
+        chunk = [active[i] for i in indices]
+        logp_BK, mask_BK = scorer.logprobs(chunk)
+        if gap:
+            acc["checks"] += [
+                (logp_BK[row][mask_BK[row]].detach().float().cpu(), s.sampled)
+                for row, s in enumerate(chunk)
+                if not s.episode.expert
+            ]
+        old_BK = torch.zeros_like(logp_BK)
+        old_BK[mask_BK] = torch.cat([s.old for s in chunk]).to(old_BK)
+        if algo.tis_cap is not None:  # off-policy correction (algo/tis.py)
+            engine_BK = torch.zeros_like(logp_BK)
+            engine_BK[mask_BK] = torch.cat([s.behaviour for s in chunk]).to(engine_BK)
+            w_BK = tis_weights(old_BK, engine_BK, mask_BK, algo.tis_cap)
+            logp_BK = weight_gradient(logp_BK, w_BK)
+        ref_BK = None
+        if algo.kl_coef > 0:
+            ref_BK = torch.zeros_like(logp_BK)
+            ref_BK[mask_BK] = torch.cat([s.ref for s in chunk]).to(ref_BK)
+        adv_B = advantage_tensor([s.advantage for s in chunk]).to(logp_BK.device)
+        # the loss's inputs, its clip range, its KL term (a line each)
+        loss, st = LOSSES[algo.name](
+            logp_BK, old_BK, adv_B, mask_BK.float(),
+            eps_low=algo.eps_low, eps_high=algo.eps_high,
+            ref_logp_BT=ref_BK, kl_coef=algo.kl_coef, normalizer=normalizer,
+        )  # fmt: skip
+        loss.backward()
+        acc["loss"] += float(loss.detach())
+        acc["units"] += st["count"]
+        acc["clipped"] += st["clip_frac"] * st["count"]
+        acc["ratio_max"] = max(acc["ratio_max"], st["ratio_max"])
+        acc["tokens"] += sum(len(s.episode.token_ids) for s in chunk)
+    return acc
+
+
+def optimizer_step(
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    train: TrainConfig,
+    acc: dict[str, Any],
+    out: dict[str, Any],
+    dist: Dist,
+) -> torch.Tensor | None:
+    """One minibatch's gradient summed over ranks, clipped and applied; `acc` becomes the
+    whole minibatch's, `out` counts the step. Returns the gradient norm, or None when
+    nothing was applied: no token to learn from, or a NaN/inf loss or gradient (the step
+    is skipped, weights and optimizer state untouched)."""
+    dist.sum_gradients(policy.trainable_parameters())
+    keys = ("loss", "units", "clipped", "tokens")
+    acc.update(zip(keys, dist.all_reduce([acc[k] for k in keys])))
+    acc["ratio_max"] = dist.all_reduce([acc["ratio_max"]], op="max")[0]
+    if not acc["tokens"]:
+        return None  # every advantage was 0: nothing to learn from this minibatch
+    out["tokens"] += int(acc["tokens"])
+    out["ratio_max"] = max(out["ratio_max"], acc["ratio_max"])
+    norm = torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), train.max_grad_norm)
+    if not (np.isfinite(acc["loss"]) and torch.isfinite(norm)):
+        optimizer.zero_grad(set_to_none=True)  # skip: weights and optimizer untouched
+        out["skipped"] += 1
+        return None
+    optimizer.step()
+    out["updated"] += 1
+    return norm
 
 
 def samples_policy_exactly(policy: Policy) -> bool:
@@ -320,8 +343,9 @@ def _gap_stats(checks: list[tuple[torch.Tensor, torch.Tensor]], dist: Dist) -> d
     gaps = [(trainer - engine).abs().mean().item() for trainer, engine in checks]
     gap_sum, gap_count = dist.all_reduce([float(np.sum(gaps)), len(gaps)])
     kls = [k3_kl(engine, trainer) for trainer, engine in checks]
-    kl_sum, kl_count = dist.all_reduce([float(sum(k.sum().item() for k in kls)),
-                                        sum(k.numel() for k in kls)])  # fmt: skip
+    kl_sum, kl_count = dist.all_reduce(
+        [float(sum(k.sum().item() for k in kls)), sum(k.numel() for k in kls)]
+    )
     return {
         "logprob_gap": gap_sum / gap_count if gap_count else float("nan"),
         "mismatch_kl": kl_sum / kl_count if kl_count else float("nan"),
@@ -355,45 +379,3 @@ def task_units(batch: list[Scored]) -> list[list[Scored]]:
     for sample in batch:
         by_task.setdefault(sample.episode.task.id, []).append(sample)
     return list(by_task.values())
-
-
-def minibatches(
-    units: list[list[T]], count: int, seed: int, dist: Dist | None = None
-) -> list[list[T]]:
-    """Shuffle whole units (a task's members, `task_units`) into `count` minibatches, so
-    that a group's episodes share one prompt pass (see sequence_logprobs).
-
-    Over several processes the shuffle is of all ranks' units, in rank order (the order
-    of one process's batch), and each rank keeps its own units of every minibatch: every
-    rank returns the same number of minibatches, some possibly empty on some ranks."""
-    dist = dist or Dist()
-    counts = [int(n) for n in dist.gather([len(units)])]
-    first = sum(counts[: dist.rank])
-    total = sum(counts)
-    order = torch.randperm(total, generator=torch.Generator().manual_seed(seed))
-    splits = [split for split in torch.tensor_split(order, min(count, total)) if len(split)]
-    return [
-        [item for i in split.tolist() if first <= i < first + len(units)
-         for item in units[i - first]]
-        for split in splits
-    ]  # fmt: skip
-
-
-def scored_chunks(samples: list[Scored], token_budget: int) -> list[list[Scored]]:
-    """`micro_batches` of the samples' episodes, as samples."""
-    split = episode_micro_batches([s.episode for s in samples], token_budget)
-    return [[samples[i] for i in chunk] for chunk in split]
-
-
-def micro_batches(episodes: list[Episode], token_budget: int) -> list[list[Episode]]:
-    """Episodes split for one forward pass each (forward/score.py `micro_batches`):
-    in order, under the token budget, one scoring temperature a micro-batch (greedy
-    episodes are scored at 1, as those sampled at 1)."""
-    return [[episodes[i] for i in chunk] for chunk in episode_micro_batches(episodes, token_budget)]
-
-
-def episode_micro_batches(episodes: list[Episode], token_budget: int) -> list[list[int]]:
-    return score.micro_batches(
-        [e.token_ids for e in episodes], [prompt_length(e.loss_mask) for e in episodes],
-        [scoring_temperature(e.temperature) for e in episodes], token_budget,
-    )  # fmt: skip

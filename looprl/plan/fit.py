@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from looprl.config import Config
-from looprl.loop.update import MIN_MICRO_BATCH_TOKENS
+from looprl.loop.batches import MIN_MICRO_BATCH_TOKENS
 from looprl.plan.devices import DEVICES, Device
 from looprl.plan.memory import Plan, dtype_name, plan_memory, summary
 from looprl.plan.shape import ModelShape

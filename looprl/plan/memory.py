@@ -22,8 +22,9 @@ from looprl.algo.logprobs import head_logprobs
 from looprl.config import Config
 from looprl.engine.forward_step import FORCED_LOGIT_ROWS
 from looprl.forward.fast_linear import MIN_WEIGHT_BYTES, PACKED_DTYPES
+from looprl.forward.score import micro_batches
+from looprl.loop.batches import scoring_keys
 from looprl.loop.optim import EIGHT_BIT_BLOCK
-from looprl.loop.update import micro_batches
 from looprl.plan.devices import Device
 from looprl.plan.shape import ModelShape
 from looprl.plan.workload import Workload
@@ -214,7 +215,8 @@ def _split(groups: int, size: int, budget: int, prompt: int, head: int, response
         for _ in range(size)
     ]
     best = (0, 0, 0)
-    for chunk in micro_batches(episodes, budget):
+    for indices in micro_batches(*scoring_keys(episodes), budget):
+        chunk = [episodes[i] for i in indices]
         prompts = len({e.token_ids[0] for e in chunk})
         tokens = head + prompts * (prompt - head) + len(chunk) * response
         best = max(best, (tokens, len(chunk), len(chunk) * response))
