@@ -27,13 +27,14 @@ __all__ = [
 
 
 _BUILTIN_MODULES = (
-    "tictactoe", "extraction", "workflow", "instructions", "dataset", "mix", "mcp_env",
+    "builtin.tictactoe", "builtin.extraction", "builtin.workflow", "builtin.instructions",
+    "data.dataset", "mix", "adapters.mcp_env",
 )  # fmt: skip
 # `prefix:target` names: an adapter class whose `bind(target)` gives the environment class
 # (envs/common.py `Adapter`); its third-party library is imported only when it is used
 _ADAPTERS = {
-    "reasoning-gym": "reasoning_gym_env:ReasoningGym",
-    "verifiers": "verifiers_env:Verifiers",
+    "reasoning-gym": "adapters.reasoning_gym_env:ReasoningGym",
+    "verifiers": "adapters.verifiers_env:Verifiers",
 }
 
 

@@ -1,8 +1,8 @@
-"""The `mcp` environment's task file: rows read from JSONL, CSV or Parquet (envs/data_files.py),
-split into train and held-out tasks, and checked row by row against the server's tools
+"""The `mcp` environment's task file: rows read from JSONL, CSV or Parquet
+(envs/data/data_files.py), split into train and held-out tasks, and checked row by row against the server's tools
 (each problem names the file, the row and the field); read once per distinct
 configuration, tool listing and file contents. The row fields are described in
-envs/mcp_env.py."""
+envs/adapters/mcp_env.py."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import Any
 
 import jsonschema
 
-from looprl.envs.data_files import parse_cell
-from looprl.envs.dataset_rows import check_schema, checked_messages, split_rows
-from looprl.envs.score_types import as_text
-from looprl.envs.scorers import Scorer, combine
+from looprl.envs.data.data_files import parse_cell
+from looprl.envs.data.dataset_rows import check_schema, checked_messages, split_rows
+from looprl.envs.data.score_types import as_text
+from looprl.envs.data.scorers import Scorer, combine
 from looprl.errors import EnvError
 from looprl.types import Task
 

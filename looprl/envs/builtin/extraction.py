@@ -33,8 +33,8 @@ from typing import Any, ClassVar
 
 import jsonschema
 
+from looprl.envs.builtin.extraction_docs import KINDS, make_document
 from looprl.envs.common import check_choice, check_int, first_call, task_indices
-from looprl.envs.extraction_docs import KINDS, make_document
 from looprl.errors import EnvError
 from looprl.types import PARSE_FAILURES, Message, Observation, StepResult, Task, ToolCall
 

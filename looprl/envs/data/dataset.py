@@ -7,7 +7,7 @@
         eval_path: examples/bookings/eval.jsonl   # or eval_fraction: 0.2 of `path`
         answer_form: tool_call                # text | tool_call | json
         tools: [...]                          # or a `tools` column, one list per row
-        scorers: tool_call                    # see envs/scorers.py
+        scorers: tool_call                    # see envs/data/scorers.py
 
 A row holds a `prompt` (text) or `messages` (a chat), optionally a `system` prompt, the
 `answer`, per-row `tools` and an `info` object that scorers receive; `columns` maps these
@@ -44,9 +44,9 @@ from looprl.envs.common import (
     check_int,
     sample_items,
 )
-from looprl.envs.dataset_rows import COLUMNS, check_schema, check_tools, checked_rows, valid
-from looprl.envs.score_types import Score, as_text, labelled
-from looprl.envs.scorers import Scorer, combine, make_scorers
+from looprl.envs.data.dataset_rows import COLUMNS, check_schema, check_tools, checked_rows, valid
+from looprl.envs.data.score_types import Score, as_text, labelled
+from looprl.envs.data.scorers import Scorer, combine, make_scorers
 from looprl.errors import EnvError
 from looprl.types import (
     ENV_ERROR,

@@ -22,7 +22,7 @@ scored with an empty answer, outcome `turn_limit`. A malformed call (`bad_json`,
 
 Task rows (JSONL, CSV or Parquet): `prompt` or `messages`, optional `system` and `info`
 (an object), and at least one way to score, each a score in [0, 1]:
-- `answer`: the final answer's text against it, by `scorers` (envs/scorers.py; default
+- `answer`: the final answer's text against it, by `scorers` (envs/data/scorers.py; default
   `normalized`; a `judge` works too);
 - `expected_calls`: [{name, arguments}]: each expected call earns the per-field credit of
   the best made call of that name (the `tool_call` scorer; each made call matched once,
@@ -52,7 +52,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from looprl.envs import mcp_client
+from looprl.envs.adapters import mcp_client
+from looprl.envs.adapters.mcp_tasks import answer_score, checked_tasks
 from looprl.envs.common import (
     check_choice,
     check_failure_reward,
@@ -60,9 +61,8 @@ from looprl.envs.common import (
     check_int,
     sample_items,
 )
-from looprl.envs.mcp_tasks import answer_score, checked_tasks
-from looprl.envs.score_types import as_text
-from looprl.envs.scorers import make_scorers, make_tool_call
+from looprl.envs.data.score_types import as_text
+from looprl.envs.data.scorers import make_scorers, make_tool_call
 from looprl.errors import EnvError
 from looprl.types import Message, Observation, StepResult, Task, ToolCall
 

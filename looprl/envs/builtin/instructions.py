@@ -33,7 +33,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from looprl.envs.instruction_checks import (  # noqa: F401  (re-exported for users)
+from looprl.envs.builtin.instruction_checks import (  # noqa: F401  (re-exported for users)
     CHECKS,
     RESTRICTIONS,
     RULES,

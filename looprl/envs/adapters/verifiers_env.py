@@ -53,7 +53,7 @@ from looprl.types import PARSE_FAILURES, Message, Observation, StepResult, Task
 
 INSTALL = "make setup-verifiers"
 WORKER = Path(__file__).parent / "verifiers_worker" / "worker.py"
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 VENVS = {"v1": ".venv-verifiers", "classic": ".venv-verifiers-classic"}

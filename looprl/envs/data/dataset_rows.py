@@ -13,7 +13,7 @@ from typing import Any
 
 import jsonschema
 
-from looprl.envs.data_files import parse_cell, read_rows
+from looprl.envs.data.data_files import parse_cell, read_rows
 from looprl.errors import EnvError
 from looprl.types import Task
 

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from looprl.envs.score_types import Score, as_text
+from looprl.envs.data.score_types import Score, as_text
 from looprl.errors import EnvError
 
 VERDICT = {

@@ -5,7 +5,8 @@
 
 verifiers pins `openai<3` (and `mcp==2.0.0`; its classic 0.1 API `datasets<4.7`), which
 cannot share looprl's environment, so it runs here, in its own (`make setup-verifiers`),
-and looprl (envs/verifiers_env.py) speaks to it over stdin/stdout, one JSON object a line.
+and looprl (envs/adapters/verifiers_env.py) speaks to it over stdin/stdout, one JSON object a
+line.
 The installed version picks the API: 0.4 and later the v1 tasksets (vf_v1.py, in
 `.venv-verifiers`), 0.1.x the classic environments (vf_classic.py, `.venv-verifiers-classic`).
 Nothing here imports looprl.

@@ -13,8 +13,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from looprl.envs.common import check_choice, check_int, first_call, sample_items, task_indices
-from looprl.envs.tictactoe_board import (  # noqa: F401  (the public helpers live here too)
+from looprl.envs.builtin.tictactoe_board import (  # noqa: F401  (the public helpers live here too)
     EMPTY_BOARD,
     ILLEGAL_REWARD,
     LEGAL_REWARD,
@@ -39,6 +38,7 @@ from looprl.envs.tictactoe_board import (  # noqa: F401  (the public helpers liv
     winner,
     winning_moves,
 )
+from looprl.envs.common import check_choice, check_int, first_call, sample_items, task_indices
 from looprl.errors import EnvError
 from looprl.types import PARSE_FAILURES, Message, Observation, StepResult, Task, ToolCall
 
