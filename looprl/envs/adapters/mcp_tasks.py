@@ -1,7 +1,7 @@
 """The `mcp` environment's task file: rows read from JSONL, CSV or Parquet
-(envs/data/data_files.py), split into train and held-out tasks, and checked row by row against the server's tools
-(each problem names the file, the row and the field); read once per distinct
-configuration, tool listing and file contents. The row fields are described in
+(envs/data/data_files.py), split into train and held-out tasks, and checked row by row
+against the server's tools (each problem names the file, the row and the field); read once
+per distinct configuration, tool listing and file contents. The row fields are described in
 envs/adapters/mcp_env.py."""
 
 from __future__ import annotations
