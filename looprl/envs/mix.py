@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 
 from looprl.envs.base import demonstrations, solved_outcomes
 from looprl.envs.common import check_choice, check_reward
+from looprl.envs.registry import make_env
 from looprl.errors import EnvError
 from looprl.seeds import member_seed
 from looprl.types import Message, Observation, StepResult, Task
@@ -34,8 +35,6 @@ class Mix:
     needs_args: ClassVar[str] = "members=[{name: ..., weight: ...}, ...]"
 
     def __init__(self, members: list[dict[str, Any]] | None = None) -> None:
-        from looprl.envs import make_env  # the registry imports this module
-
         if not isinstance(members, list) or len(members) < 2:
             raise EnvError("mix: env.mix needs a list of at least two {name, args, weight}")
         self.labels: list[str] = []
@@ -124,8 +123,6 @@ class Mix:
     # ------------------------------------------------------------------ helpers
 
     def _fresh(self, index: int) -> Any:
-        from looprl.envs import make_env
-
         return make_env(*self.specs[index])
 
     def _wrap(self, index: int, task: Task) -> Task:
