@@ -22,7 +22,7 @@ import random
 from typing import Any, ClassVar
 
 from looprl.envs.base import demonstrations, solved_outcomes
-from looprl.envs.common import check_choice, check_reward
+from looprl.envs.common import check_choice, check_reward, in_progress
 from looprl.envs.registry import make_env
 from looprl.errors import EnvError
 from looprl.seeds import member_seed
@@ -106,9 +106,7 @@ class Mix:
         return env.reset(inner)
 
     def step(self, message: Message) -> StepResult:
-        if self._live is None:
-            raise EnvError("mix: step() called without an episode in progress")
-        index, env = self._live
+        index, env = in_progress("mix", self._live)
         result = env.step(message)
         check_reward(env, result.reward)  # the member's own range, not the mixture's
         result.info = {**result.info, "mix_env": self.labels[index]}

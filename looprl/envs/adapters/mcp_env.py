@@ -59,7 +59,10 @@ from looprl.envs.common import (
     check_failure_reward,
     check_fraction,
     check_int,
+    in_progress,
+    reward_label,
     sample_items,
+    unscored,
 )
 from looprl.envs.data.score_types import as_text
 from looprl.envs.data.scorers import make_scorers, make_tool_call
@@ -182,17 +185,14 @@ class McpTools:
         return Observation(messages, tools=self.tools, tool_choice=choice)
 
     def step(self, message: Message) -> StepResult:
-        ep = self._episode
-        if ep is None:
-            raise EnvError("mcp: step() called without an episode in progress")
+        ep = in_progress("mcp", self._episode)
         ep.turns += 1
         failure = message.parse_failure
         if failure == "no_tool_call" and not self.answer_tool:  # no call: the final answer
             failure = None
         if failure is not None:
             self._end_episode()
-            info = {"failure": failure, "detail": message.parse_detail}
-            return StepResult([], done=True, reward=self.failure_reward, outcome=failure, info=info)
+            return unscored(message, failure, self.failure_reward)
         if not message.tool_calls:
             return self._finish(ep, message.content, [])
         replies = []
@@ -273,7 +273,7 @@ class McpTools:
             self._end_episode()
         reward = sum(scores.values()) / len(scores)
         if outcome is None:
-            outcome = "correct" if reward >= 1.0 else "wrong" if reward <= 0.0 else "partial"
+            outcome = reward_label(reward)
         info = {**self._info(ep), "scores": scores}
         return StepResult(replies, done=True, reward=reward, outcome=outcome, info=info)
 

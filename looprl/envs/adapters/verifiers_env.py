@@ -47,7 +47,16 @@ import uuid
 from pathlib import Path
 from typing import Any, ClassVar
 
-from looprl.envs.common import Adapter, check_choice, check_fraction, check_int, sample_items
+from looprl.envs.common import (
+    Adapter,
+    check_choice,
+    check_fraction,
+    check_int,
+    in_progress,
+    reward_label,
+    sample_items,
+    unscored,
+)
 from looprl.errors import EnvError
 from looprl.types import PARSE_FAILURES, Message, Observation, StepResult, Task
 
@@ -287,16 +296,13 @@ class Verifiers(Adapter):
         return Observation(list(self._history), tools=self._tools, tool_choice=choice)
 
     def step(self, message: Message) -> StepResult:
-        if self._episode is None:
-            raise EnvError("verifiers: step() called without an episode in progress")
+        in_progress("verifiers", self._episode)
         self._turns += 1
         self._history.append(message)
         failure = message.parse_failure
         if self._tools and failure is not None and failure != "no_tool_call":
             self._episode = None
-            info = {"failure": failure, "detail": message.parse_detail}
-            return StepResult([], done=True, reward=self.failure_reward, outcome=failure,
-                              info=info)  # fmt: skip
+            return unscored(message, failure, self.failure_reward)
         if not (self._tools and message.tool_calls and failure is None):
             return self._finish("agent_completed")  # a reply without a call ends it
         if self._turns >= self.max_turns:
@@ -330,8 +336,8 @@ class Verifiers(Adapter):
         reward = sum(self.weights[name] * value for name, value in scores.items())
         reward = min(max(reward, self.reward_range[0]), self.reward_range[1])  # float rounding
         credit = sum(self.weights[n] * v for n, v in scores.items() if self.weights[n] > 0)
-        outcome = "max_turns" if stop == "max_turns" else "correct" if math.isclose(
-            reward, self.best) else "wrong" if credit == 0 else "partial"  # fmt: skip
+        solved = math.isclose(reward, self.best)
+        outcome = "max_turns" if stop == "max_turns" else reward_label(credit, solved)
         info: dict[str, Any] = {"scores": scores, "weights": dict(self.weights)}
         if scored["metrics"]:
             info["metrics"] = scored["metrics"]

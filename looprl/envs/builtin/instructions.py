@@ -42,6 +42,7 @@ from looprl.envs.builtin.instruction_checks import (  # noqa: F401  (re-exported
     has_word,
     json_object,
 )
+from looprl.envs.common import in_progress
 from looprl.errors import EnvError
 from looprl.types import Message, Observation, StepResult, Task
 
@@ -340,9 +341,7 @@ class InstructionsEnv:
         return Observation(messages, tools=[], tool_choice="none")
 
     def step(self, message: Message) -> StepResult:
-        checks, self._checks = self._checks, None
-        if checks is None:
-            raise EnvError(f"{self.name}: step() called without an episode in progress")
+        checks, self._checks = in_progress(self.name, self._checks), None
         # Text the chat layer took for a broken tool call (e.g. JSON with a "name" key) is
         # still the answer: score it.
         answer = message.content if isinstance(message.content, str) else ""

@@ -42,7 +42,10 @@ from looprl.envs.common import (
     check_failure_reward,
     check_fraction,
     check_int,
+    in_progress,
+    reward_label,
     sample_items,
+    unscored,
 )
 from looprl.envs.data.dataset_rows import COLUMNS, check_schema, check_tools, checked_rows, valid
 from looprl.envs.data.score_types import Score, as_text, labelled
@@ -147,13 +150,10 @@ class Dataset:
         return Observation(messages, tools=[], tool_choice="none", response_format=fmt)
 
     def step(self, message: Message) -> StepResult:
-        if self._task is None:
-            raise EnvError("dataset: step() called without an episode in progress")
-        task, self._task = self._task, None
+        task, self._task = in_progress("dataset", self._task), None
         response, failure = self.response(message, task)
         if failure is not None:
-            info = {"failure": failure, "detail": message.parse_detail}
-            return StepResult([], done=True, reward=self.failure_reward, outcome=failure, info=info)
+            return unscored(message, failure, self.failure_reward)
         reward, outcome, info = self.score(response, task)
         return StepResult([], done=True, reward=reward, outcome=outcome, info=info)
 
@@ -262,7 +262,7 @@ def _verdict(scorers: list[Scorer], scores: list[Score]) -> tuple[float, str]:
     """The weighted mean of the scores, and the outcome: correct when every score is 1."""
     reward = combine(scorers, scores)
     labels = {sc.label for sc in scores}
-    return reward, "correct" if labels == {"correct"} else "wrong" if reward == 0 else "partial"
+    return reward, reward_label(reward, solved=labels == {"correct"})
 
 
 def _outcomes(form: str, scorers: list[Scorer]) -> tuple[str, ...]:

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from looprl.envs.common import reward_label
 from looprl.envs.data.score_types import Score, as_text
 from looprl.errors import EnvError
 
@@ -85,8 +86,7 @@ class Judge:
         verdict = self.verdict([prompt, answer, as_text(response)],
                                lambda: self._ask(prompt, answer, response))  # fmt: skip
         score = min(1.0, max(0.0, float(verdict["score"]) / 10))
-        label = "correct" if score >= 1.0 else "partial" if score > 0.0 else "wrong"
-        return Score(score, label)
+        return Score(score, reward_label(score))
 
     def verdict(self, content: list[Any], ask: Any) -> dict[str, Any]:
         """The cached verdict on `content` (with the model and rubric), else `ask()`'s,
