@@ -130,8 +130,10 @@ class Adapter:
     @classmethod
     def bind(cls, target: str) -> type:
         if not target.strip():
-            raise EnvError(f"{cls.prefix}: name what to run after the colon, as in "
-                           f"'{cls.prefix}:{cls.target_help}'")  # fmt: skip
+            raise EnvError(
+                f"{cls.prefix}: name what to run after the colon, as in "
+                f"'{cls.prefix}:{cls.target_help}'"
+            )
         attrs = {"target": target.strip(), "name": f"{cls.prefix}:{target.strip()}"}
         return type(cls.__name__, (cls,), attrs)
 

@@ -191,8 +191,12 @@ class ReasoningGym(Adapter):
                         f"config allows too few distinct questions): lower eval_size"
                     )
         item = dataset[index]
-        data = {"split": split, "index": index, "question": item["question"],
-                "answer": str(item["answer"])}  # fmt: skip
+        data = {
+            "split": split,
+            "index": index,
+            "question": item["question"],
+            "answer": str(item["answer"]),
+        }
         return Task(id=f"{split}-{index}", data=data, seed=index)
 
 

@@ -316,8 +316,11 @@ class InstructionsEnv:
             if n is None:
                 return list(pool)
             rng = random.Random(seed)  # cycle through fresh shuffles when n > eval_size
-            return [task for start in range(0, n, len(pool))
-                    for task in rng.sample(pool, min(len(pool), n - start))]  # fmt: skip
+            return [
+                task
+                for start in range(0, n, len(pool))
+                for task in rng.sample(pool, min(len(pool), n - start))
+            ]
         if n is None:
             raise EnvError(f"{self.name}: the train split is unbounded; pass n")
         return [

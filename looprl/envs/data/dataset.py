@@ -115,12 +115,19 @@ class Dataset:
         custom = any(":" in s.name or s.remote for s in self.scorers)
         self.uncertain_outcomes = ("partial",) if custom else ()
         self.spec = {
-            "path": str(path), "eval_path": eval_path, "eval_fraction": float(eval_fraction),
-            "split_seed": check_int("split_seed", split_seed), "columns": columns or {},
-            "form": self.form, "tools": tools, "tool_choice": tool_choice,
-            "system_prompt": system_prompt, "scorers": scorers,
-            "response_schema": response_schema, "failure_reward": self.failure_reward,
-        }  # fmt: skip
+            "path": str(path),
+            "eval_path": eval_path,
+            "eval_fraction": float(eval_fraction),
+            "split_seed": check_int("split_seed", split_seed),
+            "columns": columns or {},
+            "form": self.form,
+            "tools": tools,
+            "tool_choice": tool_choice,
+            "system_prompt": system_prompt,
+            "scorers": scorers,
+            "response_schema": response_schema,
+            "failure_reward": self.failure_reward,
+        }
         self.rows = checked_rows(self.spec, self)
         self._task: Task | None = None
 
@@ -144,9 +151,14 @@ class Dataset:
         fmt = None
         if self.form == "json":
             schema = self.response_schema
-            fmt = {"type": "json_object"} if schema is None else {
-                "type": "json_schema", "json_schema": {"name": "answer", "schema": schema},
-            }  # fmt: skip
+            fmt = (
+                {"type": "json_object"}
+                if schema is None
+                else {
+                    "type": "json_schema",
+                    "json_schema": {"name": "answer", "schema": schema},
+                }
+            )
         return Observation(messages, tools=[], tool_choice="none", response_format=fmt)
 
     def step(self, message: Message) -> StepResult:
@@ -164,8 +176,9 @@ class Dataset:
             return []
         answer = task.data["answer"]
         if self.form == "tool_call":
-            return [Message("assistant", tool_calls=[ToolCall(answer["name"],
-                                                              answer["arguments"])])]  # fmt: skip
+            return [
+                Message("assistant", tool_calls=[ToolCall(answer["name"], answer["arguments"])])
+            ]
         if self.form == "json":  # as the grammar writes JSON: ", " and ": " separators
             return [Message("assistant", json.dumps(answer, ensure_ascii=False))]
         return [Message("assistant", as_text(answer))]
@@ -185,24 +198,28 @@ class Dataset:
             task = members[0].task
             replies = [[m for m in e.messages if m.role == "assistant"][-1] for e in members]
             responses = [self.response(reply, task)[0] for reply in replies]
-            prompt = "\n\n".join(m["content"] for m in task.data["messages"]
-                                  if m["role"] != "system")  # fmt: skip
+            prompt = "\n\n".join(
+                m["content"] for m in task.data["messages"] if m["role"] != "system"
+            )
             try:
                 for scorer in group_scorers:
                     values = scorer.fn.rank(prompt, task.data.get("answer"), responses)
                     for i, (e, value) in enumerate(zip(members, values)):
                         e.info["scores"][scorer.name] = value
                         e.info["labels"][scorer.name] = labelled(value).label
-                        e.info["judge"] = {**scorer.fn.last, "calls": scorer.fn.last["calls"]
-                                           if i == 0 else 0, "seconds": scorer.fn.last["seconds"]
-                                           if i == 0 else 0.0}  # fmt: skip
+                        e.info["judge"] = {
+                            **scorer.fn.last,
+                            "calls": scorer.fn.last["calls"] if i == 0 else 0,
+                            "seconds": scorer.fn.last["seconds"] if i == 0 else 0.0,
+                        }
             except Exception as err:
                 for e in members:
                     e.outcome, e.reward, e.error = ENV_ERROR, 0.0, f"group judge: {err}"
                 continue
             for e in members:
-                scores = [Score(e.info["scores"][s.name], e.info["labels"][s.name])
-                          for s in self.scorers]  # fmt: skip
+                scores = [
+                    Score(e.info["scores"][s.name], e.info["labels"][s.name]) for s in self.scorers
+                ]
                 e.reward, e.outcome = _verdict(self.scorers, scores)
                 del e.info["pending_group"]
 

@@ -46,8 +46,9 @@ def checked_messages(messages: list, fail: Any) -> list[dict[str, str]]:
     """A row's chat as {role, content} dicts; `fail(field, what)` makes the error that names
     the file and the row."""
     for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and m.get("role") in ROLES
-                and isinstance(m.get("content"), str)):  # fmt: skip
+        if not (
+            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+        ):
             raise fail("messages", f"message {i} needs a role in {ROLES} and text content")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
@@ -63,11 +64,15 @@ def split_rows(path: Path, spec: dict) -> tuple[list[tuple], list[tuple]]:
     random.Random(spec["split_seed"]).shuffle(order)
     k = max(1, round(spec["eval_fraction"] * len(rows)))
     if k >= len(rows):
-        raise EnvError(f"{path}: {len(rows)} rows leave none for training at eval_fraction "
-                       f"{spec['eval_fraction']}; add rows or pass eval_path")  # fmt: skip
+        raise EnvError(
+            f"{path}: {len(rows)} rows leave none for training at eval_fraction "
+            f"{spec['eval_fraction']}; add rows or pass eval_path"
+        )
     held = set(order[:k])
-    return ([r for i, r in enumerate(rows) if i not in held],
-            [r for i, r in enumerate(rows) if i in held])  # fmt: skip
+    return (
+        [r for i, r in enumerate(rows) if i not in held],
+        [r for i, r in enumerate(rows) if i in held],
+    )
 
 
 def _rows(spec: dict, env: Any) -> Rows:
@@ -88,8 +93,9 @@ def _prompt_key(task: Task) -> str:
     return json.dumps([task.data["messages"], task.data.get("tools")], sort_keys=True)
 
 
-def _task(split: str, path: Path, number: int, row: dict, columns: dict, spec: dict,
-          env: Any) -> Task:  # fmt: skip
+def _task(
+    split: str, path: Path, number: int, row: dict, columns: dict, spec: dict, env: Any
+) -> Task:
     """One row as a checked task; every problem names the file, the row and the field."""
 
     def fail(field: str, what: str) -> EnvError:
@@ -107,9 +113,11 @@ def _task(split: str, path: Path, number: int, row: dict, columns: dict, spec: d
     elif "prompt" in present:
         messages = [{"role": "user", "content": str(row[columns["prompt"]])}]
     else:
-        raise EnvError(f"{path}: row {number} has neither a {columns['prompt']!r} nor a "
-                       f"{columns['messages']!r} column (set env.args.columns to map yours; "
-                       f"the row's columns: {', '.join(row) or 'none'})")  # fmt: skip
+        raise EnvError(
+            f"{path}: row {number} has neither a {columns['prompt']!r} nor a "
+            f"{columns['messages']!r} column (set env.args.columns to map yours; "
+            f"the row's columns: {', '.join(row) or 'none'})"
+        )
     system = cell("system", str) if "system" in present else spec["system_prompt"]
     if system and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system})
@@ -137,8 +145,9 @@ def _task(split: str, path: Path, number: int, row: dict, columns: dict, spec: d
             if local:
                 env.score(response, task, local)
         except Exception as err:
-            raise fail("answer", f"scoring the row's own answer raised {type(err).__name__}: "
-                                 f"{err}") from None  # fmt: skip
+            raise fail(
+                "answer", f"scoring the row's own answer raised {type(err).__name__}: {err}"
+            ) from None
     return task
 
 
@@ -205,8 +214,7 @@ def valid(value: Any, schema: dict) -> bool:
 
 def checked_rows(spec: dict, env: Any) -> Rows:
     """The rows of `spec`, read and checked once per distinct spec and file contents."""
-    key = json.dumps([spec, _stamps(spec["path"], spec["eval_path"])], sort_keys=True,
-                     default=str)  # fmt: skip
+    key = json.dumps([spec, _stamps(spec["path"], spec["eval_path"])], sort_keys=True, default=str)
     if key not in _CHECKED:
         if len(_CHECKED) >= 8:
             _CHECKED.pop(next(iter(_CHECKED)))
