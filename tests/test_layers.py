@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent / "looprl"
 
 # bottom to top; packages on one rank do not import each other
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "types", "seeds"),
+    ("errors", "types", "seeds", "children"),
     ("config", "algo", "chat"),
     ("envs",),
     ("model",),

@@ -35,6 +35,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from looprl import children
 from looprl.errors import EnvError
 
 ISOLATIONS = ("shared", "reset", "fresh")
@@ -142,12 +143,7 @@ class Connection:
             _loop().call_soon_threadsafe(self._jobs.put_nowait, None)
 
     def stderr_tail(self, chars: int = 2000) -> str:
-        if self.stderr is None:
-            return ""
-        fd = self.stderr.fileno()
-        size = os.fstat(fd).st_size
-        data = os.pread(fd, chars, max(0, size - chars))
-        return data.decode("utf-8", "replace").strip()
+        return "" if self.stderr is None else children.file_tail(self.stderr, chars)
 
     # ---------------------------------------------------------------- on the loop
 
@@ -339,26 +335,19 @@ class Pool:
                            f"failed: {result_text(wire)}")  # fmt: skip
 
 
-_POOLS: dict[tuple[str, str, str | None], Pool] = {}
-_POOLS_LOCK = threading.Lock()
+# closed by close_all below, which also waits for the servers to stop
+_POOLS: children.Children[Pool] = children.Children(Pool.close, close_at_exit=False)
 
 
 def pool(spec: str, isolation: str, reset_tool: str | None) -> Pool:
     """The pool of (server, isolation, reset tool), made on first use."""
     key = (spec, isolation, reset_tool if isolation == "reset" else None)
-    with _POOLS_LOCK:
-        if key not in _POOLS:
-            _POOLS[key] = Pool(*key)
-        return _POOLS[key]
+    return _POOLS.get(key, lambda: Pool(*key), lambda _: True)
 
 
 def close_all(wait_s: float = 10.0) -> None:
     """Close every pool's connections and wait (up to `wait_s`) for the servers to stop."""
-    with _POOLS_LOCK:
-        pools = list(_POOLS.values())
-        _POOLS.clear()
-    for p in pools:
-        p.close()
+    _POOLS.close_all()
     if _LOOP is None:
         return
 

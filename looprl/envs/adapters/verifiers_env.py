@@ -30,15 +30,11 @@ the tail of its stderr.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import ctypes
 import importlib.util
 import json
 import math
 import os
 import queue
-import signal
 import subprocess
 import sys
 import tempfile
@@ -47,6 +43,7 @@ import uuid
 from pathlib import Path
 from typing import Any, ClassVar
 
+from looprl import children
 from looprl.envs.common import (
     Adapter,
     check_choice,
@@ -97,11 +94,10 @@ class _Worker:
     def __init__(self, command: list[str], start_timeout_s: float) -> None:
         self.log = Path(tempfile.mkstemp(prefix="looprl-verifiers-", suffix=".log")[1])
         env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
-        with open(self.log, "wb") as sink:
-            self.process = subprocess.Popen(
-                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sink, text=True,
-                env=env, preexec_fn=_stop_with_parent,
-            )  # fmt: skip
+        self.process = children.start(
+            command, self.log, merge_stdout=False, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
         self.replies: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self.lock = threading.Lock()
@@ -167,46 +163,25 @@ class _Worker:
                         f"for the next episode\n{self.tail()}")  # fmt: skip
 
     def tail(self, lines: int = 15) -> str:
-        text = self.log.read_text(errors="replace").splitlines() if self.log.is_file() else []
-        return "\n".join(
-            ["worker stderr (last lines):", *text[-lines:], f"(whole log: {self.log})"]
-        )
+        text = children.log_lines(self.log, lines)
+        return "\n".join(["worker stderr (last lines):", *text, f"(whole log: {self.log})"])
 
     def close(self) -> None:
-        if self.alive():
-            self.process.kill()
-            self.process.wait()
+        children.stop(self.process)
 
 
-_WORKERS: dict[tuple[Any, ...], _Worker] = {}
-_POOL_LOCK = threading.Lock()
+_WORKERS: children.Children[_Worker] = children.Children(_Worker.close)
 
 
 def worker_for(python: str, target: str, spec: dict[str, Any], start_timeout_s: float) -> _Worker:
     """The live worker for this environment spec, started (again) when there is none."""
     key = (python, target, json.dumps(spec, sort_keys=True))
-    with _POOL_LOCK:
-        worker = _WORKERS.get(key)
-        if worker is None or not worker.alive():
-            command = [python, str(WORKER), "--target", target,
-                       "--args", json.dumps(spec["config"]),
-                       "--eval-fraction", str(spec["eval_fraction"]),
-                       "--split-seed", str(spec["split_seed"])]  # fmt: skip
-            worker = _WORKERS[key] = _Worker(command, start_timeout_s)
-        return worker
-
-
-@atexit.register
-def close_workers() -> None:
-    for worker in _WORKERS.values():
-        worker.close()
+    command = [python, str(WORKER), "--target", target,
+               "--args", json.dumps(spec["config"]),
+               "--eval-fraction", str(spec["eval_fraction"]),
+               "--split-seed", str(spec["split_seed"])]  # fmt: skip
+    return _WORKERS.get(key, lambda: _Worker(command, start_timeout_s), _Worker.alive)
     _WORKERS.clear()
-
-
-def _stop_with_parent() -> None:
-    """In the worker before it starts (Linux): SIGTERM it when looprl dies."""
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class Verifiers(Adapter):
