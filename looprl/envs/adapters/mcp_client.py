@@ -196,8 +196,9 @@ class Connection:
         except BaseException as err:
             if not ready.done():
                 root = root_error(err)
-                ready.set_exception(root if isinstance(root, Exception) else
-                                    Exception(describe(err)))  # fmt: skip
+                ready.set_exception(
+                    root if isinstance(root, Exception) else Exception(describe(err))
+                )
             if job is not None and not job[2].done():
                 job[2].set_exception(ServerFailure(f"the connection failed: {describe(err)}"))
             if isinstance(err, asyncio.CancelledError | KeyboardInterrupt | SystemExit):
@@ -229,9 +230,11 @@ class Connection:
 def check_command(spec: Any) -> str:
     """`spec` if it names a server: an http(s) URL or a command line."""
     if not isinstance(spec, str) or not spec.strip():
-        raise EnvError("mcp: env.args.server is required: a command that starts the server "
-                       "over stdio ('python server.py') or its URL "
-                       "(http://host:port/mcp)")  # fmt: skip
+        raise EnvError(
+            "mcp: env.args.server is required: a command that starts the server "
+            "over stdio ('python server.py') or its URL "
+            "(http://host:port/mcp)"
+        )
     try:
         shlex.split(spec)
     except ValueError as err:
@@ -261,8 +264,9 @@ class Pool:
                 result = conn.call(lambda s: s.list_tools(), START_TIMEOUT_S)
             except Exception as err:
                 self.checkin(conn)
-                raise EnvError(f"MCP server {self.spec!r} could not list its tools: "
-                               f"{describe(err)}") from None  # fmt: skip
+                raise EnvError(
+                    f"MCP server {self.spec!r} could not list its tools: {describe(err)}"
+                ) from None
             self.listing = [t.model_dump(by_alias=True, exclude_none=True) for t in result.tools]
             self.checkin(conn)
         return self.listing
@@ -331,8 +335,10 @@ class Pool:
         wire = result.model_dump(by_alias=True, exclude_none=True)
         if wire.get("isError"):
             self.checkin(conn)
-            raise EnvError(f"MCP server {self.spec!r}: the reset tool {self.reset_tool!r} "
-                           f"failed: {result_text(wire)}")  # fmt: skip
+            raise EnvError(
+                f"MCP server {self.spec!r}: the reset tool {self.reset_tool!r} "
+                f"failed: {result_text(wire)}"
+            )
 
 
 # closed by close_all below, which also waits for the servers to stop
