@@ -13,7 +13,12 @@ from typing import Any
 import jsonschema
 
 from looprl.envs.data.data_files import parse_cell
-from looprl.envs.data.dataset_rows import check_schema, checked_messages, split_rows
+from looprl.envs.data.dataset_rows import (
+    check_schema,
+    checked_messages,
+    split_rows,
+    without_held_out,
+)
 from looprl.envs.data.score_types import as_text
 from looprl.envs.data.scorers import Scorer, combine
 from looprl.errors import EnvError
@@ -77,11 +82,8 @@ def _read(spec: dict, listing: dict[str, dict], scorers: list[Scorer]) -> tuple:
         for n, t in shown.items()
     ]
     evals = [_task("eval", *r, spec, listing, shown, scorers) for r in held]
-    seen = {json.dumps(t.data["messages"]) for t in evals}
     train = [_task("train", *r, spec, listing, shown, scorers) for r in rows]
-    train = [t for t in train if json.dumps(t.data["messages"]) not in seen]
-    if not train:
-        raise EnvError(f"{path}: every train row's prompt is also a held-out one")
+    train = without_held_out(path, train, evals, lambda t: json.dumps(t.data["messages"]))
     return tuple(train), tuple(evals), tools
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,12 +82,21 @@ def _rows(spec: dict, env: Any) -> Rows:
     path = Path(spec["path"])
     rows, eval_rows = split_rows(path, spec)
     held_out = [_task("eval", *r, columns, spec, env) for r in eval_rows]
-    seen = {_prompt_key(t) for t in held_out}
     train = [_task("train", *r, columns, spec, env) for r in rows]
-    kept = [t for t in train if _prompt_key(t) not in seen]
+    kept = without_held_out(path, train, held_out, _prompt_key)
+    return Rows(tuple(kept), tuple(held_out), len(train) - len(kept))
+
+
+def without_held_out(
+    path: Path, train: list[Task], held_out: list[Task], prompt: Callable[[Task], str]
+) -> list[Task]:
+    """The train tasks whose prompt is not also a held-out task's (so the splits never
+    overlap); an EnvError when none is left."""
+    seen = {prompt(t) for t in held_out}
+    kept = [t for t in train if prompt(t) not in seen]
     if not kept:
         raise EnvError(f"{path}: every train row's prompt is also a held-out one")
-    return Rows(tuple(kept), tuple(held_out), len(train) - len(kept))
+    return kept
 
 
 def _prompt_key(task: Task) -> str:
