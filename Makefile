@@ -46,8 +46,8 @@ $(VLLM_STAMP):
 
 # env.name=verifiers:<module>: verifiers in an environment of its own (it pins openai<3 and
 # mcp==2.0.0, where looprl's dev tools need openai>=3); looprl talks to a worker process
-# there (looprl/envs/verifiers_worker). No torch: about 590 MB, under a minute. The classic
-# 0.1 API (env.args.api: classic) in .venv-verifiers-classic: about 700 MB, no torch, it
+# there (looprl/envs/adapters/verifiers_worker). No torch: about 590 MB, under a minute. The
+# classic 0.1 API (env.args.api: classic) in .venv-verifiers-classic: about 700 MB, no torch, it
 # pins datasets<4.7.
 VF_VENV   := .venv-verifiers
 VF_STAMP  := $(VF_VENV)/.installed

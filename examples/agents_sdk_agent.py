@@ -27,7 +27,7 @@ from agents import (
 from pydantic import Field
 
 from looprl.agents import AgentResult
-from looprl.envs.tictactoe import CHOOSE_SQUARE_TOOL, TicTacToeGame
+from looprl.envs.builtin.tictactoe import CHOOSE_SQUARE_TOOL, TicTacToeGame
 from looprl.types import Message, ToolCall
 
 set_tracing_disabled(True)  # the SDK would otherwise export traces to OpenAI

@@ -12,8 +12,8 @@ import json
 import random
 
 from looprl.agents import AgentResult
-from looprl.envs.tictactoe import CHOOSE_SQUARE_TOOL, TicTacToeGame, parse_opponent
-from looprl.envs.tictactoe_board import (
+from looprl.envs.builtin.tictactoe import CHOOSE_SQUARE_TOOL, TicTacToeGame, parse_opponent
+from looprl.envs.builtin.tictactoe_board import (
     EMPTY_BOARD,
     as_square,
     best_moves,

@@ -25,8 +25,8 @@ from looprl.agents import AgentResult, run_agents
 from looprl.config import config_from_dict
 from looprl.engine import SamplingParams
 from looprl.engine.hf import HFEngine
+from looprl.envs.builtin.tictactoe import TicTacToeGame
 from looprl.envs.check import check_env
-from looprl.envs.tictactoe import TicTacToeGame
 from looprl.loop.rollout import run_episodes
 from looprl.types import ENV_ERROR, TRUNCATED, Task
 from tests.test_rollout import ScriptedEngine, encode

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from looprl.config import LoraConfig as LoraSettings
 from looprl.engine import GenerationRequest, SamplingParams
 from looprl.engine.hf import HFEngine
-from looprl.envs.tictactoe import TicTacToeMove
+from looprl.envs.builtin.tictactoe import TicTacToeMove
 from looprl.forward.prefix import shared_prefill
 from looprl.forward.score import sequence_logprobs
 from looprl.loop.policy import add_lora

@@ -19,8 +19,8 @@ from test_engine import (
 
 from looprl.engine import GenerationRequest, SamplingParams
 from looprl.engine.hf import HFEngine
-from looprl.envs.extraction import Extraction
-from looprl.envs.tictactoe import TicTacToeMove
+from looprl.envs.builtin.extraction import Extraction
+from looprl.envs.builtin.tictactoe import TicTacToeMove
 from looprl.forward import cascade, cascade_kernels
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from looprl.chat import ChatRenderer
 from looprl.chat.formats import format_tool_call
-from looprl.envs.tictactoe import CHOOSE_SQUARE_TOOL, TicTacToeGame, legal_moves
+from looprl.envs.builtin.tictactoe import CHOOSE_SQUARE_TOOL, TicTacToeGame, legal_moves
 from looprl.errors import ChatError
 from looprl.types import Message, Task, ToolCall
 

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from looprl.cli import app
 from looprl.envs import make_env
 from looprl.envs.check import check_env
-from looprl.envs.scorers import make_scorers
+from looprl.envs.data.scorers import make_scorers
 from looprl.errors import EnvError
 from looprl.types import Message, ToolCall
 

@@ -12,7 +12,7 @@ import torch
 
 from looprl.engine import GenerationRequest, SamplingParams, ToolConstraint
 from looprl.engine.hf import HFEngine
-from looprl.envs.tictactoe import TicTacToeMove
+from looprl.envs.builtin.tictactoe import TicTacToeMove
 
 
 def full_forward_logprobs(model, prompt: list[int], completion: list[int]) -> list[float]:

@@ -15,7 +15,7 @@ from looprl.chat.parsers import parse_tool_calls, validate_arguments
 from looprl.engine import ToolConstraint
 from looprl.engine.grammar import GrammarCache
 from looprl.envs.base import Environment, demonstrations
-from looprl.envs.extraction import (
+from looprl.envs.builtin.extraction import (
     ENVIRONMENTS,
     FIELDS,
     RECORD_TOOLS,
@@ -23,7 +23,7 @@ from looprl.envs.extraction import (
     Extraction,
     grade,
 )
-from looprl.envs.extraction_docs import KINDS, LAYOUTS, MAX_WORDS, MIN_WORDS, make_document
+from looprl.envs.builtin.extraction_docs import KINDS, LAYOUTS, MAX_WORDS, MIN_WORDS, make_document
 from looprl.errors import EnvError
 from looprl.types import PARSE_FAILURES, Message, Task, ToolCall
 

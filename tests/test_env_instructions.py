@@ -9,7 +9,7 @@ import pytest
 
 from looprl.chat.parsers import parse_tool_calls
 from looprl.envs.base import Environment, demonstrations
-from looprl.envs.instructions import (
+from looprl.envs.builtin.instructions import (
     CHECKS,
     DOMAINS,
     ENVIRONMENTS,

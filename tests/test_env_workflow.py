@@ -11,7 +11,7 @@ import pytest
 
 from looprl.chat.parsers import validate_arguments
 from looprl.envs.base import Environment, demonstrations
-from looprl.envs.workflow import (
+from looprl.envs.builtin.workflow import (
     ENVIRONMENTS,
     TEMPLATES,
     TOOLS,
@@ -19,7 +19,7 @@ from looprl.envs.workflow import (
     intended_changes,
     score,
 )
-from looprl.envs.workflow_db import generate_shop, open_db, snapshot
+from looprl.envs.builtin.workflow_db import generate_shop, open_db, snapshot
 from looprl.errors import EnvError
 from looprl.types import PARSE_FAILURES, Message, Task, ToolCall
 

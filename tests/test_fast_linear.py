@@ -15,7 +15,7 @@ from test_engine import reference_generate
 
 from looprl.engine import GenerationRequest, SamplingParams
 from looprl.engine.hf import HFEngine
-from looprl.envs.tictactoe import TicTacToeMove
+from looprl.envs.builtin.tictactoe import TicTacToeMove
 from looprl.forward import fast_linear
 from looprl.forward.fast_linear import FastLinear, Forms
 from looprl.model.load import load_causal_lm

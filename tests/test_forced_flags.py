@@ -17,8 +17,8 @@ from looprl.engine import GenerationRequest, JsonConstraint, SamplingParams, Thi
 from looprl.engine.grammar import allows_one_token
 from looprl.engine.hf import HFEngine
 from looprl.engine.requests import generation_request
-from looprl.envs.extraction import Extraction
-from looprl.envs.tictactoe import TicTacToeGame, TicTacToeMove
+from looprl.envs.builtin.extraction import Extraction
+from looprl.envs.builtin.tictactoe import TicTacToeGame, TicTacToeMove
 from looprl.loop.decisions import decision_view, free_tokens, grammar_masked
 from looprl.loop.rollout import run_episodes
 from looprl.loop.sft import demo_episode

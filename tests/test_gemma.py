@@ -13,7 +13,7 @@ import torch
 from looprl.chat import ChatRenderer
 from looprl.engine import GenerationRequest, SamplingParams, ToolConstraint
 from looprl.engine.hf import HFEngine
-from looprl.envs.tictactoe import TicTacToeMove
+from looprl.envs.builtin.tictactoe import TicTacToeMove
 from looprl.errors import ModelError
 from looprl.model import load
 from looprl.types import Message

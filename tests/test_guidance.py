@@ -12,8 +12,8 @@ import torch
 from looprl.algo.advantages import anchored_advantages, episode_advantages, group_advantages
 from looprl.config import config_from_dict
 from looprl.envs import make_env
-from looprl.envs.tictactoe import TicTacToeGame
-from looprl.envs.tictactoe_board import expert_move
+from looprl.envs.builtin.tictactoe import TicTacToeGame
+from looprl.envs.builtin.tictactoe_board import expert_move
 from looprl.loop.dist import Dist
 from looprl.loop.groups import play_step
 from looprl.loop.guidance import (

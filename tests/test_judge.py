@@ -16,7 +16,7 @@ from looprl.apps.loading import load_chat_model
 from looprl.apps.serve import create_app, serving
 from looprl.cli import app
 from looprl.envs import make_env
-from looprl.envs.scorers import make_scorers
+from looprl.envs.data.scorers import make_scorers
 from looprl.errors import EnvError
 from looprl.types import Message
 

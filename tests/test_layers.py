@@ -1,6 +1,7 @@
 """The import graph stays layered (docs/architecture.md): a module imports only from its
 own package or from a lower layer, and no two modules import each other, directly or
-around a circle. Imports inside functions and under TYPE_CHECKING count too."""
+around a circle. Imports inside functions and under TYPE_CHECKING count too, and so does
+`importlib.import_module("looprl....")` with a literal name."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent / "looprl"
 
 # bottom to top; packages on one rank do not import each other
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "types", "seeds"),
+    ("errors", "types", "seeds", "children"),
     ("config", "algo", "chat"),
     ("envs",),
     ("model",),
@@ -34,7 +35,7 @@ def module_name(path: Path) -> str:
 
 def imported_modules(path: Path) -> set[str]:
     """Every looprl module `path` imports (`from looprl.x import y` counts y when y is a
-    module of its own)."""
+    module of its own; `importlib.import_module("looprl.x")` with a literal name counts)."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
@@ -52,8 +53,23 @@ def imported_modules(path: Path) -> set[str]:
             for alias in node.names:
                 sub = f"{target}.{alias.name}"
                 found.add(sub if module_path(sub) is not None else target)
+        elif (literal := import_module_literal(node)) and literal.startswith("looprl"):
+            found.add(literal)
     found.discard(name)
     return found
+
+
+def import_module_literal(node: ast.AST) -> str | None:
+    """The name in `importlib.import_module("...")` (or a bare `import_module("...")`) when
+    it is a literal string: an import the statements above do not show."""
+    if not (isinstance(node, ast.Call) and node.args):
+        return None
+    func = node.func
+    called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    arg = node.args[0]
+    if called == "import_module" and isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return arg.value
+    return None
 
 
 def module_path(name: str) -> Path | None:
@@ -141,10 +157,13 @@ def test_the_step_does_not_import_the_eval():
 
 
 def test_the_checks_catch_what_they_guard():
-    """An upward import (even a lazy one inside a function) and a circle are reported."""
+    """An upward import (even a lazy one inside a function, or one through
+    `importlib.import_module` with a literal name) and a circle are reported."""
     planted = dict(GRAPH, **{"looprl.loop.levers": {"looprl.loop.evaluate"}})
     assert reaches(planted, "looprl.loop.step", "looprl.loop.evaluate")
     source = "def late():\n    from looprl.loop import train\n"
+    assert "looprl.loop.train" in imported_modules_of(source, "looprl.chat.render")
+    source = "import importlib\n\ndef late():\n    importlib.import_module('looprl.loop.train')\n"
     assert "looprl.loop.train" in imported_modules_of(source, "looprl.chat.render")
     graph = dict(GRAPH, **{"looprl.chat.render": {"looprl.loop.train"}})
     assert upward_imports(graph) == ["looprl.chat.render -> looprl.loop.train"]

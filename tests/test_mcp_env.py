@@ -20,9 +20,10 @@ from typer.testing import CliRunner
 pytest.importorskip("mcp")
 
 from looprl.cli import app  # noqa: E402
-from looprl.envs import list_envs, make_env, mcp_client  # noqa: E402
+from looprl.envs import list_envs, make_env  # noqa: E402
+from looprl.envs.adapters import mcp_client  # noqa: E402
+from looprl.envs.adapters.mcp_env import calls_credit  # noqa: E402
 from looprl.envs.check import check_env  # noqa: E402
-from looprl.envs.mcp_env import calls_credit  # noqa: E402
 from looprl.errors import EnvError  # noqa: E402
 from looprl.types import Message, ToolCall  # noqa: E402
 

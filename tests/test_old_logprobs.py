@@ -13,7 +13,7 @@ from looprl.algo.logprobs import head_logprobs, token_logprobs
 from looprl.config import AlgoConfig, TrainConfig, config_from_dict
 from looprl.engine import SamplingParams
 from looprl.engine.hf import HFEngine
-from looprl.envs.tictactoe import TicTacToeMove, positions, winning_moves
+from looprl.envs.builtin.tictactoe import TicTacToeMove, positions, winning_moves
 from looprl.forward.score import decoder_and_head
 from looprl.loop.groups import Group
 from looprl.loop.policy import Policy, load_policy

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from looprl.apps.play import PlayError, PlaySession, move_prompt, play_in_terminal, swap_marks
 from looprl.cli import app
-from looprl.envs.tictactoe import CHOOSE_SQUARE_TOOL, TicTacToeMove
-from looprl.envs.tictactoe_board import render_board
+from looprl.envs.builtin.tictactoe import CHOOSE_SQUARE_TOOL, TicTacToeMove
+from looprl.envs.builtin.tictactoe_board import render_board
 from looprl.types import Message, Task, ToolCall
 
 ENV = {"COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}

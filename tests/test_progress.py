@@ -12,7 +12,7 @@ from rich.console import Console
 from looprl.agents import AgentResult, run_agents
 from looprl.engine import SamplingParams
 from looprl.engine.hf import HFEngine
-from looprl.envs.tictactoe import TicTacToeGame, TicTacToeMove
+from looprl.envs.builtin.tictactoe import TicTacToeGame, TicTacToeMove
 from looprl.loop.progress import Progress, duration
 from looprl.loop.rollout import run_episodes
 from tests.test_agents import PARAMS, ScriptedAgentEnv, ask

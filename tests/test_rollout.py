@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from looprl.chat.formats import format_tool_call
 from looprl.engine import Completion, GenerationRequest, SamplingParams, ToolConstraint
 from looprl.engine.hf import HFEngine
-from looprl.envs.tictactoe import (
+from looprl.envs.builtin.tictactoe import (
     CHOOSE_SQUARE_TOOL,
     TicTacToeGame,
     TicTacToeMove,

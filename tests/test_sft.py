@@ -9,7 +9,7 @@ import json
 from rich.console import Console
 
 from looprl.config import config_from_dict
-from looprl.envs.tictactoe import TicTacToeMove, score_move
+from looprl.envs.builtin.tictactoe import TicTacToeMove, score_move
 from looprl.loop.progress import Progress
 from looprl.loop.sft import demo_episode
 from looprl.loop.train import run_training

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from looprl.config import config_from_dict
-from looprl.envs.tictactoe import SnapshotPlayers, TicTacToeGame
+from looprl.envs.builtin.tictactoe import SnapshotPlayers, TicTacToeGame
 from looprl.loop.policy import load_policy
 from looprl.loop.snapshot import SnapshotPlayer
 from looprl.loop.train import run_training

@@ -21,9 +21,14 @@ from looprl.chat.parsers import parse_tool_calls, validate_arguments
 from looprl.engine import GenerationRequest, SamplingParams, Thinking, ToolConstraint
 from looprl.engine.grammar import GrammarCache, build_grammar, call_schema, thinking_marks
 from looprl.engine.hf import HFEngine
+from looprl.envs.builtin.tictactoe import (
+    CHOOSE_SQUARE_TOOL,
+    TicTacToeGame,
+    TicTacToeMove,
+    legal_moves,
+)
+from looprl.envs.builtin.workflow import TOOLS as WORKFLOW_TOOLS
 from looprl.envs.check import random_value
-from looprl.envs.tictactoe import CHOOSE_SQUARE_TOOL, TicTacToeGame, TicTacToeMove, legal_moves
-from looprl.envs.workflow import TOOLS as WORKFLOW_TOOLS
 from looprl.errors import ChatError
 from looprl.loop.rollout import run_episodes
 from looprl.types import Message, ToolCall

@@ -9,7 +9,7 @@ from fractions import Fraction
 import pytest
 
 from looprl.envs.base import Environment, demonstrations
-from looprl.envs.tictactoe import (
+from looprl.envs.builtin.tictactoe import (
     CHOOSE_SQUARE_TOOL,
     EMPTY_BOARD,
     ENVIRONMENTS,
@@ -609,7 +609,7 @@ def test_minimax_opponent_is_not_memorisable() -> None:
 
 
 def test_opponent_shares() -> None:
-    from looprl.envs.tictactoe import parse_opponent
+    from looprl.envs.builtin.tictactoe import parse_opponent
 
     assert parse_opponent("snapshot") == {"minimax": 0.0, "random": 0.0, "snapshot": 1.0}
     assert parse_opponent("mixed:0.25") == {"minimax": 0.25, "random": 0.75, "snapshot": 0.0}
@@ -622,7 +622,7 @@ def test_games_against_a_policy_snapshot() -> None:
     """The env asks the registered player for the opponent's moves, from the opponent's
     side, among the legal squares, with the game's random stream; train and eval games
     ask their own player; a mix keeps the other players' moves."""
-    from looprl.envs.tictactoe import SnapshotPlayers
+    from looprl.envs.builtin.tictactoe import SnapshotPlayers
 
     asked = []
 

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from looprl.cli import app
 from looprl.envs import make_env
-from looprl.envs import verifiers_env as ve
+from looprl.envs.adapters import verifiers_env as ve
 from looprl.errors import EnvError
 from looprl.types import Message, ToolCall
 

@@ -41,7 +41,7 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.harness import ROOT, arguments, median, result_line
-from looprl.envs.tictactoe import TicTacToeMove
+from looprl.envs.builtin.tictactoe import TicTacToeMove
 
 LONG_PROMPT = "Write a very long story about a robot who learns to play tic-tac-toe."
 SHORT_PROMPT = "Say hi."

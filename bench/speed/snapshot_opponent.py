@@ -21,7 +21,7 @@ from typing import Any
 
 from looprl.config import config_from_dict
 from looprl.envs import make_env
-from looprl.envs.tictactoe_board import expert_move
+from looprl.envs.builtin.tictactoe_board import expert_move
 from looprl.loop.policy import load_policy
 from looprl.loop.snapshot import start_snapshots
 from looprl.types import Message, ToolCall

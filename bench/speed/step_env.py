@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from looprl.envs.tictactoe import TicTacToeMove, score_move
+from looprl.envs.builtin.tictactoe import TicTacToeMove, score_move
 from looprl.types import Message, Observation, StepResult, Task
 
 _DIGIT = re.compile(r"[1-9]")

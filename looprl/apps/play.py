@@ -28,8 +28,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from looprl.envs.tictactoe import BOARD_VIEWS, CHOOSE_SQUARE_TOOL, TicTacToeMove, show_board
-from looprl.envs.tictactoe_board import (
+from looprl.envs.builtin.tictactoe import BOARD_VIEWS, CHOOSE_SQUARE_TOOL, TicTacToeMove, show_board
+from looprl.envs.builtin.tictactoe_board import (
     EMPTY_BOARD,
     Player,
     as_square,

@@ -11,11 +11,8 @@ dev-mode routes (`VLLM_SERVER_DEV_MODE`, `VLLM_ALLOW_RUNTIME_LORA_UPDATING`).
 from __future__ import annotations
 
 import atexit
-import contextlib
-import ctypes
 import json
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -25,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from looprl import children
 from looprl.errors import EngineError
 
 SERVED_NAME = "looprl"  # the base model's name on the server
@@ -106,11 +104,7 @@ class VLLMServer:
         )
         env.pop("VIRTUAL_ENV", None)
         log = workdir / "vllm-server.log"
-        with open(log, "wb") as sink:
-            process = subprocess.Popen(
-                args, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                preexec_fn=_stop_with_parent,
-            )  # fmt: skip
+        process = children.start(args, log, merge_stdout=True, env=env, start_new_session=True)
         server = cls(f"http://127.0.0.1:{port}", process, log)
         atexit.register(server.close)  # a server looprl started never outlives it
         server.wait_ready(spec.timeout_s)
@@ -141,9 +135,7 @@ class VLLMServer:
         """The server log's last error lines (or last lines), for an error message."""
         if self.log is None or not self.log.is_file():
             return f"(no log: the server at {self.url} was started elsewhere)"
-        text = self.log.read_text(errors="replace").splitlines()
-        errors = [line for line in text if "Error" in line and "ulimit" not in line]
-        chosen = (errors or text)[-lines:]
+        chosen = children.log_lines(self.log, lines, prefer=_is_error_line)
         return "\n".join(chosen) + f"\n(whole log: {self.log})"
 
     def alive(self) -> bool:
@@ -177,21 +169,12 @@ class VLLMServer:
         return EngineError(f"the vLLM server stopped answering{state}: {what}\n{self.log_tail()}")
 
     def close(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        children.stop(self.process, grace_s=30)
         self.process = None if self.process is None else self.process
 
 
-def _stop_with_parent() -> None:
-    """In the server's process before it starts (Linux): SIGTERM it when looprl dies,
-    even by SIGKILL, so that no orphaned server keeps its memory."""
-    with contextlib.suppress(OSError):  # not Linux: no such call
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+def _is_error_line(line: str) -> bool:
+    return "Error" in line and "ulimit" not in line
 
 
 def _lora_rank_option(rank: int) -> int:

@@ -8,10 +8,12 @@ import math
 import os
 import random
 import sys
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from looprl.errors import EnvError
-from looprl.types import PARSE_FAILURES, Message, ToolCall
+from looprl.types import PARSE_FAILURES, Message, StepResult, ToolCall
+
+T = TypeVar("T")
 
 
 def check_int(name: str, value: Any, low: float = -math.inf, high: float = math.inf) -> int:
@@ -128,7 +130,34 @@ class Adapter:
     @classmethod
     def bind(cls, target: str) -> type:
         if not target.strip():
-            raise EnvError(f"{cls.prefix}: name what to run after the colon, as in "
-                           f"'{cls.prefix}:{cls.target_help}'")  # fmt: skip
+            raise EnvError(
+                f"{cls.prefix}: name what to run after the colon, as in "
+                f"'{cls.prefix}:{cls.target_help}'"
+            )
         attrs = {"target": target.strip(), "name": f"{cls.prefix}:{target.strip()}"}
         return type(cls.__name__, (cls,), attrs)
+
+
+# ---------------------------------------------------------------- a single answer's step
+
+
+def in_progress(env_name: str, state: T | None) -> T:
+    """The episode's state, or the EnvError of a `step` with no episode in progress."""
+    if state is None:
+        raise EnvError(f"{env_name}: step() called without an episode in progress")
+    return state
+
+
+def unscored(message: Message, failure: str, failure_reward: float) -> StepResult:
+    """The end of an episode whose reply cannot be scored (it did not parse): the parse
+    failure is the outcome and the env's `failure_reward` the reward."""
+    info = {"failure": failure, "detail": message.parse_detail}
+    return StepResult([], done=True, reward=failure_reward, outcome=failure, info=info)
+
+
+def reward_label(credit: float, solved: bool | None = None) -> str:
+    """The outcome of a graded answer: `correct` when solved (by default: full credit, 1),
+    `wrong` with no credit, else `partial`."""
+    if credit >= 1.0 if solved is None else solved:
+        return "correct"
+    return "wrong" if credit <= 0.0 else "partial"

@@ -22,7 +22,8 @@ import random
 from typing import Any, ClassVar
 
 from looprl.envs.base import demonstrations, solved_outcomes
-from looprl.envs.common import check_choice, check_reward
+from looprl.envs.common import check_choice, check_reward, in_progress
+from looprl.envs.registry import make_env
 from looprl.errors import EnvError
 from looprl.seeds import member_seed
 from looprl.types import Message, Observation, StepResult, Task
@@ -34,8 +35,6 @@ class Mix:
     needs_args: ClassVar[str] = "members=[{name: ..., weight: ...}, ...]"
 
     def __init__(self, members: list[dict[str, Any]] | None = None) -> None:
-        from looprl.envs import make_env  # the registry imports this module
-
         if not isinstance(members, list) or len(members) < 2:
             raise EnvError("mix: env.mix needs a list of at least two {name, args, weight}")
         self.labels: list[str] = []
@@ -48,8 +47,9 @@ class Mix:
                 raise EnvError(f"{where}: expected {{name: ..., args: ..., weight: ...}}")
             unknown = set(member) - {"name", "args", "weight", "label"}
             if unknown:
-                raise EnvError(f"{where}: unknown keys {sorted(unknown)}; use name, args, "
-                               "weight, label")  # fmt: skip
+                raise EnvError(
+                    f"{where}: unknown keys {sorted(unknown)}; use name, args, weight, label"
+                )
             weight = member.get("weight", 1.0)
             if isinstance(weight, bool) or not isinstance(weight, int | float) or weight <= 0:
                 raise EnvError(f"{where}: weight={weight!r} must be a number above 0")
@@ -61,17 +61,21 @@ class Mix:
             except EnvError as err:
                 raise EnvError(f"{where} ({member['name']}): {err}") from None
             if callable(getattr(env, "run_agent", None)):
-                raise EnvError(f"{where}: {member['name']} is an agent environment; agents "
-                               "cannot be mixed")  # fmt: skip
+                raise EnvError(
+                    f"{where}: {member['name']} is an agent environment; agents cannot be mixed"
+                )
             self.labels.append(label)
             self.specs.append((member["name"], member.get("args") or {}))
             self.weights.append(float(weight))
             self.envs.append(env)
         self.outcomes = tuple(dict.fromkeys(o for e in self.envs for o in e.outcomes))
-        self.solved_outcomes = tuple(dict.fromkeys(o for e in self.envs
-                                                   for o in solved_outcomes(e)))  # fmt: skip
-        self.reward_range = (min(e.reward_range[0] for e in self.envs),
-                             max(e.reward_range[1] for e in self.envs))  # fmt: skip
+        self.solved_outcomes = tuple(
+            dict.fromkeys(o for e in self.envs for o in solved_outcomes(e))
+        )
+        self.reward_range = (
+            min(e.reward_range[0] for e in self.envs),
+            max(e.reward_range[1] for e in self.envs),
+        )
         self.max_turns = max(e.max_turns for e in self.envs)
         self._live: tuple[int, Any] | None = None  # the member playing this episode
 
@@ -91,9 +95,10 @@ class Mix:
             counts = [picks.count(i) for i in range(len(self.envs))]
         per_member = [
             [self._wrap(i, t) for t in self.envs[i].tasks(split, c, member_seed(seed, i))]
-            if c != 0 else []
+            if c != 0
+            else []
             for i, c in enumerate(counts)
-        ]  # fmt: skip
+        ]
         if split == "eval":  # members in turn: the first tasks are a cross-section
             return [t for row in _round_robin(per_member) for t in row]
         out = [t for tasks in per_member for t in tasks]
@@ -107,9 +112,7 @@ class Mix:
         return env.reset(inner)
 
     def step(self, message: Message) -> StepResult:
-        if self._live is None:
-            raise EnvError("mix: step() called without an episode in progress")
-        index, env = self._live
+        index, env = in_progress("mix", self._live)
         result = env.step(message)
         check_reward(env, result.reward)  # the member's own range, not the mixture's
         result.info = {**result.info, "mix_env": self.labels[index]}
@@ -124,8 +127,6 @@ class Mix:
     # ------------------------------------------------------------------ helpers
 
     def _fresh(self, index: int) -> Any:
-        from looprl.envs import make_env
-
         return make_env(*self.specs[index])
 
     def _wrap(self, index: int, task: Task) -> Task:

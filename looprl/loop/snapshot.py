@@ -102,7 +102,7 @@ def start_snapshots(policy: Any, uses_snapshot: bool) -> SnapshotPlayer | None:
     """Set the `snapshot` opponent's eval and train players for this run (both the model
     as loaded), or clear them when the run's env has no snapshot share. Returns the train
     player, which the loop refreshes after the SFT warm start and at every checkpoint."""
-    from looprl.envs.tictactoe import SnapshotPlayers
+    from looprl.envs.builtin.tictactoe import SnapshotPlayers
 
     if not uses_snapshot:
         SnapshotPlayers.set("eval", None)

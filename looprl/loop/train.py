@@ -31,7 +31,7 @@ import torch
 
 from looprl.config import Config, to_yaml
 from looprl.envs import gives_turn_rewards, make_env
-from looprl.envs.judge import cache_verdicts_in
+from looprl.envs.data.judge import cache_verdicts_in
 from looprl.errors import ConfigError, LoopRLError
 from looprl.loop import dist as ranks
 from looprl.loop import log, preflight, sft

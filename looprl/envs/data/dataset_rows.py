@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 
-from looprl.envs.data_files import parse_cell, read_rows
+from looprl.envs.data.data_files import parse_cell, read_rows
 from looprl.errors import EnvError
 from looprl.types import Task
 
@@ -46,8 +47,9 @@ def checked_messages(messages: list, fail: Any) -> list[dict[str, str]]:
     """A row's chat as {role, content} dicts; `fail(field, what)` makes the error that names
     the file and the row."""
     for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and m.get("role") in ROLES
-                and isinstance(m.get("content"), str)):  # fmt: skip
+        if not (
+            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+        ):
             raise fail("messages", f"message {i} needs a role in {ROLES} and text content")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
@@ -63,11 +65,15 @@ def split_rows(path: Path, spec: dict) -> tuple[list[tuple], list[tuple]]:
     random.Random(spec["split_seed"]).shuffle(order)
     k = max(1, round(spec["eval_fraction"] * len(rows)))
     if k >= len(rows):
-        raise EnvError(f"{path}: {len(rows)} rows leave none for training at eval_fraction "
-                       f"{spec['eval_fraction']}; add rows or pass eval_path")  # fmt: skip
+        raise EnvError(
+            f"{path}: {len(rows)} rows leave none for training at eval_fraction "
+            f"{spec['eval_fraction']}; add rows or pass eval_path"
+        )
     held = set(order[:k])
-    return ([r for i, r in enumerate(rows) if i not in held],
-            [r for i, r in enumerate(rows) if i in held])  # fmt: skip
+    return (
+        [r for i, r in enumerate(rows) if i not in held],
+        [r for i, r in enumerate(rows) if i in held],
+    )
 
 
 def _rows(spec: dict, env: Any) -> Rows:
@@ -76,20 +82,30 @@ def _rows(spec: dict, env: Any) -> Rows:
     path = Path(spec["path"])
     rows, eval_rows = split_rows(path, spec)
     held_out = [_task("eval", *r, columns, spec, env) for r in eval_rows]
-    seen = {_prompt_key(t) for t in held_out}
     train = [_task("train", *r, columns, spec, env) for r in rows]
-    kept = [t for t in train if _prompt_key(t) not in seen]
+    kept = without_held_out(path, train, held_out, _prompt_key)
+    return Rows(tuple(kept), tuple(held_out), len(train) - len(kept))
+
+
+def without_held_out(
+    path: Path, train: list[Task], held_out: list[Task], prompt: Callable[[Task], str]
+) -> list[Task]:
+    """The train tasks whose prompt is not also a held-out task's (so the splits never
+    overlap); an EnvError when none is left."""
+    seen = {prompt(t) for t in held_out}
+    kept = [t for t in train if prompt(t) not in seen]
     if not kept:
         raise EnvError(f"{path}: every train row's prompt is also a held-out one")
-    return Rows(tuple(kept), tuple(held_out), len(train) - len(kept))
+    return kept
 
 
 def _prompt_key(task: Task) -> str:
     return json.dumps([task.data["messages"], task.data.get("tools")], sort_keys=True)
 
 
-def _task(split: str, path: Path, number: int, row: dict, columns: dict, spec: dict,
-          env: Any) -> Task:  # fmt: skip
+def _task(
+    split: str, path: Path, number: int, row: dict, columns: dict, spec: dict, env: Any
+) -> Task:
     """One row as a checked task; every problem names the file, the row and the field."""
 
     def fail(field: str, what: str) -> EnvError:
@@ -107,9 +123,11 @@ def _task(split: str, path: Path, number: int, row: dict, columns: dict, spec: d
     elif "prompt" in present:
         messages = [{"role": "user", "content": str(row[columns["prompt"]])}]
     else:
-        raise EnvError(f"{path}: row {number} has neither a {columns['prompt']!r} nor a "
-                       f"{columns['messages']!r} column (set env.args.columns to map yours; "
-                       f"the row's columns: {', '.join(row) or 'none'})")  # fmt: skip
+        raise EnvError(
+            f"{path}: row {number} has neither a {columns['prompt']!r} nor a "
+            f"{columns['messages']!r} column (set env.args.columns to map yours; "
+            f"the row's columns: {', '.join(row) or 'none'})"
+        )
     system = cell("system", str) if "system" in present else spec["system_prompt"]
     if system and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system})
@@ -137,8 +155,9 @@ def _task(split: str, path: Path, number: int, row: dict, columns: dict, spec: d
             if local:
                 env.score(response, task, local)
         except Exception as err:
-            raise fail("answer", f"scoring the row's own answer raised {type(err).__name__}: "
-                                 f"{err}") from None  # fmt: skip
+            raise fail(
+                "answer", f"scoring the row's own answer raised {type(err).__name__}: {err}"
+            ) from None
     return task
 
 
@@ -205,8 +224,7 @@ def valid(value: Any, schema: dict) -> bool:
 
 def checked_rows(spec: dict, env: Any) -> Rows:
     """The rows of `spec`, read and checked once per distinct spec and file contents."""
-    key = json.dumps([spec, _stamps(spec["path"], spec["eval_path"])], sort_keys=True,
-                     default=str)  # fmt: skip
+    key = json.dumps([spec, _stamps(spec["path"], spec["eval_path"])], sort_keys=True, default=str)
     if key not in _CHECKED:
         if len(_CHECKED) >= 8:
             _CHECKED.pop(next(iter(_CHECKED)))

@@ -46,9 +46,11 @@ class _NoModel(Client):
     anything that asks this client for a model response is refused."""
 
     def _refuse(self, *args: Any, **kwargs: Any) -> Any:
-        raise Unsupported("the environment asked verifiers' client for a model response "
-                          "(a judge, a simulated user); looprl samples every reply "
-                          "itself")  # fmt: skip
+        raise Unsupported(
+            "the environment asked verifiers' client for a model response "
+            "(a judge, a simulated user); looprl samples every reply "
+            "itself"
+        )
 
     setup_client = to_native_tool = to_native_prompt = get_native_response = _refuse
     raise_from_native_response = from_native_response = close = _refuse
@@ -69,8 +71,10 @@ def load_env(target: str, config: dict[str, Any]) -> vf.Environment:
         ) from None
     if not attr:
         if not callable(getattr(module, "load_environment", None)):
-            raise Unsupported(f"{module_name} has no load_environment(); name the "
-                              f"environment as {module_name}:<name>")  # fmt: skip
+            raise Unsupported(
+                f"{module_name} has no load_environment(); name the "
+                f"environment as {module_name}:<name>"
+            )
         env = vf.load_environment(id_or_module, **config)
     else:
         found = getattr(module, attr, None)
@@ -87,13 +91,17 @@ def _rubric_functions(rubric: vf.Rubric) -> list[tuple[vf.Rubric, Any, float]]:
     if isinstance(rubric, vf.RubricGroup):
         return [f for member in rubric.rubrics for f in _rubric_functions(member)]
     if isinstance(rubric, JudgeRubric):
-        raise Unsupported(f"{type(rubric).__name__} calls a judge model endpoint; looprl "
-                          "scores with the rubric's own functions only")  # fmt: skip
+        raise Unsupported(
+            f"{type(rubric).__name__} calls a judge model endpoint; looprl "
+            "scores with the rubric's own functions only"
+        )
     for func in rubric.funcs:
         if rubric._is_group_func(func):
-            raise Unsupported(f"reward {func.__name__} is a group reward function (it scores "
-                              "a group of rollouts together); looprl scores each episode "
-                              "on its own")  # fmt: skip
+            raise Unsupported(
+                f"reward {func.__name__} is a group reward function (it scores "
+                "a group of rollouts together); looprl scores each episode "
+                "on its own"
+            )
     return list(zip([rubric] * len(rubric.funcs), rubric.funcs, rubric.weights, strict=True))
 
 
@@ -103,8 +111,10 @@ def check_env(env: vf.Environment) -> None:
     if isinstance(env, EnvGroup):
         raise Unsupported(f"{name} is an EnvGroup (several environments); name one of them")
     if not isinstance(env, vf.MultiTurnEnv):
-        raise Unsupported(f"{name} is not a MultiTurnEnv: it runs its own rollout, which "
-                          "needs a model client; looprl plays each turn itself")  # fmt: skip
+        raise Unsupported(
+            f"{name} is not a MultiTurnEnv: it runs its own rollout, which "
+            "needs a model client; looprl plays each turn itself"
+        )
     if not isinstance(env, vf.SingleTurnEnv) and type(env).env_response not in TURN_BY_TURN:
         raise Unsupported(
             f"{name}.env_response answers a whole turn with messages of its own choosing "
@@ -126,10 +136,14 @@ def _message(message: dict[str, Any]) -> Any:
     """A looprl (OpenAI-style) message as verifiers' pydantic message."""
     raw = {"role": message["role"], "content": message.get("content") or ""}
     if message.get("tool_calls"):
-        raw["tool_calls"] = [vf.ToolCall(id=c.get("id") or f"call_{i}",
-                                         name=c["function"]["name"],
-                                         arguments=_arguments(c["function"]["arguments"]))
-                             for i, c in enumerate(message["tool_calls"])]  # fmt: skip
+        raw["tool_calls"] = [
+            vf.ToolCall(
+                id=c.get("id") or f"call_{i}",
+                name=c["function"]["name"],
+                arguments=_arguments(c["function"]["arguments"]),
+            )
+            for i, c in enumerate(message["tool_calls"])
+        ]
     if message["role"] == "tool":
         raw["tool_call_id"] = message.get("tool_call_id") or ""
     return from_raw_message(raw)
@@ -196,8 +210,9 @@ class ClassicTasks:
 
     def eval_indices(self) -> list[int] | None:
         """The env's own eval dataset, where it has one (and a train dataset besides)."""
-        return list(range(self.n_train, len(self.tasks))) if len(self.tasks) > self.n_train \
-            else None  # fmt: skip
+        return (
+            list(range(self.n_train, len(self.tasks))) if len(self.tasks) > self.n_train else None
+        )
 
     def weights(self) -> dict[str, float]:
         return {f.__name__: float(w) for _, f, w in self.functions if w != 0}
@@ -215,9 +230,17 @@ class ClassicTasks:
         while len(self.episodes) > MAX_EPISODES:
             self.episodes.popitem(last=False)
         messages = [{"role": m.role, "content": _text(m.content)} for m in state["prompt"]]
-        tools = [{"type": "function", "function": {
-            "name": t.name, "description": t.description, "parameters": t.parameters}}
-            for t in state["tool_defs"]]  # fmt: skip
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "description": t.description,
+                    "parameters": t.parameters,
+                },
+            }
+            for t in state["tool_defs"]
+        ]
         return {"messages": messages, "tools": tools}
 
     async def call(self, episode: str, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
@@ -226,16 +249,22 @@ class ClassicTasks:
         ep = self._episode(episode)
         if not self.has_tools():
             raise Unsupported(f"{type(self.env).__name__} has no tools to call")
-        asked = vf.AssistantMessage(content="", tool_calls=[
-            vf.ToolCall(id=f"call_{len(ep.messages)}", name=name,
-                        arguments=_arguments(arguments))])  # fmt: skip
+        asked = vf.AssistantMessage(
+            content="",
+            tool_calls=[
+                vf.ToolCall(
+                    id=f"call_{len(ep.messages)}", name=name, arguments=_arguments(arguments)
+                )
+            ],
+        )
         ep.messages.append(asked)
         answers = await self.env.env_response(ep.messages, ep.state)
         ep.messages += answers
         return {"content": "\n".join(_text(m.content) for m in answers), "error": False}
 
-    async def score(self, episode: str, messages: list[dict[str, Any]],
-                    stop: str) -> dict[str, Any]:  # fmt: skip
+    async def score(
+        self, episode: str, messages: list[dict[str, Any]], stop: str
+    ) -> dict[str, Any]:
         """Every function of the rubric on the finished conversation: a reward's score and
         weight, a metric's value (weight 0)."""
         ep = self.episodes.pop(episode, None) or self._episode(episode)
@@ -243,15 +272,27 @@ class ClassicTasks:
         conversation = [_message(m) for m in messages]
         start = len(state["prompt"])
         state["trajectory"] = [
-            TrajectoryStep(prompt=conversation[:i], completion=[conversation[i]], response=None,
-                           tokens=None, reward=None, advantage=None, is_truncated=False,
-                           trajectory_id=state["trajectory_id"], extras={})
-            for i in range(start, len(conversation)) if conversation[i].role == "assistant"
-        ]  # fmt: skip
+            TrajectoryStep(
+                prompt=conversation[:i],
+                completion=[conversation[i]],
+                response=None,
+                tokens=None,
+                reward=None,
+                advantage=None,
+                is_truncated=False,
+                trajectory_id=state["trajectory_id"],
+                extras={},
+            )
+            for i in range(start, len(conversation))
+            if conversation[i].role == "assistant"
+        ]
         state["completion"] = conversation[start:]
         state["is_completed"] = True
-        state["stop_condition"] = "max_turns_reached" if stop == "max_turns" or not \
-            isinstance(self.env, vf.ToolEnv) else "no_tools_called"  # fmt: skip
+        state["stop_condition"] = (
+            "max_turns_reached"
+            if stop == "max_turns" or not isinstance(self.env, vf.ToolEnv)
+            else "no_tools_called"
+        )
         await self.env.cleanup(state)  # the env's cleanup handlers (render_state first)
         rewards, metrics = {}, {}
         for rubric, func, weight in self.functions:

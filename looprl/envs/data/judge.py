@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from looprl.envs.score_types import Score, as_text
+from looprl.envs.common import reward_label
+from looprl.envs.data.score_types import Score, as_text
 from looprl.errors import EnvError
 
 VERDICT = {
@@ -82,11 +83,11 @@ class Judge:
 
     def __call__(self, response: Any, answer: Any, row: dict) -> Score:
         prompt = row.get("prompt_text", "")
-        verdict = self.verdict([prompt, answer, as_text(response)],
-                               lambda: self._ask(prompt, answer, response))  # fmt: skip
+        verdict = self.verdict(
+            [prompt, answer, as_text(response)], lambda: self._ask(prompt, answer, response)
+        )
         score = min(1.0, max(0.0, float(verdict["score"]) / 10))
-        label = "correct" if score >= 1.0 else "partial" if score > 0.0 else "wrong"
-        return Score(score, label)
+        return Score(score, reward_label(score))
 
     def verdict(self, content: list[Any], ask: Any) -> dict[str, Any]:
         """The cached verdict on `content` (with the model and rubric), else `ask()`'s,
@@ -99,9 +100,12 @@ class Judge:
         if verdict is None:
             verdict, cached = ask(), False
             _remember(key, verdict)
-        self.last = {"reason": verdict.get("reason", ""), "cached": cached,
-                     "seconds": time.perf_counter() - started,
-                     "calls": 0 if cached else verdict["calls"]}  # fmt: skip
+        self.last = {
+            "reason": verdict.get("reason", ""),
+            "cached": cached,
+            "seconds": time.perf_counter() - started,
+            "calls": 0 if cached else verdict["calls"],
+        }
         return verdict
 
     def _ask(self, prompt: str, answer: Any, response: Any) -> dict[str, Any]:
@@ -116,12 +120,15 @@ class Judge:
     def _request(self, system: str, user: str, schema: dict, valid: Any) -> dict[str, Any]:
         """The verdict (a JSON object `valid` accepts, with `calls`), retried with backoff."""
         request = {
-            "model": self.model, "max_tokens": self.max_tokens, "temperature": 0.0,
-            "messages": [{"role": "system", "content": system},
-                         {"role": "user", "content": user}],
-            "response_format": {"type": "json_schema",
-                                "json_schema": {"name": "verdict", "schema": schema}},
-        }  # fmt: skip
+            "model": self.model,
+            "max_tokens": self.max_tokens,
+            "temperature": 0.0,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "verdict", "schema": schema},
+            },
+        }
         problem = ""
         for attempt in range(self.retries + 1):
             if attempt:
@@ -169,8 +176,10 @@ class GroupJudge(Judge):
 
     def rank(self, prompt: str, answer: Any, replies: list[Any]) -> list[float]:
         """Each reply's score in [0, 1], judged side by side; cached by content."""
-        verdict = self.verdict([prompt, answer, [as_text(r) for r in replies]],
-                               lambda: self._ask_group(prompt, answer, replies))  # fmt: skip
+        verdict = self.verdict(
+            [prompt, answer, [as_text(r) for r in replies]],
+            lambda: self._ask_group(prompt, answer, replies),
+        )
         return [min(1.0, max(0.0, float(s) / 10)) for s in verdict["scores"]]
 
     def _ask_group(self, prompt: str, answer: Any, replies: list[Any]) -> dict[str, Any]:
@@ -183,11 +192,16 @@ class GroupJudge(Judge):
             "type": "object",
             "properties": {
                 "reason": {"type": "string", "maxLength": 300},
-                "scores": {"type": "array", "items": {"enum": list(range(11))},
-                           "minItems": n, "maxItems": n},
+                "scores": {
+                    "type": "array",
+                    "items": {"enum": list(range(11))},
+                    "minItems": n,
+                    "maxItems": n,
+                },
             },
-            "required": ["reason", "scores"], "additionalProperties": False,
-        }  # fmt: skip
+            "required": ["reason", "scores"],
+            "additionalProperties": False,
+        }
         instructions = (
             f"You grade {n} replies to the same task against each other. Follow the rubric "
             'exactly. Answer with a JSON object: {"reason": "<one sentence>", "scores": '

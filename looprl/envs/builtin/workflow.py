@@ -41,8 +41,7 @@ import sqlite3
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from looprl.envs.common import check_choice, check_int, task_indices
-from looprl.envs.workflow_db import (
+from looprl.envs.builtin.workflow_db import (
     TOOL_FUNCTIONS,
     UNDELIVERED,
     Shop,
@@ -52,6 +51,7 @@ from looprl.envs.workflow_db import (
     random_address,
     snapshot,
 )
+from looprl.envs.common import check_choice, check_int, task_indices
 from looprl.errors import EnvError
 from looprl.types import PARSE_FAILURES, Message, Observation, StepResult, Task, ToolCall
 

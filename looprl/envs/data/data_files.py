@@ -110,5 +110,6 @@ def parse_cell(value: Any, expect: type | tuple[type, ...]) -> Any:
 
 def _names(expect: type | tuple[type, ...]) -> str:
     kinds = expect if isinstance(expect, tuple) else (expect,)
-    return " or ".join({list: "a list", dict: "an object", str: "text"}.get(k, k.__name__)
-                       for k in kinds)  # fmt: skip
+    return " or ".join(
+        {list: "a list", dict: "an object", str: "text"}.get(k, k.__name__) for k in kinds
+    )

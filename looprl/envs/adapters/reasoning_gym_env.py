@@ -33,7 +33,16 @@ import math
 from functools import lru_cache
 from typing import Any, ClassVar
 
-from looprl.envs.common import Adapter, check_choice, check_failure_reward, check_int, sample_items
+from looprl.envs.common import (
+    Adapter,
+    check_choice,
+    check_failure_reward,
+    check_int,
+    in_progress,
+    reward_label,
+    sample_items,
+    unscored,
+)
 from looprl.errors import EnvError
 from looprl.types import PARSE_FAILURES, Message, Observation, StepResult, Task, ToolCall
 
@@ -122,17 +131,14 @@ class ReasoningGym(Adapter):
         return Observation(messages, tools=[], tool_choice="none")
 
     def step(self, message: Message) -> StepResult:
-        if self._task is None:
-            raise EnvError(f"{self.name}: step() called without an episode in progress")
-        task, self._task = self._task, None
+        task, self._task = in_progress(self.name, self._task), None
         reply, failure = self._reply(message)
         if failure is not None:
-            info = {"failure": failure, "detail": message.parse_detail}
-            return StepResult([], done=True, reward=self.failure_reward, outcome=failure, info=info)
+            return unscored(message, failure, self.failure_reward)
         score = self.score(reply, task)
         if not self.partial_credit and score < 1.0:
             score = 0.0
-        outcome = "correct" if score >= 1.0 else "wrong" if score <= 0.0 else "partial"
+        outcome = reward_label(score)
         info = {"answer": reply, "expected": task.data["answer"], "score": score}
         return StepResult([], done=True, reward=score, outcome=outcome, info=info)
 
@@ -185,8 +191,12 @@ class ReasoningGym(Adapter):
                         f"config allows too few distinct questions): lower eval_size"
                     )
         item = dataset[index]
-        data = {"split": split, "index": index, "question": item["question"],
-                "answer": str(item["answer"])}  # fmt: skip
+        data = {
+            "split": split,
+            "index": index,
+            "question": item["question"],
+            "answer": str(item["answer"]),
+        }
         return Task(id=f"{split}-{index}", data=data, seed=index)
 
 

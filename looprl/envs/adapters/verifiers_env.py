@@ -30,15 +30,11 @@ the tail of its stderr.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import ctypes
 import importlib.util
 import json
 import math
 import os
 import queue
-import signal
 import subprocess
 import sys
 import tempfile
@@ -47,13 +43,23 @@ import uuid
 from pathlib import Path
 from typing import Any, ClassVar
 
-from looprl.envs.common import Adapter, check_choice, check_fraction, check_int, sample_items
+from looprl import children
+from looprl.envs.common import (
+    Adapter,
+    check_choice,
+    check_fraction,
+    check_int,
+    in_progress,
+    reward_label,
+    sample_items,
+    unscored,
+)
 from looprl.errors import EnvError
 from looprl.types import PARSE_FAILURES, Message, Observation, StepResult, Task
 
 INSTALL = "make setup-verifiers"
 WORKER = Path(__file__).parent / "verifiers_worker" / "worker.py"
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 VENVS = {"v1": ".venv-verifiers", "classic": ".venv-verifiers-classic"}
@@ -65,8 +71,10 @@ def find_python(python: str | None, api: str = "v1") -> str:
     verifiers; else a clear EnvError naming the install."""
     if python:
         if not Path(python).is_file():
-            raise EnvError(f"verifiers: env.args.python={python!r} does not exist; "
-                           f"install verifiers' environment with `{INSTALL}`")  # fmt: skip
+            raise EnvError(
+                f"verifiers: env.args.python={python!r} does not exist; "
+                f"install verifiers' environment with `{INSTALL}`"
+            )
         return python
     for root in (Path.cwd(), REPO):
         candidate = root / VENVS[api] / "bin" / "python"
@@ -88,11 +96,15 @@ class _Worker:
     def __init__(self, command: list[str], start_timeout_s: float) -> None:
         self.log = Path(tempfile.mkstemp(prefix="looprl-verifiers-", suffix=".log")[1])
         env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
-        with open(self.log, "wb") as sink:
-            self.process = subprocess.Popen(
-                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sink, text=True,
-                env=env, preexec_fn=_stop_with_parent,
-            )  # fmt: skip
+        self.process = children.start(
+            command,
+            self.log,
+            merge_stdout=False,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         self.replies: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self.lock = threading.Lock()
@@ -154,50 +166,39 @@ class _Worker:
 
     def _gone(self, when: str) -> EnvError:
         code = self.process.wait()
-        return EnvError(f"the verifiers worker exited (code {code}) {when}; it starts again "
-                        f"for the next episode\n{self.tail()}")  # fmt: skip
-
-    def tail(self, lines: int = 15) -> str:
-        text = self.log.read_text(errors="replace").splitlines() if self.log.is_file() else []
-        return "\n".join(
-            ["worker stderr (last lines):", *text[-lines:], f"(whole log: {self.log})"]
+        return EnvError(
+            f"the verifiers worker exited (code {code}) {when}; it starts again "
+            f"for the next episode\n{self.tail()}"
         )
 
+    def tail(self, lines: int = 15) -> str:
+        text = children.log_lines(self.log, lines)
+        return "\n".join(["worker stderr (last lines):", *text, f"(whole log: {self.log})"])
+
     def close(self) -> None:
-        if self.alive():
-            self.process.kill()
-            self.process.wait()
+        children.stop(self.process)
 
 
-_WORKERS: dict[tuple[Any, ...], _Worker] = {}
-_POOL_LOCK = threading.Lock()
+_WORKERS: children.Children[_Worker] = children.Children(_Worker.close)
 
 
 def worker_for(python: str, target: str, spec: dict[str, Any], start_timeout_s: float) -> _Worker:
     """The live worker for this environment spec, started (again) when there is none."""
     key = (python, target, json.dumps(spec, sort_keys=True))
-    with _POOL_LOCK:
-        worker = _WORKERS.get(key)
-        if worker is None or not worker.alive():
-            command = [python, str(WORKER), "--target", target,
-                       "--args", json.dumps(spec["config"]),
-                       "--eval-fraction", str(spec["eval_fraction"]),
-                       "--split-seed", str(spec["split_seed"])]  # fmt: skip
-            worker = _WORKERS[key] = _Worker(command, start_timeout_s)
-        return worker
-
-
-@atexit.register
-def close_workers() -> None:
-    for worker in _WORKERS.values():
-        worker.close()
+    command = [
+        python,
+        str(WORKER),
+        "--target",
+        target,
+        "--args",
+        json.dumps(spec["config"]),
+        "--eval-fraction",
+        str(spec["eval_fraction"]),
+        "--split-seed",
+        str(spec["split_seed"]),
+    ]
+    return _WORKERS.get(key, lambda: _Worker(command, start_timeout_s), _Worker.alive)
     _WORKERS.clear()
-
-
-def _stop_with_parent() -> None:
-    """In the worker before it starts (Linux): SIGTERM it when looprl dies."""
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class Verifiers(Adapter):
@@ -235,13 +236,18 @@ class Verifiers(Adapter):
         self.tool_choice = check_choice("tool_choice", tool_choice, ("auto", "required"))
         self.api = check_choice("api", api, tuple(VENVS))
         self.python = find_python(python, self.api)
-        self.spec = {"config": config or {}, "eval_fraction": float(eval_fraction),
-                     "split_seed": check_int("split_seed", split_seed)}  # fmt: skip
+        self.spec = {
+            "config": config or {},
+            "eval_fraction": float(eval_fraction),
+            "split_seed": check_int("split_seed", split_seed),
+        }
         self.timeout_s, self.start_timeout_s = float(timeout_s), float(start_timeout_s)
         info = self._worker().info
         if info["api"] != self.api:
-            raise EnvError(f"verifiers: {self.python} has verifiers' {info['api']} API, not "
-                           f"the {self.api} API that env.args.api names")  # fmt: skip
+            raise EnvError(
+                f"verifiers: {self.python} has verifiers' {info['api']} API, not "
+                f"the {self.api} API that env.args.api names"
+            )
         self.weights: dict[str, float] = info["weights"]
         self.has_tools: bool = info["tools"]
         if not self.weights:
@@ -253,8 +259,9 @@ class Verifiers(Adapter):
         self.max_turns = check_int("max_turns", max_turns, 1) if self.has_tools else 1
         self.outcomes = ("correct", "partial", "wrong") + (
             ("max_turns", *(f for f in PARSE_FAILURES if f != "no_tool_call"))
-            if self.has_tools else ()
-        )  # fmt: skip
+            if self.has_tools
+            else ()
+        )
         # a reward function may give only 0 or 1: `partial` may never occur (envs check)
         self.uncertain_outcomes = ("partial",)
         self.splits = {s: [Task(str(t["index"]), t) for t in info[s]] for s in ("train", "eval")}
@@ -273,13 +280,17 @@ class Verifiers(Adapter):
         if split not in self.splits:
             raise EnvError(f"verifiers: split={split!r} is invalid: expected train or eval")
         pool = self.splits[split]
-        return list(pool) if split == "eval" and (n is None or n >= len(pool)) \
-            else sample_items(pool, n, seed)  # fmt: skip
+        return (
+            list(pool)
+            if split == "eval" and (n is None or n >= len(pool))
+            else sample_items(pool, n, seed)
+        )
 
     def reset(self, task: Task) -> Observation:
         self._episode = uuid.uuid4().hex
-        opened = self._worker().request("reset", self.timeout_s, episode=self._episode,
-                                        index=task.data["index"])  # fmt: skip
+        opened = self._worker().request(
+            "reset", self.timeout_s, episode=self._episode, index=task.data["index"]
+        )
         self._history = [Message(m["role"], m["content"]) for m in opened["messages"]]
         self._tools: list[dict[str, Any]] = opened["tools"]
         self._turns = 0
@@ -287,16 +298,13 @@ class Verifiers(Adapter):
         return Observation(list(self._history), tools=self._tools, tool_choice=choice)
 
     def step(self, message: Message) -> StepResult:
-        if self._episode is None:
-            raise EnvError("verifiers: step() called without an episode in progress")
+        in_progress("verifiers", self._episode)
         self._turns += 1
         self._history.append(message)
         failure = message.parse_failure
         if self._tools and failure is not None and failure != "no_tool_call":
             self._episode = None
-            info = {"failure": failure, "detail": message.parse_detail}
-            return StepResult([], done=True, reward=self.failure_reward, outcome=failure,
-                              info=info)  # fmt: skip
+            return unscored(message, failure, self.failure_reward)
         if not (self._tools and message.tool_calls and failure is None):
             return self._finish("agent_completed")  # a reply without a call ends it
         if self._turns >= self.max_turns:
@@ -304,10 +312,14 @@ class Verifiers(Adapter):
         answers = []
         for j, call in enumerate(message.tool_calls):
             call.id = call.id or f"call_{self._turns}_{j}"
-            result = self._worker().request("call", self.timeout_s, episode=self._episode,
-                                            name=call.name, arguments=call.arguments)  # fmt: skip
-            answers.append(Message("tool", result["content"], tool_call_id=call.id,
-                                   name=call.name))  # fmt: skip
+            result = self._worker().request(
+                "call",
+                self.timeout_s,
+                episode=self._episode,
+                name=call.name,
+                arguments=call.arguments,
+            )
+            answers.append(Message("tool", result["content"], tool_call_id=call.id, name=call.name))
         self._history += answers
         return StepResult(answers, done=False)
 
@@ -323,15 +335,18 @@ class Verifiers(Adapter):
     def _finish(self, stop: str) -> StepResult:
         episode, self._episode = self._episode, None
         scored = self._worker().request(
-            "score", self.timeout_s, episode=episode, stop=stop,
+            "score",
+            self.timeout_s,
+            episode=episode,
+            stop=stop,
             messages=[m.to_dict() for m in self._history],
-        )  # fmt: skip
+        )
         scores = self._checked(scored["rewards"])
         reward = sum(self.weights[name] * value for name, value in scores.items())
         reward = min(max(reward, self.reward_range[0]), self.reward_range[1])  # float rounding
         credit = sum(self.weights[n] * v for n, v in scores.items() if self.weights[n] > 0)
-        outcome = "max_turns" if stop == "max_turns" else "correct" if math.isclose(
-            reward, self.best) else "wrong" if credit == 0 else "partial"  # fmt: skip
+        solved = math.isclose(reward, self.best)
+        outcome = "max_turns" if stop == "max_turns" else reward_label(credit, solved)
         info: dict[str, Any] = {"scores": scores, "weights": dict(self.weights)}
         if scored["metrics"]:
             info["metrics"] = scored["metrics"]
@@ -345,12 +360,16 @@ class Verifiers(Adapter):
                 raise EnvError(f"verifiers: reward {name} was not scored")
             value, weight = scored
             if self.weights.get(name) != weight:
-                raise EnvError(f"verifiers: reward {name} has weight {weight}, not the "
-                               f"{self.weights.get(name)} its first task declared")  # fmt: skip
+                raise EnvError(
+                    f"verifiers: reward {name} has weight {weight}, not the "
+                    f"{self.weights.get(name)} its first task declared"
+                )
             if not (isinstance(value, int | float) and 0 <= value <= 1):
-                raise EnvError(f"verifiers: reward {name} gave {value!r}; looprl takes each "
-                               "reward function's score in [0, 1] (its reward_range is "
-                               "the sums of the weights)")  # fmt: skip
+                raise EnvError(
+                    f"verifiers: reward {name} gave {value!r}; looprl takes each "
+                    "reward function's score in [0, 1] (its reward_range is "
+                    "the sums of the weights)"
+                )
             scores[name] = float(value)
         missing = set(self.weights) - set(scores)
         if missing:

@@ -20,7 +20,7 @@ the scores; each score and its label are kept in the episode's `info`.
 - `json_fields`: per-field credit, F1 = 2C / (S + T) with C right of S submitted and T
   expected fields (`all_fields: true`: 1 only if every field is right and none is extra);
 - `tool_call`: 0 for another tool's name, else `json_fields` over the arguments;
-- `judge`: a model grades the reply against a `rubric` (envs/judge.py);
+- `judge`: a model grades the reply against a `rubric` (envs/data/judge.py);
 - `module:function`: your own, `fn(response, answer, row)` returning a number in [0, 1]
   or a bool.
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from looprl.envs.common import import_attribute
-from looprl.envs.score_types import Score, as_text, labelled
+from looprl.envs.data.score_types import Score, as_text, labelled
 from looprl.errors import EnvError
 
 _PUNCT = re.compile(f"[{re.escape(string.punctuation)}]")
@@ -232,7 +232,7 @@ def _scorer_fn(name: str, args: dict[str, Any], where: str) -> Callable:
         except TypeError as err:
             raise EnvError(f"{where} ({name}): bad arguments {args}: {err}") from None
     if name == "judge":
-        from looprl.envs.judge import GroupJudge, Judge
+        from looprl.envs.data.judge import GroupJudge, Judge
 
         mode = args.pop("mode", "pointwise")
         if mode not in ("pointwise", "group"):

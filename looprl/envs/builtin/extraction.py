@@ -33,8 +33,8 @@ from typing import Any, ClassVar
 
 import jsonschema
 
-from looprl.envs.common import check_choice, check_int, first_call, task_indices
-from looprl.envs.extraction_docs import KINDS, make_document
+from looprl.envs.builtin.extraction_docs import KINDS, make_document
+from looprl.envs.common import check_choice, check_int, first_call, in_progress, task_indices
 from looprl.errors import EnvError
 from looprl.types import PARSE_FAILURES, Message, Observation, StepResult, Task, ToolCall
 
@@ -265,9 +265,7 @@ class Extraction:
         return Observation(messages, tools=[RECORD_TOOLS[kind]], tool_choice=self.tool_choice)
 
     def step(self, message: Message) -> StepResult:
-        if self._task_state is None:
-            raise EnvError(f"{self.name}: step() called without an episode in progress")
-        (kind, truth), self._task_state = self._task_state, None
+        (kind, truth), self._task_state = in_progress(self.name, self._task_state), None
         call, failure = _submitted_call(message)
         info: dict[str, Any] = {"kind": kind, "truth": truth}
         if call is None:

@@ -1,8 +1,8 @@
-"""The `mcp` environment's task file: rows read from JSONL, CSV or Parquet (envs/data_files.py),
-split into train and held-out tasks, and checked row by row against the server's tools
-(each problem names the file, the row and the field); read once per distinct
-configuration, tool listing and file contents. The row fields are described in
-envs/mcp_env.py."""
+"""The `mcp` environment's task file: rows read from JSONL, CSV or Parquet
+(envs/data/data_files.py), split into train and held-out tasks, and checked row by row
+against the server's tools (each problem names the file, the row and the field); read once
+per distinct configuration, tool listing and file contents. The row fields are described in
+envs/adapters/mcp_env.py."""
 
 from __future__ import annotations
 
@@ -12,10 +12,15 @@ from typing import Any
 
 import jsonschema
 
-from looprl.envs.data_files import parse_cell
-from looprl.envs.dataset_rows import check_schema, checked_messages, split_rows
-from looprl.envs.score_types import as_text
-from looprl.envs.scorers import Scorer, combine
+from looprl.envs.data.data_files import parse_cell
+from looprl.envs.data.dataset_rows import (
+    check_schema,
+    checked_messages,
+    split_rows,
+    without_held_out,
+)
+from looprl.envs.data.score_types import as_text
+from looprl.envs.data.scorers import Scorer, combine
 from looprl.errors import EnvError
 from looprl.types import Task
 
@@ -32,8 +37,10 @@ _CHECKED: dict[str, tuple] = {}  # (train, eval, tools) of each spec, listing an
 def checked_tasks(spec: dict, listing: dict[str, dict], scorers: list[Scorer]) -> tuple:
     """(train tasks, eval tasks, the model's tools), read and checked once per spec,
     server tool listing and file contents."""
-    stamps = [[p.stat().st_size, p.stat().st_mtime_ns] if p.exists() else None
-              for p in (Path(spec["tasks"]), Path(spec["eval_path"] or spec["tasks"]))]  # fmt: skip
+    stamps = [
+        [p.stat().st_size, p.stat().st_mtime_ns] if p.exists() else None
+        for p in (Path(spec["tasks"]), Path(spec["eval_path"] or spec["tasks"]))
+    ]
     key = json.dumps([spec, listing, stamps], sort_keys=True, default=str)
     if key not in _CHECKED:
         if len(_CHECKED) >= 8:
@@ -47,33 +54,49 @@ def _read(spec: dict, listing: dict[str, dict], scorers: list[Scorer]) -> tuple:
     allow = spec["allow"]
     unknown = sorted(set(allow or ()) - set(listing))
     if unknown:
-        raise EnvError(f"mcp: tools names {unknown}, which server {spec['server']!r} does not "
-                       f"have; its tools: {', '.join(listing)}")  # fmt: skip
+        raise EnvError(
+            f"mcp: tools names {unknown}, which server {spec['server']!r} does not "
+            f"have; its tools: {', '.join(listing)}"
+        )
     path = Path(spec["tasks"])
     rows, held = split_rows(path, spec)
     hidden |= {str(r[2]["score_tool"]) for r in rows + held if r[2].get("score_tool")}
     shown = {n: t for n, t in listing.items() if n not in hidden and (allow is None or n in allow)}
     if not shown:
-        raise EnvError(f"mcp: server {spec['server']!r} leaves the model no tools (listed: "
-                       f"{', '.join(listing) or 'none'}; hidden: "
-                       f"{', '.join(sorted(hidden))})")  # fmt: skip
+        raise EnvError(
+            f"mcp: server {spec['server']!r} leaves the model no tools (listed: "
+            f"{', '.join(listing) or 'none'}; hidden: "
+            f"{', '.join(sorted(hidden))})"
+        )
     for name, tool in shown.items():
         check_schema(tool.get("inputSchema") or {}, f"mcp: server tool {name!r}'s input schema")
-    tools = [{"type": "function", "function": {
-        "name": n, **({"description": t["description"]} if t.get("description") else {}),
-        "parameters": t.get("inputSchema") or {"type": "object", "properties": {}}}}
-        for n, t in shown.items()]  # fmt: skip
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": n,
+                **({"description": t["description"]} if t.get("description") else {}),
+                "parameters": t.get("inputSchema") or {"type": "object", "properties": {}},
+            },
+        }
+        for n, t in shown.items()
+    ]
     evals = [_task("eval", *r, spec, listing, shown, scorers) for r in held]
-    seen = {json.dumps(t.data["messages"]) for t in evals}
     train = [_task("train", *r, spec, listing, shown, scorers) for r in rows]
-    train = [t for t in train if json.dumps(t.data["messages"]) not in seen]
-    if not train:
-        raise EnvError(f"{path}: every train row's prompt is also a held-out one")
+    train = without_held_out(path, train, evals, lambda t: json.dumps(t.data["messages"]))
     return tuple(train), tuple(evals), tools
 
 
-def _task(split: str, path: Path, number: int, row: dict, spec: dict, listing: dict,
-          shown: dict, scorers: list[Scorer]) -> Task:  # fmt: skip
+def _task(
+    split: str,
+    path: Path,
+    number: int,
+    row: dict,
+    spec: dict,
+    listing: dict,
+    shown: dict,
+    scorers: list[Scorer],
+) -> Task:
     """One row as a checked task; every problem names the file, the row and the field."""
 
     def fail(name: str, what: str) -> EnvError:
@@ -87,8 +110,9 @@ def _task(split: str, path: Path, number: int, row: dict, spec: dict, listing: d
 
     unknown = sorted(set(row) - set(FIELDS))
     if unknown:
-        raise EnvError(f"{path}: row {number}: unknown fields {unknown}; known: "
-                       f"{', '.join(FIELDS)}")  # fmt: skip
+        raise EnvError(
+            f"{path}: row {number}: unknown fields {unknown}; known: {', '.join(FIELDS)}"
+        )
     present = {f for f in FIELDS if row.get(f) not in (None, "")}
     if "messages" in present:
         messages = checked_messages(cell("messages", list), fail)
@@ -105,8 +129,9 @@ def _task(split: str, path: Path, number: int, row: dict, spec: dict, listing: d
     if "answer" in present:
         data["answer"] = row["answer"]
     if "expected_calls" in present:
-        data["expected_calls"] = [_expected_call(c, i, shown, fail)
-                                  for i, c in enumerate(cell("expected_calls", list))]  # fmt: skip
+        data["expected_calls"] = [
+            _expected_call(c, i, shown, fail) for i, c in enumerate(cell("expected_calls", list))
+        ]
     if "score_tool" in present:
         tool = row["score_tool"]
         properties = (listing.get(tool, {}).get("inputSchema") or {}).get("properties") or {}
@@ -116,8 +141,10 @@ def _task(split: str, path: Path, number: int, row: dict, spec: dict, listing: d
             raise fail("score_tool", f"{tool!r} must take the arguments 'answer' and 'info'")
         data["score_tool"] = tool
     if not {"answer", "expected_calls", "score_tool"} & set(data):
-        raise EnvError(f"{path}: row {number}: nothing to score it by: give it an 'answer', "
-                       "'expected_calls' or a 'score_tool'")  # fmt: skip
+        raise EnvError(
+            f"{path}: row {number}: nothing to score it by: give it an 'answer', "
+            "'expected_calls' or a 'score_tool'"
+        )
     task = Task(id=f"{split}-{number}", data=data, seed=number)
     if "answer" in data:  # a scorer that raises on the row's own answer fails here, not later
         local = [s for s in scorers if not s.remote]
@@ -125,8 +152,9 @@ def _task(split: str, path: Path, number: int, row: dict, spec: dict, listing: d
             if local:
                 answer_score(local, as_text(data["answer"]), data["answer"], data.get("info", {}))
         except Exception as err:
-            raise fail("answer", f"scoring the row's own answer raised {type(err).__name__}: "
-                                 f"{err}") from None  # fmt: skip
+            raise fail(
+                "answer", f"scoring the row's own answer raised {type(err).__name__}: {err}"
+            ) from None
     return task
 
 
@@ -134,8 +162,10 @@ def _expected_call(call: Any, i: int, shown: dict, fail: Any) -> dict[str, Any]:
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         raise fail("expected_calls", f"call {i} needs a name: {{name, arguments}}")
     if call["name"] not in shown:
-        raise fail("expected_calls", f"call {i} names {call['name']!r}, not one of the model's "
-                                     f"tools: {', '.join(shown)}")  # fmt: skip
+        raise fail(
+            "expected_calls",
+            f"call {i} names {call['name']!r}, not one of the model's tools: {', '.join(shown)}",
+        )
     arguments = call.get("arguments", {})
     if not isinstance(arguments, dict):
         raise fail("expected_calls", f"call {i}: arguments must be an object")
@@ -143,6 +173,8 @@ def _expected_call(call: Any, i: int, shown: dict, fail: Any) -> dict[str, Any]:
     error = next(jsonschema.Draft202012Validator(schema).iter_errors(arguments), None)
     if error is not None:
         where = "/".join(map(str, error.absolute_path)) or "arguments"
-        raise fail("expected_calls", f"call {i} does not fit {call['name']}'s schema at "
-                                     f"{where}: {error.message}")  # fmt: skip
+        raise fail(
+            "expected_calls",
+            f"call {i} does not fit {call['name']}'s schema at {where}: {error.message}",
+        )
     return {"name": call["name"], "arguments": arguments}

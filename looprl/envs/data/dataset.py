@@ -7,7 +7,7 @@
         eval_path: examples/bookings/eval.jsonl   # or eval_fraction: 0.2 of `path`
         answer_form: tool_call                # text | tool_call | json
         tools: [...]                          # or a `tools` column, one list per row
-        scorers: tool_call                    # see envs/scorers.py
+        scorers: tool_call                    # see envs/data/scorers.py
 
 A row holds a `prompt` (text) or `messages` (a chat), optionally a `system` prompt, the
 `answer`, per-row `tools` and an `info` object that scorers receive; `columns` maps these
@@ -42,11 +42,14 @@ from looprl.envs.common import (
     check_failure_reward,
     check_fraction,
     check_int,
+    in_progress,
+    reward_label,
     sample_items,
+    unscored,
 )
-from looprl.envs.dataset_rows import COLUMNS, check_schema, check_tools, checked_rows, valid
-from looprl.envs.score_types import Score, as_text, labelled
-from looprl.envs.scorers import Scorer, combine, make_scorers
+from looprl.envs.data.dataset_rows import COLUMNS, check_schema, check_tools, checked_rows, valid
+from looprl.envs.data.score_types import Score, as_text, labelled
+from looprl.envs.data.scorers import Scorer, combine, make_scorers
 from looprl.errors import EnvError
 from looprl.types import (
     ENV_ERROR,
@@ -112,12 +115,19 @@ class Dataset:
         custom = any(":" in s.name or s.remote for s in self.scorers)
         self.uncertain_outcomes = ("partial",) if custom else ()
         self.spec = {
-            "path": str(path), "eval_path": eval_path, "eval_fraction": float(eval_fraction),
-            "split_seed": check_int("split_seed", split_seed), "columns": columns or {},
-            "form": self.form, "tools": tools, "tool_choice": tool_choice,
-            "system_prompt": system_prompt, "scorers": scorers,
-            "response_schema": response_schema, "failure_reward": self.failure_reward,
-        }  # fmt: skip
+            "path": str(path),
+            "eval_path": eval_path,
+            "eval_fraction": float(eval_fraction),
+            "split_seed": check_int("split_seed", split_seed),
+            "columns": columns or {},
+            "form": self.form,
+            "tools": tools,
+            "tool_choice": tool_choice,
+            "system_prompt": system_prompt,
+            "scorers": scorers,
+            "response_schema": response_schema,
+            "failure_reward": self.failure_reward,
+        }
         self.rows = checked_rows(self.spec, self)
         self._task: Task | None = None
 
@@ -141,19 +151,21 @@ class Dataset:
         fmt = None
         if self.form == "json":
             schema = self.response_schema
-            fmt = {"type": "json_object"} if schema is None else {
-                "type": "json_schema", "json_schema": {"name": "answer", "schema": schema},
-            }  # fmt: skip
+            fmt = (
+                {"type": "json_object"}
+                if schema is None
+                else {
+                    "type": "json_schema",
+                    "json_schema": {"name": "answer", "schema": schema},
+                }
+            )
         return Observation(messages, tools=[], tool_choice="none", response_format=fmt)
 
     def step(self, message: Message) -> StepResult:
-        if self._task is None:
-            raise EnvError("dataset: step() called without an episode in progress")
-        task, self._task = self._task, None
+        task, self._task = in_progress("dataset", self._task), None
         response, failure = self.response(message, task)
         if failure is not None:
-            info = {"failure": failure, "detail": message.parse_detail}
-            return StepResult([], done=True, reward=self.failure_reward, outcome=failure, info=info)
+            return unscored(message, failure, self.failure_reward)
         reward, outcome, info = self.score(response, task)
         return StepResult([], done=True, reward=reward, outcome=outcome, info=info)
 
@@ -164,8 +176,9 @@ class Dataset:
             return []
         answer = task.data["answer"]
         if self.form == "tool_call":
-            return [Message("assistant", tool_calls=[ToolCall(answer["name"],
-                                                              answer["arguments"])])]  # fmt: skip
+            return [
+                Message("assistant", tool_calls=[ToolCall(answer["name"], answer["arguments"])])
+            ]
         if self.form == "json":  # as the grammar writes JSON: ", " and ": " separators
             return [Message("assistant", json.dumps(answer, ensure_ascii=False))]
         return [Message("assistant", as_text(answer))]
@@ -185,24 +198,28 @@ class Dataset:
             task = members[0].task
             replies = [[m for m in e.messages if m.role == "assistant"][-1] for e in members]
             responses = [self.response(reply, task)[0] for reply in replies]
-            prompt = "\n\n".join(m["content"] for m in task.data["messages"]
-                                  if m["role"] != "system")  # fmt: skip
+            prompt = "\n\n".join(
+                m["content"] for m in task.data["messages"] if m["role"] != "system"
+            )
             try:
                 for scorer in group_scorers:
                     values = scorer.fn.rank(prompt, task.data.get("answer"), responses)
                     for i, (e, value) in enumerate(zip(members, values)):
                         e.info["scores"][scorer.name] = value
                         e.info["labels"][scorer.name] = labelled(value).label
-                        e.info["judge"] = {**scorer.fn.last, "calls": scorer.fn.last["calls"]
-                                           if i == 0 else 0, "seconds": scorer.fn.last["seconds"]
-                                           if i == 0 else 0.0}  # fmt: skip
+                        e.info["judge"] = {
+                            **scorer.fn.last,
+                            "calls": scorer.fn.last["calls"] if i == 0 else 0,
+                            "seconds": scorer.fn.last["seconds"] if i == 0 else 0.0,
+                        }
             except Exception as err:
                 for e in members:
                     e.outcome, e.reward, e.error = ENV_ERROR, 0.0, f"group judge: {err}"
                 continue
             for e in members:
-                scores = [Score(e.info["scores"][s.name], e.info["labels"][s.name])
-                          for s in self.scorers]  # fmt: skip
+                scores = [
+                    Score(e.info["scores"][s.name], e.info["labels"][s.name]) for s in self.scorers
+                ]
                 e.reward, e.outcome = _verdict(self.scorers, scores)
                 del e.info["pending_group"]
 
@@ -262,7 +279,7 @@ def _verdict(scorers: list[Scorer], scores: list[Score]) -> tuple[float, str]:
     """The weighted mean of the scores, and the outcome: correct when every score is 1."""
     reward = combine(scorers, scores)
     labels = {sc.label for sc in scores}
-    return reward, "correct" if labels == {"correct"} else "wrong" if reward == 0 else "partial"
+    return reward, reward_label(reward, solved=labels == {"correct"})
 
 
 def _outcomes(form: str, scorers: list[Scorer]) -> tuple[str, ...]:

@@ -33,7 +33,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from looprl.envs.instruction_checks import (  # noqa: F401  (re-exported for users)
+from looprl.envs.builtin.instruction_checks import (  # noqa: F401  (re-exported for users)
     CHECKS,
     RESTRICTIONS,
     RULES,
@@ -42,6 +42,7 @@ from looprl.envs.instruction_checks import (  # noqa: F401  (re-exported for use
     has_word,
     json_object,
 )
+from looprl.envs.common import in_progress
 from looprl.errors import EnvError
 from looprl.types import Message, Observation, StepResult, Task
 
@@ -315,8 +316,11 @@ class InstructionsEnv:
             if n is None:
                 return list(pool)
             rng = random.Random(seed)  # cycle through fresh shuffles when n > eval_size
-            return [task for start in range(0, n, len(pool))
-                    for task in rng.sample(pool, min(len(pool), n - start))]  # fmt: skip
+            return [
+                task
+                for start in range(0, n, len(pool))
+                for task in rng.sample(pool, min(len(pool), n - start))
+            ]
         if n is None:
             raise EnvError(f"{self.name}: the train split is unbounded; pass n")
         return [
@@ -340,9 +344,7 @@ class InstructionsEnv:
         return Observation(messages, tools=[], tool_choice="none")
 
     def step(self, message: Message) -> StepResult:
-        checks, self._checks = self._checks, None
-        if checks is None:
-            raise EnvError(f"{self.name}: step() called without an episode in progress")
+        checks, self._checks = in_progress(self.name, self._checks), None
         # Text the chat layer took for a broken tool call (e.g. JSON with a "name" key) is
         # still the answer: score it.
         answer = message.content if isinstance(message.content, str) else ""

@@ -35,6 +35,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from looprl import children
 from looprl.errors import EnvError
 
 ISOLATIONS = ("shared", "reset", "fresh")
@@ -142,12 +143,7 @@ class Connection:
             _loop().call_soon_threadsafe(self._jobs.put_nowait, None)
 
     def stderr_tail(self, chars: int = 2000) -> str:
-        if self.stderr is None:
-            return ""
-        fd = self.stderr.fileno()
-        size = os.fstat(fd).st_size
-        data = os.pread(fd, chars, max(0, size - chars))
-        return data.decode("utf-8", "replace").strip()
+        return "" if self.stderr is None else children.file_tail(self.stderr, chars)
 
     # ---------------------------------------------------------------- on the loop
 
@@ -200,8 +196,9 @@ class Connection:
         except BaseException as err:
             if not ready.done():
                 root = root_error(err)
-                ready.set_exception(root if isinstance(root, Exception) else
-                                    Exception(describe(err)))  # fmt: skip
+                ready.set_exception(
+                    root if isinstance(root, Exception) else Exception(describe(err))
+                )
             if job is not None and not job[2].done():
                 job[2].set_exception(ServerFailure(f"the connection failed: {describe(err)}"))
             if isinstance(err, asyncio.CancelledError | KeyboardInterrupt | SystemExit):
@@ -233,9 +230,11 @@ class Connection:
 def check_command(spec: Any) -> str:
     """`spec` if it names a server: an http(s) URL or a command line."""
     if not isinstance(spec, str) or not spec.strip():
-        raise EnvError("mcp: env.args.server is required: a command that starts the server "
-                       "over stdio ('python server.py') or its URL "
-                       "(http://host:port/mcp)")  # fmt: skip
+        raise EnvError(
+            "mcp: env.args.server is required: a command that starts the server "
+            "over stdio ('python server.py') or its URL "
+            "(http://host:port/mcp)"
+        )
     try:
         shlex.split(spec)
     except ValueError as err:
@@ -265,8 +264,9 @@ class Pool:
                 result = conn.call(lambda s: s.list_tools(), START_TIMEOUT_S)
             except Exception as err:
                 self.checkin(conn)
-                raise EnvError(f"MCP server {self.spec!r} could not list its tools: "
-                               f"{describe(err)}") from None  # fmt: skip
+                raise EnvError(
+                    f"MCP server {self.spec!r} could not list its tools: {describe(err)}"
+                ) from None
             self.listing = [t.model_dump(by_alias=True, exclude_none=True) for t in result.tools]
             self.checkin(conn)
         return self.listing
@@ -335,30 +335,25 @@ class Pool:
         wire = result.model_dump(by_alias=True, exclude_none=True)
         if wire.get("isError"):
             self.checkin(conn)
-            raise EnvError(f"MCP server {self.spec!r}: the reset tool {self.reset_tool!r} "
-                           f"failed: {result_text(wire)}")  # fmt: skip
+            raise EnvError(
+                f"MCP server {self.spec!r}: the reset tool {self.reset_tool!r} "
+                f"failed: {result_text(wire)}"
+            )
 
 
-_POOLS: dict[tuple[str, str, str | None], Pool] = {}
-_POOLS_LOCK = threading.Lock()
+# closed by close_all below, which also waits for the servers to stop
+_POOLS: children.Children[Pool] = children.Children(Pool.close, close_at_exit=False)
 
 
 def pool(spec: str, isolation: str, reset_tool: str | None) -> Pool:
     """The pool of (server, isolation, reset tool), made on first use."""
     key = (spec, isolation, reset_tool if isolation == "reset" else None)
-    with _POOLS_LOCK:
-        if key not in _POOLS:
-            _POOLS[key] = Pool(*key)
-        return _POOLS[key]
+    return _POOLS.get(key, lambda: Pool(*key), lambda _: True)
 
 
 def close_all(wait_s: float = 10.0) -> None:
     """Close every pool's connections and wait (up to `wait_s`) for the servers to stop."""
-    with _POOLS_LOCK:
-        pools = list(_POOLS.values())
-        _POOLS.clear()
-    for p in pools:
-        p.close()
+    _POOLS.close_all()
     if _LOOP is None:
         return
 

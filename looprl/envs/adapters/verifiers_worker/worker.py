@@ -5,7 +5,8 @@
 
 verifiers pins `openai<3` (and `mcp==2.0.0`; its classic 0.1 API `datasets<4.7`), which
 cannot share looprl's environment, so it runs here, in its own (`make setup-verifiers`),
-and looprl (envs/verifiers_env.py) speaks to it over stdin/stdout, one JSON object a line.
+and looprl (envs/adapters/verifiers_env.py) speaks to it over stdin/stdout, one JSON object a
+line.
 The installed version picks the API: 0.4 and later the v1 tasksets (vf_v1.py, in
 `.venv-verifiers`), 0.1.x the classic environments (vf_classic.py, `.venv-verifiers-classic`).
 Nothing here imports looprl.
@@ -75,8 +76,9 @@ def describe(env: Any, eval_fraction: float, seed: int) -> dict[str, Any]:
         train, held = held_out_split(prompts, eval_fraction, seed)
     else:
         heldset = set(held)
-        train = without_duplicates(prompts, [i for i in range(len(prompts)) if i not in heldset],
-                                   held)  # fmt: skip
+        train = without_duplicates(
+            prompts, [i for i in range(len(prompts)) if i not in heldset], held
+        )
     return {
         "api": env.api,
         "weights": env.weights(),
@@ -91,9 +93,13 @@ def failure(err: BaseException) -> dict[str, Any]:
         return {"ok": False, "error": str(err), "unsupported": True}
     text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
     if any(marker in text for marker in HUB_MARKERS):
-        return {"ok": False, "unsupported": True, "error": "the environment fetches from the "
-                "Hugging Face hub, which looprl does not reach while it runs (the worker "
-                f"runs with HF_HUB_OFFLINE=1): {type(err).__name__}: {err}"}  # fmt: skip
+        return {
+            "ok": False,
+            "unsupported": True,
+            "error": "the environment fetches from the "
+            "Hugging Face hub, which looprl does not reach while it runs (the worker "
+            f"runs with HF_HUB_OFFLINE=1): {type(err).__name__}: {err}",
+        }
     return {"ok": False, "error": text[-3000:], "unsupported": False}
 
 

@@ -58,23 +58,32 @@ def load_taskset(target: str, config: dict[str, Any]) -> vf.Taskset:
     for base, what in ((vf.Env, "an Env (several agents)"), (vf.Harness, "a Harness")):
         own = [c for c in _exported(module, base) if c.__module__.startswith(module_name)]
         if own and not attr:
-            raise Unsupported(f"{module_name} ships {what} of its own ({own[0].__name__}); "
-                              "looprl plays the task as a plain chat with tools")  # fmt: skip
+            raise Unsupported(
+                f"{module_name} ships {what} of its own ({own[0].__name__}); "
+                "looprl plays the task as a plain chat with tools"
+            )
     if attr:
         found = getattr(module, attr, None)
         if found is None:
             raise Unsupported(f"module {module_name!r} has no attribute {attr!r}")
     else:
         classes = _exported(module, vf.Taskset)
-        factories = [getattr(module, n) for n in ("load_taskset", "load_environment")
-                     if callable(getattr(module, n, None))]  # fmt: skip
+        factories = [
+            getattr(module, n)
+            for n in ("load_taskset", "load_environment")
+            if callable(getattr(module, n, None))
+        ]
         if len(classes) > 1:
-            raise Unsupported(f"{module_name} exports several tasksets "
-                              f"({', '.join(c.__name__ for c in classes)}); name one as "
-                              f"{module_name}:<Class>")  # fmt: skip
+            raise Unsupported(
+                f"{module_name} exports several tasksets "
+                f"({', '.join(c.__name__ for c in classes)}); name one as "
+                f"{module_name}:<Class>"
+            )
         if not classes and not factories:
-            raise Unsupported(f"{module_name} exports no vf.Taskset subclass and has no "
-                              "load_taskset() or load_environment()")  # fmt: skip
+            raise Unsupported(
+                f"{module_name} exports no vf.Taskset subclass and has no "
+                "load_taskset() or load_environment()"
+            )
         found = classes[0] if classes else factories[0]
     if isinstance(found, type) and issubclass(found, vf.Taskset):
         config_cls = concrete_type(found, vf.TasksetConfig, origin=vf.Taskset) or vf.TasksetConfig
@@ -98,15 +107,20 @@ def check_task(task: vf.Task) -> None:
     """An `Unsupported` naming what `task` needs that the worker cannot give it."""
     name = type(task).__name__
     if task.NEEDS_CONTAINER:
-        raise Unsupported(f"task {name} needs a container (NEEDS_CONTAINER); looprl runs "
-                          "tasks in-process, with no sandbox")  # fmt: skip
+        raise Unsupported(
+            f"task {name} needs a container (NEEDS_CONTAINER); looprl runs "
+            "tasks in-process, with no sandbox"
+        )
     if task.config.judges:
-        raise Unsupported(f"task {name} plugs judges, which call a model endpoint; looprl "
-                          "scores with the task's own rewards only")  # fmt: skip
+        raise Unsupported(
+            f"task {name} plugs judges, which call a model endpoint; looprl "
+            "scores with the task's own rewards only"
+        )
     for fn in task.hooks("reward") + task.hooks("metric"):
         if _requires_runtime(fn):
-            raise Unsupported(f"reward {fn.__name__} of task {name} needs a runtime (a "
-                              "sandbox) to score")  # fmt: skip
+            raise Unsupported(
+                f"reward {fn.__name__} of task {name} needs a runtime (a sandbox) to score"
+            )
     for hook in ("setup", "finalize"):
         if _overrides(task, hook) and _requires_runtime(getattr(task, hook)):
             raise Unsupported(f"task {name}'s {hook} hook needs a runtime (a sandbox)")
@@ -116,12 +130,16 @@ def _check_toolset(toolset: Any) -> None:
     config = toolset.config
     where = getattr(config, "url", None)
     if where:
-        raise Unsupported(f"toolset {type(toolset).__name__} is served at {where}; looprl "
-                          "runs tools in-process only")  # fmt: skip
+        raise Unsupported(
+            f"toolset {type(toolset).__name__} is served at {where}; looprl "
+            "runs tools in-process only"
+        )
     runtime = getattr(getattr(config, "runtime", None), "type", "subprocess")
     if runtime != "subprocess":
-        raise Unsupported(f"toolset {type(toolset).__name__} runs in a {runtime} runtime (a "
-                          "container); looprl runs tools in-process only")  # fmt: skip
+        raise Unsupported(
+            f"toolset {type(toolset).__name__} runs in a {runtime} runtime (a "
+            "container); looprl runs tools in-process only"
+        )
 
 
 def _text(content: Any) -> str:
@@ -139,10 +157,10 @@ class _Episode:
     def __init__(self, task: vf.Task) -> None:
         self.task = task
         self.trace = vf.Trace(
-            task=TraceTask(type=type(task).__name__, data=task.data, key=task.key,
-                           hash=task.hash),
-            state=state_cls(type(task))(), agent=AgentInfo(config=vf.AgentConfig()),
-        )  # fmt: skip
+            task=TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
+            state=state_cls(type(task))(),
+            agent=AgentInfo(config=vf.AgentConfig()),
+        )
         self.servers: dict[str, tuple[Any, str]] = {}  # tool name -> (MCP server, its name)
         self.prompt_len = 0
 
@@ -186,8 +204,10 @@ class V1Tasks:
         return None  # v1 tasksets give no eval split of their own
 
     def weights(self) -> dict[str, float]:
-        return {fn.__name__: float(getattr(fn, "_vf_weight", 1.0))
-                for fn in self.tasks[0].hooks("reward")}  # fmt: skip
+        return {
+            fn.__name__: float(getattr(fn, "_vf_weight", 1.0))
+            for fn in self.tasks[0].hooks("reward")
+        }
 
     async def start(self) -> None:
         for toolset in self.shared:
@@ -210,8 +230,7 @@ class V1Tasks:
         for toolset in [*task.toolsets(task.config), *self.shared]:
             tools += await self._serve(ep, toolset, shared=toolset in self.shared)
         data = task.data
-        messages = [{"role": "system", "content": data.system_prompt}] if data.system_prompt \
-            else []  # fmt: skip
+        messages = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
         if isinstance(data.prompt, str):
             messages.append({"role": "user", "content": data.prompt})
         else:
@@ -234,9 +253,16 @@ class V1Tasks:
         for tool in await server.list_tools():
             name = f"{toolset.server_name}_{tool.name}" if toolset.server_name else tool.name
             ep.servers[name] = (server, tool.name)
-            schemas.append({"type": "function", "function": {
-                "name": name, "description": tool.description or "",
-                "parameters": tool.input_schema}})  # fmt: skip
+            schemas.append(
+                {
+                    "type": "function",
+                    "function": {
+                        "name": name,
+                        "description": tool.description or "",
+                        "parameters": tool.input_schema,
+                    },
+                }
+            )
         return schemas
 
     async def call(self, episode: str, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
@@ -257,8 +283,9 @@ class V1Tasks:
         text = "\n".join(getattr(b, "text", None) or str(b) for b in blocks)
         return {"content": text, "error": bool(getattr(result, "is_error", False))}
 
-    async def score(self, episode: str, messages: list[dict[str, Any]],
-                    stop: str) -> dict[str, Any]:  # fmt: skip
+    async def score(
+        self, episode: str, messages: list[dict[str, Any]], stop: str
+    ) -> dict[str, Any]:
         """Every reward's score and weight (and every metric) on the finished conversation."""
         ep = self.episodes.pop(episode, None) or self._episode(episode)
         trace = ep.trace
@@ -268,14 +295,15 @@ class V1Tasks:
                 message=_message(message),
                 sampled=i >= ep.prompt_len and message["role"] == "assistant",
             )
-            trace.nodes.append(node)  # fmt: skip
+            trace.nodes.append(node)
         trace.stop(stop)
         if _overrides(ep.task, "finalize"):
             await invoke(ep.task.finalize, {"trace": trace, "runtime": None})
         await ep.task.score(trace, None)
         trace.is_completed, trace.ok = True, True
-        rewards = {name: None if r is None else [r.score, r.weight]
-                   for name, r in trace.rewards.items()}  # fmt: skip
+        rewards = {
+            name: None if r is None else [r.score, r.weight] for name, r in trace.rewards.items()
+        }
         return {"rewards": rewards, "metrics": dict(trace.metrics)}
 
     def _episode(self, episode: str) -> _Episode:
@@ -308,11 +336,19 @@ def _message(message: dict[str, Any]) -> Any:
     if role == "user":
         return vf.UserMessage(content=content)
     if role == "tool":
-        return vf.ToolMessage(tool_call_id=message.get("tool_call_id") or "", content=content,
-                              name=message.get("name"))  # fmt: skip
-    calls = [vf.ToolCall(id=c.get("id") or f"call_{i}", name=c["function"]["name"],
-                         arguments=_arguments(c["function"]["arguments"]))
-             for i, c in enumerate(message.get("tool_calls") or [])]  # fmt: skip
+        return vf.ToolMessage(
+            tool_call_id=message.get("tool_call_id") or "",
+            content=content,
+            name=message.get("name"),
+        )
+    calls = [
+        vf.ToolCall(
+            id=c.get("id") or f"call_{i}",
+            name=c["function"]["name"],
+            arguments=_arguments(c["function"]["arguments"]),
+        )
+        for i, c in enumerate(message.get("tool_calls") or [])
+    ]
     return vf.AssistantMessage(content=content, tool_calls=calls or None)
 
 

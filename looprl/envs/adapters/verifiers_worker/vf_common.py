@@ -19,8 +19,9 @@ def held_out_split(
     (at least one); a train task whose prompt equals a held-out one is dropped, so the
     splits never overlap."""
     if len(prompts) < 2:
-        raise Unsupported(f"the taskset has {len(prompts)} task(s): a train and a held-out "
-                          "split need at least 2")  # fmt: skip
+        raise Unsupported(
+            f"the taskset has {len(prompts)} task(s): a train and a held-out split need at least 2"
+        )
     order = list(range(len(prompts)))
     random.Random(seed).shuffle(order)
     n_eval = min(len(prompts) - 1, max(1, round(len(prompts) * eval_fraction)))

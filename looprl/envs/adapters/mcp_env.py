@@ -22,7 +22,7 @@ scored with an empty answer, outcome `turn_limit`. A malformed call (`bad_json`,
 
 Task rows (JSONL, CSV or Parquet): `prompt` or `messages`, optional `system` and `info`
 (an object), and at least one way to score, each a score in [0, 1]:
-- `answer`: the final answer's text against it, by `scorers` (envs/scorers.py; default
+- `answer`: the final answer's text against it, by `scorers` (envs/data/scorers.py; default
   `normalized`; a `judge` works too);
 - `expected_calls`: [{name, arguments}]: each expected call earns the per-field credit of
   the best made call of that name (the `tool_call` scorer; each made call matched once,
@@ -52,17 +52,20 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from looprl.envs import mcp_client
+from looprl.envs.adapters import mcp_client
+from looprl.envs.adapters.mcp_tasks import answer_score, checked_tasks
 from looprl.envs.common import (
     check_choice,
     check_failure_reward,
     check_fraction,
     check_int,
+    in_progress,
+    reward_label,
     sample_items,
+    unscored,
 )
-from looprl.envs.mcp_tasks import answer_score, checked_tasks
-from looprl.envs.score_types import as_text
-from looprl.envs.scorers import make_scorers, make_tool_call
+from looprl.envs.data.score_types import as_text
+from looprl.envs.data.scorers import make_scorers, make_tool_call
 from looprl.errors import EnvError
 from looprl.types import Message, Observation, StepResult, Task, ToolCall
 
@@ -111,11 +114,15 @@ class McpTools:
             raise EnvError("mcp: env.args.tasks is required (a .jsonl, .csv or .parquet file)")
         check_fraction("eval_fraction", eval_fraction)
         check_failure_reward(failure_reward)
-        if isinstance(call_timeout_s, bool) or not isinstance(call_timeout_s, int | float) or \
-                not call_timeout_s > 0:  # fmt: skip
+        if (
+            isinstance(call_timeout_s, bool)
+            or not isinstance(call_timeout_s, int | float)
+            or not call_timeout_s > 0
+        ):
             raise EnvError(f"call_timeout_s={call_timeout_s!r} is invalid: expected seconds > 0")
-        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, str)
-                                                                      for t in tools)):  # fmt: skip
+        if tools is not None and not (
+            isinstance(tools, list) and all(isinstance(t, str) for t in tools)
+        ):
             raise EnvError(f"tools={tools!r} is invalid: expected a list of tool names")
         self.isolation = check_choice("isolation", isolation, mcp_client.ISOLATIONS)
         self.max_turns = check_int("max_turns", max_turns, 1)
@@ -129,35 +136,53 @@ class McpTools:
         self.pool = mcp_client.pool(spec, self.isolation, reset_tool)
         listing = {t["name"]: t for t in self.pool.tools()}
         if self.isolation == "reset" and reset_tool not in listing:
-            raise EnvError(f"mcp: isolation reset calls the tool {reset_tool!r} as each episode "
-                           f"starts, and server {spec!r} has none (its tools: "
-                           f"{', '.join(listing)}); set reset_tool, or isolation shared or "
-                           "fresh")  # fmt: skip
+            raise EnvError(
+                f"mcp: isolation reset calls the tool {reset_tool!r} as each episode "
+                f"starts, and server {spec!r} has none (its tools: "
+                f"{', '.join(listing)}); set reset_tool, or isolation shared or "
+                "fresh"
+            )
         self.spec = {
-            "server": spec, "tasks": str(tasks), "eval_path": eval_path,
-            "eval_fraction": float(eval_fraction), "split_seed": check_int("split_seed",
-                                                                           split_seed),
-            "system_prompt": system_prompt, "scorers": scorers, "max_turns": self.max_turns,
-            "hidden": [reset_tool] if self.isolation == "reset" else [], "allow": tools,
-        }  # fmt: skip
+            "server": spec,
+            "tasks": str(tasks),
+            "eval_path": eval_path,
+            "eval_fraction": float(eval_fraction),
+            "split_seed": check_int("split_seed", split_seed),
+            "system_prompt": system_prompt,
+            "scorers": scorers,
+            "max_turns": self.max_turns,
+            "hidden": [reset_tool] if self.isolation == "reset" else [],
+            "allow": tools,
+        }
         # the checked tasks of both splits, and the tools the model sees (OpenAI format)
         self.train, self.held_out, self.tools = checked_tasks(self.spec, listing, self.scorers)
         self.answer_tool = answer_tool
         if answer_tool is not None:  # every turn a call, forced by the grammar
             if not isinstance(answer_tool, str) or not answer_tool or answer_tool in listing:
-                raise EnvError(f"mcp: answer_tool={answer_tool!r} is invalid: expected a tool "
-                               f"name the server does not have (its tools: "
-                               f"{', '.join(listing)})")  # fmt: skip
+                raise EnvError(
+                    f"mcp: answer_tool={answer_tool!r} is invalid: expected a tool "
+                    f"name the server does not have (its tools: "
+                    f"{', '.join(listing)})"
+                )
             self.tools = [*self.tools, _answer_tool(answer_tool)]
-        graded = any("expected_calls" in t.data or "score_tool" in t.data
-                     for t in self.train + self.held_out)  # fmt: skip
-        graded = graded or len(self.scorers) > 1 or any(s.name not in ALL_OR_NOTHING
-                                                        for s in self.scorers)  # fmt: skip
+        graded = any(
+            "expected_calls" in t.data or "score_tool" in t.data for t in self.train + self.held_out
+        )
+        graded = (
+            graded
+            or len(self.scorers) > 1
+            or any(s.name not in ALL_OR_NOTHING for s in self.scorers)
+        )
         # a score tool or a scorer of the user's may give only 0 or 1 (envs check)
         self.uncertain_outcomes = ("partial",)
         failures = (*FAILURES, "no_tool_call") if answer_tool else FAILURES
-        self.outcomes = ("correct", *(("partial",) if graded else ()), "wrong", "turn_limit",
-                         *failures)  # fmt: skip
+        self.outcomes = (
+            "correct",
+            *(("partial",) if graded else ()),
+            "wrong",
+            "turn_limit",
+            *failures,
+        )
         self._episode: _Episode | None = None
 
     # ------------------------------------------------------------------ protocol
@@ -182,17 +207,14 @@ class McpTools:
         return Observation(messages, tools=self.tools, tool_choice=choice)
 
     def step(self, message: Message) -> StepResult:
-        ep = self._episode
-        if ep is None:
-            raise EnvError("mcp: step() called without an episode in progress")
+        ep = in_progress("mcp", self._episode)
         ep.turns += 1
         failure = message.parse_failure
         if failure == "no_tool_call" and not self.answer_tool:  # no call: the final answer
             failure = None
         if failure is not None:
             self._end_episode()
-            info = {"failure": failure, "detail": message.parse_detail}
-            return StepResult([], done=True, reward=self.failure_reward, outcome=failure, info=info)
+            return unscored(message, failure, self.failure_reward)
         if not message.tool_calls:
             return self._finish(ep, message.content, [])
         replies = []
@@ -211,10 +233,16 @@ class McpTools:
         if not calls and "answer" not in task.data:
             return []
         per = max(1, math.ceil(len(calls) / max(1, self.max_turns - 1)))
-        out = [Message("assistant", tool_calls=[ToolCall(c["name"], dict(c["arguments"]),
-                                                         id=f"call_{i + j}")
-                                                for j, c in enumerate(calls[i: i + per])])
-               for i in range(0, len(calls), per)]  # fmt: skip
+        out = [
+            Message(
+                "assistant",
+                tool_calls=[
+                    ToolCall(c["name"], dict(c["arguments"]), id=f"call_{i + j}")
+                    for j, c in enumerate(calls[i : i + per])
+                ],
+            )
+            for i in range(0, len(calls), per)
+        ]
         answer = as_text(task.data.get("answer", ""))
         if self.answer_tool:
             final = ToolCall(self.answer_tool, {"answer": answer})
@@ -247,21 +275,26 @@ class McpTools:
             self.pool.discard(ep.conn)
             self._end_episode()
             tail = ep.conn.stderr_tail()
-            raise EnvError(f"MCP server {self.pool.spec!r}, tool {name!r}: {err} (call_timeout_s"
-                           f"={self.call_timeout_s:g}); the server is replaced for the next "
-                           "episode" + (f"\n--- its stderr ends:\n{tail}" if tail else "")
-                           ) from None  # fmt: skip
+            raise EnvError(
+                f"MCP server {self.pool.spec!r}, tool {name!r}: {err} (call_timeout_s"
+                f"={self.call_timeout_s:g}); the server is replaced for the next "
+                "episode" + (f"\n--- its stderr ends:\n{tail}" if tail else "")
+            ) from None
         return result.model_dump(by_alias=True, exclude_none=True)
 
-    def _finish(self, ep: _Episode, answer: str, replies: list[Message],
-                outcome: str | None = None) -> StepResult:  # fmt: skip
+    def _finish(
+        self, ep: _Episode, answer: str, replies: list[Message], outcome: str | None = None
+    ) -> StepResult:
         data = ep.task.data
         scores: dict[str, float] = {}
         try:
             if "answer" in data:
                 shown = [m["content"] for m in data["messages"] if m["role"] != "system"]
-                row = {**data.get("info", {}), "task_id": ep.task.id,
-                       "prompt_text": "\n\n".join(shown)}  # fmt: skip
+                row = {
+                    **data.get("info", {}),
+                    "task_id": ep.task.id,
+                    "prompt_text": "\n\n".join(shown),
+                }
                 scores["answer"] = answer_score(self.scorers, answer, data["answer"], row)
             if "expected_calls" in data:
                 scores["calls"] = calls_credit(ep.calls, data["expected_calls"])
@@ -273,7 +306,7 @@ class McpTools:
             self._end_episode()
         reward = sum(scores.values()) / len(scores)
         if outcome is None:
-            outcome = "correct" if reward >= 1.0 else "wrong" if reward <= 0.0 else "partial"
+            outcome = reward_label(reward)
         info = {**self._info(ep), "scores": scores}
         return StepResult(replies, done=True, reward=reward, outcome=outcome, info=info)
 
@@ -287,19 +320,34 @@ class McpTools:
 
 
 def _answer_tool(name: str) -> dict[str, Any]:
-    parameters = {"type": "object", "properties": {"answer": {"type": "string"}},
-                  "required": ["answer"], "additionalProperties": False}  # fmt: skip
-    return {"type": "function", "function": {
-        "name": name, "description": "Give your final answer (ends the conversation).",
-        "parameters": parameters}}  # fmt: skip
+    parameters = {
+        "type": "object",
+        "properties": {"answer": {"type": "string"}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": "Give your final answer (ends the conversation).",
+            "parameters": parameters,
+        },
+    }
 
 
 def calls_credit(made: list[dict[str, Any]], expected: list[dict[str, Any]]) -> float:
     """Order-insensitive credit of the made calls against the expected ones (module
     docstring): pairs of the same name, best per-field credit first, each call used once."""
-    pairs = sorted(((_call_credit(m, e, {}).value, i, j) for i, e in enumerate(expected)
-                    for j, m in enumerate(made) if m["name"] == e["name"]),
-                   reverse=True)  # fmt: skip
+    pairs = sorted(
+        (
+            (_call_credit(m, e, {}).value, i, j)
+            for i, e in enumerate(expected)
+            for j, m in enumerate(made)
+            if m["name"] == e["name"]
+        ),
+        reverse=True,
+    )
     used_e, used_m, total = set(), set(), 0.0
     for credit, i, j in pairs:
         if i not in used_e and j not in used_m:

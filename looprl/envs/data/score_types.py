@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from looprl.envs.common import reward_label
+
 
 @dataclass
 class Score:
@@ -16,8 +18,7 @@ class Score:
 
 
 def labelled(value: float, fields: dict[str, bool] | None = None) -> Score:
-    label = "correct" if value >= 1.0 else "partial" if value > 0.0 else "wrong"
-    return Score(value, label, fields or {})
+    return Score(value, reward_label(value), fields or {})
 
 
 def as_text(value: Any) -> str:
