@@ -115,3 +115,15 @@ def test_an_uncertain_outcome_unreached_is_reported_not_failed():
     never = check_env("tests.toy_envs:PickSevenNeverClose", n=16)
     reach = next(c for c in never.checks if c.name == "outcomes reachable")
     assert not never.ok and reach.detail == "missing: close"
+
+
+def test_capabilities_are_read_from_what_each_env_declares():
+    """The loop asks `capabilities(env)`; each built-in declares what it can do."""
+    from looprl.envs import Capabilities, capabilities, make_env
+
+    move = capabilities(make_env("tictactoe-move", {}))
+    assert move.demonstrations and not move.turn_rewards and not move.snapshot_opponent
+    assert "optimal" in move.solved
+    game = capabilities(make_env("tictactoe-game", {"opponent": "snapshot", "move_rewards": True}))
+    assert game.snapshot_opponent and game.turn_rewards and not game.agent
+    assert capabilities(object()) == Capabilities()  # declares nothing: can do nothing more

@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from looprl.config import config_from_dict
 from looprl.envs.builtin.tictactoe import SnapshotPlayers, TicTacToeGame
 from looprl.loop.policy import load_policy
-from looprl.loop.snapshot import SnapshotPlayer
+from looprl.loop.preflight import check_env
+from looprl.loop.snapshot import SnapshotPlayer, stand_in_snapshots
 from looprl.loop.train import run_training
 
 
@@ -106,3 +107,24 @@ def test_a_run_against_its_own_snapshot(tmp_path):
         assert not SnapshotPlayers.players
     finally:
         SnapshotPlayers.players.clear()
+
+
+def test_preflight_plays_a_snapshot_game_the_opponent_opens_with_a_stand_in():
+    """`opponent: snapshot` alone: the first train task's opponent moves first, before any
+    model is loaded; the preflight's stand-in plays it, and the run's players stay unset."""
+    cfg = config_from_dict(
+        {"model": {"name": "tiny-random"}, "seed": 3,
+         "env": {"name": "tictactoe-game", "args": {"opponent": "snapshot"}}}
+    )  # fmt: skip
+    SnapshotPlayers.set("train", None)
+    SnapshotPlayers.set("eval", None)
+    probe = TicTacToeGame(opponent="snapshot")
+    check_env(cfg, probe)  # raised "no train snapshot is set" before the stand-in
+    assert SnapshotPlayers.players == {}
+    keep = object()
+    SnapshotPlayers.set("eval", keep)
+    with stand_in_snapshots():
+        assert SnapshotPlayers.get("eval") is keep
+        assert SnapshotPlayers.get("train")(None, None, [4, 7], random.Random(0)) in (4, 7)
+    assert SnapshotPlayers.players == {"eval": keep}
+    SnapshotPlayers.set("eval", None)

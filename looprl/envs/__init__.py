@@ -5,11 +5,22 @@
 from __future__ import annotations
 
 from looprl.envs import mix, registry
-from looprl.envs.base import Environment, demonstrations, gives_turn_rewards, solved_outcomes
+from looprl.envs.base import (
+    Capabilities,
+    Environment,
+    capabilities,
+    demonstrations,
+    gives_turn_rewards,
+    group_scorer,
+    solved_outcomes,
+)
 from looprl.envs.registry import env_class, env_factory, list_envs, make_env
 
 __all__ = [
+    "Capabilities",
     "Environment",
+    "capabilities",
+    "group_scorer",
     "demonstrations",
     "gives_turn_rewards",
     "env_class",

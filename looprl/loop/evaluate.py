@@ -12,7 +12,7 @@ from typing import Any
 
 from looprl.config import Config
 from looprl.engine import SamplingParams
-from looprl.envs import make_env, solved_outcomes
+from looprl.envs import Environment, make_env, solved_outcomes
 from looprl.errors import ConfigError, EnvError
 from looprl.loop import dist as ranks
 from looprl.loop import log, preflight
@@ -150,7 +150,7 @@ class HeldOut:
         cfg: Config,
         policy: Policy,
         play: Player,
-        probe: Any,
+        probe: Environment,
         run_dir: Path,
         progress: Progress,
     ) -> HeldOut:
@@ -200,7 +200,7 @@ def check_some_scored(episodes: list[Episode], title: str, run_dir: Path | None,
     )
 
 
-def greedy_eval_tasks(env: Any, cfg: Config, eval_tasks: list) -> list:
+def greedy_eval_tasks(env: Environment, cfg: Config, eval_tasks: list) -> list:
     """The greedy eval's distinct tasks: `eval.greedy_count` of them, the sampled eval's
     own tasks first, then more held-out tasks drawn with `eval.seed`; at most the env's
     whole held-out set."""

@@ -33,7 +33,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from looprl.algo import (
     Advantage,
@@ -46,6 +45,7 @@ from looprl.algo import (
 )
 from looprl.config import Config
 from looprl.engine import SamplingParams
+from looprl.envs import Environment
 from looprl.loop.decisions import decision_surprisal
 from looprl.loop.dist import Dist
 from looprl.loop.levers import Levers
@@ -106,7 +106,7 @@ class StepGroups:
 
 def play_step(
     cfg: Config,
-    probe: Any,
+    probe: Environment,
     play: Player,
     dist: Dist,
     step: int,
@@ -257,7 +257,7 @@ def graded_turns(episode: Episode) -> list[float]:
 
 
 def step_tasks(
-    cfg: Config, probe: Any, n: int, seed: int, history: dict[str, list[list[float]]]
+    cfg: Config, probe: Environment, n: int, seed: int, history: dict[str, list[list[float]]]
 ) -> tuple[list[Task], list[float]]:
     """n train tasks: the env's draw, or the curriculum's pick among more candidates (with
     the weights of those picked)."""

@@ -25,14 +25,14 @@ from typing import Any
 
 from looprl.chat import ChatRenderer
 from looprl.engine.requests import generation_request
-from looprl.envs import demonstrations
+from looprl.envs import Environment, demonstrations
 from looprl.errors import EnvError
 from looprl.loop.rollout import append_tokens, mark_env_error
 from looprl.types import TRUNCATED, Episode, Task, Turn
 
 
 def expert_episode(
-    env: Any, task: Task, renderer: ChatRenderer, temperature: float = 1.0
+    env: Environment, task: Task, renderer: ChatRenderer, temperature: float = 1.0
 ) -> Episode:
     """`task` played with the env's demonstration messages: token ids as a rollout would
     record them (loss mask 1 on each call's tokens, logprobs 0), one `Turn` per call with

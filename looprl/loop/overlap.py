@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import copy
 import threading
-from typing import Any
 
 import torch
 
 from looprl.config import Config
+from looprl.envs import Environment, capabilities
 from looprl.errors import ConfigError, EngineError
 from looprl.loop.dist import Dist
 from looprl.loop.groups import StepGroups, play_step
@@ -46,7 +46,7 @@ from looprl.loop.policy import Policy, make_engine, policy_rescorer
 History = dict[str, list[list[float]]]
 
 
-def check_overlap(cfg: Config, probe: Any, world: int) -> None:
+def check_overlap(cfg: Config, probe: Environment, world: int) -> None:
     """What overlapped rollouts need beyond the config (config/run.py checks the rest):
     one process, and no snapshot opponent; checked before anything loads."""
     k = cfg.rollout.max_staleness
@@ -57,7 +57,7 @@ def check_overlap(cfg: Config, probe: Any, world: int) -> None:
             "rollout.max_staleness > 0 runs in one process; under torchrun set "
             "rollout.max_staleness=0"
         )
-    if getattr(probe, "plays_snapshot", False):
+    if capabilities(probe).snapshot_opponent:
         raise ConfigError(
             "the snapshot opponent plays the policy of the last checkpoint, which overlapped "
             "rollouts would read while it changes; set rollout.max_staleness=0 or another "
@@ -76,7 +76,7 @@ class Overlap:
         self,
         cfg: Config,
         policy: Policy,
-        probe: Any,
+        probe: Environment,
         start: int,
         history: History,
         levers: Levers,

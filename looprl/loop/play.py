@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 from looprl.config import Config
 from looprl.engine import SamplingParams, Thinking
-from looprl.envs import env_factory
+from looprl.envs import Environment, env_factory, group_scorer
 from looprl.loop.policy import Policy
 from looprl.loop.rollout import run_episodes
 from looprl.types import Episode, Task
@@ -32,7 +32,7 @@ class Player(Protocol):
     ) -> list[Episode]: ...
 
 
-def player(cfg: Config, policy: Policy, probe: Any) -> Player:
+def player(cfg: Config, policy: Policy, probe: Environment) -> Player:
     """`play(tasks, params=..., first_index=0) -> episodes` with this policy, in fresh env
     instances (agent environments, which have `run_agent`, are played by
     looprl.agents); `first_index` is the first episode's index in the whole batch
@@ -51,7 +51,7 @@ def player(cfg: Config, policy: Policy, probe: Any) -> Player:
     opened = cfg.rollout.think == "tagged" and policy.renderer.opens_thinking
     thinking = Thinking(cfg.rollout.think, cfg.rollout.think_max_tokens, opened)
     play = partial(run_episodes, **common, thinking=thinking)
-    score_groups = getattr(probe, "score_groups", None)
+    score_groups = group_scorer(probe)
     if not callable(score_groups):
         return play
 

@@ -14,30 +14,31 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 from looprl.config import Config
 from looprl.engine.grammar import build_grammar
 from looprl.engine.requests import check_tools, generation_request
-from looprl.envs import demonstrations, make_env
+from looprl.envs import Environment, capabilities, demonstrations, make_env
 from looprl.envs.common import check_reward
 from looprl.errors import ConfigError
+from looprl.loop.snapshot import stand_in_snapshots
 from looprl.types import Observation, Task
 
 SPLITS = ("train", "eval")
 ROOM_SAMPLE = 32  # demonstrations measured per split for check_reply_room
 
 
-def check_env(cfg: Config, probe: Any) -> None:
+def check_env(cfg: Config, probe: Environment) -> None:
     """Raise ConfigError naming the env, the split, the task and what failed."""
     from looprl.agents import is_agent_env
 
     name = cfg.env.name
     check_references(cfg, probe)
-    if cfg.algo.expert_samples and any(
-        getattr(s, "group", False) for s in getattr(probe, "scorers", [])
-    ):
+    caps = capabilities(probe)
+    if cfg.algo.expert_samples and caps.group_judge:
         raise ConfigError(
             "algo.expert_samples puts the demonstration in each group unjudged, "
             "and a judge with mode: group scores only what was sampled; set "
@@ -49,11 +50,12 @@ def check_env(cfg: Config, probe: Any) -> None:
             continue  # an agent's calls are checked as it makes them
         where = f"environment {name!r}, {split} task {task.id!r}"
         env = make_env(name, cfg.env.args)
-        obs = _call(where, "reset", env.reset, task)
+        # a snapshot opponent exists only once the model is loaded: a stand-in moves first
+        # here, and its games' demonstrations wait for the run
+        with stand_in_snapshots() if caps.snapshot_opponent else nullcontext():
+            obs = _call(where, "reset", env.reset, task)
         _check_schemas(where, obs)
-        # a snapshot opponent exists only once the model is loaded: its games wait for it
-        plays_snapshot = bool(getattr(probe, "plays_snapshot", False))
-        if callable(getattr(probe, "demonstrations", None)) and not plays_snapshot:
+        if caps.demonstrations and not caps.snapshot_opponent:
             shown = _check_demonstrations(where, make_env(name, cfg.env.args), task)
             if split == "train" and cfg.sft.enabled and not shown:
                 raise ConfigError(
@@ -62,7 +64,7 @@ def check_env(cfg: Config, probe: Any) -> None:
                 )
 
 
-def _first_task(probe: Any, name: str, split: str, seed: int) -> Task:
+def _first_task(probe: Environment, name: str, split: str, seed: int) -> Task:
     tasks = _call(f"environment {name!r}", f"tasks({split!r}, n=1)", probe.tasks, split, 1, seed)
     if not tasks:
         raise ConfigError(f"environment {name!r} has no {split} tasks")
@@ -95,7 +97,7 @@ def _check_schemas(where: str, obs: Observation) -> None:
         ) from None
 
 
-def _check_demonstrations(where: str, env: Any, task: Task) -> bool:
+def _check_demonstrations(where: str, env: Environment, task: Task) -> bool:
     """Play the task's demonstrations, if it has any; whether it had."""
     demos = _call(where, "demonstrations", demonstrations, env, task)
     if not demos:
@@ -109,10 +111,10 @@ def _check_demonstrations(where: str, env: Any, task: Task) -> bool:
     return True
 
 
-def check_reply_room(cfg: Config, probe: Any, renderer: Any) -> None:
+def check_reply_room(cfg: Config, probe: Environment, renderer: Any) -> None:
     """Refuse a `rollout.max_new_tokens` below the longest demonstrated reply (thinking
     aside: a demonstration has none), measured on up to ROOM_SAMPLE tasks of each split."""
-    if not callable(getattr(probe, "demonstrations", None)):
+    if not capabilities(probe).demonstrations:
         return
     longest, task_id = 0, None
     for split in SPLITS:
@@ -141,7 +143,7 @@ def check_reply_room(cfg: Config, probe: Any, renderer: Any) -> None:
         )
 
 
-def check_references(cfg: Config, probe: Any) -> None:
+def check_references(cfg: Config, probe: Environment) -> None:
     """Each of eval.references is an EvalResult of this env's held-out episodes, the very
     ones this run's sampled eval will play (same task ids in the same order)."""
     if not cfg.eval.references:

@@ -25,7 +25,7 @@ from typing import Any
 
 from looprl.chat.parsers import validate_arguments
 from looprl.config import Config
-from looprl.envs import make_env, solved_outcomes
+from looprl.envs import Environment, capabilities, make_env, solved_outcomes
 from looprl.envs.common import check_reward, lowest_reward
 from looprl.errors import ConfigError, LoopRLError
 from looprl.loop.evaluate import check_some_scored, eval_result
@@ -56,12 +56,12 @@ def run_remote_eval(
     progress = progress or Progress()
     probe = make_env(cfg.env.name, cfg.env.args)
     preflight.check_env(cfg, probe)
-    if callable(getattr(probe, "run_agent", None)):
+    if capabilities(probe).agent:
         raise ConfigError(
             f"{cfg.env.name} is an agent environment: point its agent at the endpoint "
             "itself; looprl eval --endpoint plays environments with reset and step"
         )
-    if any(getattr(s, "group", False) for s in getattr(probe, "scorers", [])):
+    if capabilities(probe).group_judge:
         raise ConfigError(
             "looprl eval --endpoint scores episode by episode: a judge with "
             "mode: group is not supported there; use mode: pointwise"
@@ -178,7 +178,7 @@ def play_remote(task: Task, cfg: Config, client: Any, model: str, seed: int) -> 
 
 
 def _play_turns(
-    env: Any,
+    env: Environment,
     episode: Episode,
     history: list[Message],
     obs: Any,

@@ -25,6 +25,7 @@ from typing import Any
 from looprl.chat import ChatRenderer
 from looprl.engine import GenerationRequest, RolloutEngine, SamplingParams, Thinking
 from looprl.engine.requests import generation_request
+from looprl.envs import Environment
 from looprl.envs.common import check_reward, lowest_reward
 from looprl.seeds import turn_seed
 from looprl.types import ENV_ERROR, TRUNCATED, Episode, Message, Observation, Task, Turn
@@ -34,7 +35,7 @@ from looprl.types import ENV_ERROR, TRUNCATED, Episode, Message, Observation, Ta
 class _Live:
     """An episode in progress: its environment, conversation and token record."""
 
-    env: Any
+    env: Environment
     episode: Episode
     obs: Observation
     history: list[Message] = field(default_factory=list)

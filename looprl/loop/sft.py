@@ -21,6 +21,7 @@ import torch
 
 from looprl.chat import ChatRenderer
 from looprl.config import Config
+from looprl.envs import Environment
 from looprl.forward.score import micro_batches, sequence_logprobs
 from looprl.loop.batches import scoring_keys
 from looprl.loop.decisions import grammar_masked
@@ -30,7 +31,9 @@ from looprl.model.memory import release_free_memory
 from looprl.types import Episode, Task
 
 
-def demo_episode(env: Any, task: Task, renderer: ChatRenderer, grammars: Any = None) -> Episode:
+def demo_episode(
+    env: Environment, task: Task, renderer: ChatRenderer, grammars: Any = None
+) -> Episode:
     """The token sequence of `task` played with its demonstration messages
     (`expert_episode`). With `grammars` (an engine's GrammarCache), tokens a forced call's
     grammar leaves no choice about get loss mask 0 (`free_tokens`)."""

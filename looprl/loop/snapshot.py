@@ -20,6 +20,8 @@ from __future__ import annotations
 import copy
 import json
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -112,3 +114,24 @@ def start_snapshots(policy: Any, uses_snapshot: bool) -> SnapshotPlayer | None:
     train = SnapshotPlayer(policy.model, policy.renderer, policy.device)
     SnapshotPlayers.set("train", train)
     return train
+
+
+def _random_square(messages: Any, tools: Any, legal: list[int], rng: Any) -> int:
+    return rng.choice(legal)
+
+
+@contextmanager
+def stand_in_snapshots() -> Iterator[None]:
+    """Before the model loads, the run's preflight plays one task of each split without it:
+    a `snapshot` opponent that moves first meets a stand-in there, which plays a random
+    legal square; the players set before are back afterwards."""
+    from looprl.envs.builtin.tictactoe import SnapshotPlayers
+
+    kept = dict(SnapshotPlayers.players)
+    for split in ("train", "eval"):
+        SnapshotPlayers.set(split, kept.get(split, _random_square))
+    try:
+        yield
+    finally:
+        for split in ("train", "eval"):
+            SnapshotPlayers.set(split, kept.get(split))

@@ -8,9 +8,10 @@ there; it never asks which source it has."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from looprl.config import Config
+from looprl.envs import Environment
 from looprl.loop.dist import Dist
 from looprl.loop.groups import StepGroups, play_step, replay_step
 from looprl.loop.levers import Levers
@@ -44,7 +45,7 @@ class SyncGroups:
 
     fresh = True
 
-    def __init__(self, cfg: Config, probe: Any, play: Player, dist: Dist, levers: Levers):
+    def __init__(self, cfg: Config, probe: Environment, play: Player, dist: Dist, levers: Levers):
         self.cfg, self.probe, self.play, self.dist, self.levers = cfg, probe, play, dist, levers
 
     def groups(self, step: int, history: History) -> tuple[StepGroups, History]:
@@ -81,7 +82,7 @@ class ReplayedGroups:
 def group_source(
     cfg: Config,
     policy: Policy,
-    probe: Any,
+    probe: Environment,
     play: Player,
     dist: Dist,
     levers: Levers,

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from looprl.config import Config
+from looprl.envs import Environment
 from looprl.errors import EngineError, LoopRLError
 from looprl.loop import checkpoint as checkpoints
 from looprl.loop import log
@@ -56,7 +57,7 @@ class Trainer:
 
     cfg: Config
     policy: Policy
-    probe: Any  # an env instance: tasks, max_turns
+    probe: Environment  # an env instance: tasks, max_turns
     play: Player
     dist: Dist
     run_dir: Path

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from looprl.config import Config, to_yaml
-from looprl.envs import gives_turn_rewards, make_env
+from looprl.envs import Environment, capabilities, gives_turn_rewards, make_env
 from looprl.envs.data.judge import cache_verdicts_in
 from looprl.errors import ConfigError, LoopRLError
 from looprl.loop import dist as ranks
@@ -110,7 +110,7 @@ def train(
     preflight.check_reply_room(cfg, probe, policy.renderer)  # still nothing written
     dist.broadcast_parameters(policy.trainable_parameters())  # the replicas start equal
     # tictactoe-game's `snapshot` opponent: frozen copies of the model (loop/snapshot.py)
-    snapshot = start_snapshots(policy, bool(getattr(probe, "plays_snapshot", False)))
+    snapshot = start_snapshots(policy, capabilities(probe).snapshot_opponent)
     run_dir = open_run_dir(cfg, out, dist, force, resume)
     play = player(cfg, policy, probe)
     held_out = HeldOut.of(cfg, policy, play, probe, run_dir, progress)
@@ -218,7 +218,7 @@ def check_run(cfg: Config, out: Path, dist: Dist, force: bool, resume: bool) -> 
         ("sft.enabled", sft_env, "sft.enabled=false"),
         ("algo.expert_samples", guided, "algo.expert_samples=0"),
     ):
-        if env is not None and not callable(getattr(env, "demonstrations", None)):
+        if env is not None and not capabilities(env).demonstrations:
             raise ConfigError(
                 f"{field} needs demonstrations, and environment {cfg.env.name!r} has no "
                 f"demonstrations(task) method (agent environments never do); set {off}"
@@ -249,7 +249,7 @@ def open_run_dir(cfg: Config, out: Path, dist: Dist, force: bool, resume: bool) 
 def start_trainer(
     cfg: Config,
     policy: Policy,
-    probe: Any,
+    probe: Environment,
     play: Any,
     dist: Dist,
     run_dir: Path,
@@ -307,7 +307,7 @@ def write_config(run_dir: Path, cfg: Config) -> None:
 
 
 def warm_start(
-    policy: Policy, probe: Any, cfg: Config, run_dir: Path, progress: Progress | None = None
+    policy: Policy, probe: Environment, cfg: Config, run_dir: Path, progress: Progress | None = None
 ) -> None:
     """SFT steps on demonstrations of `probe`'s train tasks (the env built with env.args and
     sft.env_args over them); checkpointed as step 0 (weights only)."""

@@ -127,13 +127,13 @@ def persistent(cfg: Config, shape: ModelShape, device: Device) -> Phase:
 def plays_snapshot(cfg: Config) -> bool:
     """Whether the run's env has the policy play against its own snapshot (loop/snapshot.py
     keeps two copies of the model for it). An env that cannot be built says so elsewhere."""
-    from looprl.envs import make_env
+    from looprl.envs import capabilities, make_env
 
     try:
         env = make_env(cfg.env.name, cfg.env.args)
     except Exception:
         return False
-    return bool(getattr(env, "plays_snapshot", False))
+    return capabilities(env).snapshot_opponent
 
 
 def rollout_phase(
