@@ -197,19 +197,27 @@ def run_values(run: Path) -> dict[str, object]:
     return {key: value for key, value in values.items() if not ignored(key)}
 
 
-def same(a: object, b: object) -> bool:
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    return a == b
+def relative(a: object, b: object) -> float:
+    """How far two values are apart: 0 when equal, inf when they differ other than as
+    two finite numbers (a label, a count, a missing value)."""
+    if a == b or (
+        isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
+    ):
+        return 0.0
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b))
+    if not numbers or isinstance(a, int) and isinstance(b, int):
+        return math.inf
+    return abs(a - b) / max(abs(a), abs(b))
 
 
-def differences(before: dict[str, object], after: dict[str, object]) -> list[str]:
+def differences(before: dict[str, object], after: dict[str, object], rtol: float) -> list[str]:
     found = [f"{key}: only before" for key in before if key not in after]
     found += [f"{key}: only after" for key in after if key not in before]
     found += [
-        f"{key}: {before[key]!r} -> {after[key]!r}"
+        f"{key}: {before[key]!r} -> {after[key]!r} "
+        f"(relative {relative(before[key], after[key]):.1e})"
         for key in before
-        if key in after and not same(before[key], after[key])
+        if key in after and relative(before[key], after[key]) > rtol
     ]
     return found
 
@@ -221,6 +229,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/same-metrics"))
     parser.add_argument("--before-out", type=Path, help="The old tree's runs, made earlier.")
     parser.add_argument("--only", help="Comma-separated run names (default: all).")
+    parser.add_argument(
+        "--rtol",
+        type=float,
+        default=0.0,
+        help="Floats this close (relative) count as equal; 0 = bit for bit. The update on "
+        "a CPU is not bit-reproducible run to run (threads), so compare the same tree with "
+        "itself first to know the floor.",
+    )
     parser.add_argument(
         "--before-only", action="store_true", help="Make the old tree's runs and stop."
     )
@@ -250,7 +266,7 @@ def main() -> None:
             print(f"{name:22} {took[0]:9.1f}")
             continue
         old, new = run_values(before_out / name), run_values(args.out / "after" / name)
-        found = differences(old, new)
+        found = differences(old, new, args.rtol)
         if found:
             failed[name] = found
         print(f"{name:22} {took[0]:9.1f} {took[1]:9.1f} {len(old):6d}  {len(found)}")
