@@ -282,15 +282,6 @@ def test_kl_k3_zero_at_ref_positive_elsewhere_and_in_loss():
         assert "kl" not in s2
 
 
-def test_loss_scale_scales_loss_only():
-    logp, old, adv, mask, _ = make_batch(seed=8)
-    for name in ALL_LOSSES:
-        l1, s1 = call(name, logp, old, adv, mask)
-        l2, s2 = call(name, logp, old, adv, mask, loss_scale=0.25)
-        torch.testing.assert_close(l2, 0.25 * l1)
-        assert s1 == s2
-
-
 def test_shape_errors():
     with pytest.raises(ValueError):
         gspo_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(3), torch.ones(2, 3))

@@ -30,6 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import result_line  # noqa: E402
 
 TINY = ["model.name=tiny-random", "eval.tasks=4", "eval.samples_per_task=2", "seed=3"]
+# Several levers in one run (the old spelling algo.entropy_coef: every tree reads it).
+LEVERS = [
+    "algo.dynamic_sampling=true", "algo.max_oversample=2", "curriculum.enabled=true",
+    "algo.greedy_samples=1", "algo.entropy_coef=0.2", "algo.loss_on=free", "algo.kl_coef=0.05",
+    "algo.tis_cap=2", "algo.num_minibatches=2",
+]  # fmt: skip
 STEPS = ["train.steps=2", "rollout.tasks_per_step=4", "rollout.group_size=4"]
 
 # name -> (the `--set` overrides, the run it replays or None). One lever or a related few
@@ -39,15 +45,7 @@ RUNS: dict[str, tuple[list[str], str | None]] = {
         [
             *TINY,
             *STEPS,
-            "algo.dynamic_sampling=true",
-            "algo.max_oversample=2",
-            "curriculum.enabled=true",
-            "algo.greedy_samples=1",
-            "algo.entropy_coef=0.2",
-            "algo.loss_on=free",
-            "algo.kl_coef=0.05",
-            "algo.tis_cap=2",
-            "algo.num_minibatches=2",
+            *LEVERS,
             "logging.save_rollouts=true",
         ],
         None,
@@ -114,15 +112,7 @@ RUNS: dict[str, tuple[list[str], str | None]] = {
         [
             *TINY,
             *STEPS,
-            "algo.dynamic_sampling=true",
-            "algo.max_oversample=2",
-            "curriculum.enabled=true",
-            "algo.greedy_samples=1",
-            "algo.entropy_coef=0.2",
-            "algo.loss_on=free",
-            "algo.kl_coef=0.05",
-            "algo.tis_cap=2",
-            "algo.num_minibatches=2",
+            *LEVERS,
         ],
         "levers",
     ),

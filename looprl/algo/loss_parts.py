@@ -79,7 +79,6 @@ def _finish(
     kl_coef: float,
     normalizer: float | Tensor,
     per_sequence: bool,
-    loss_scale: float,
     ratio_U: Tensor,
     clip_active_U: Tensor,
 ) -> tuple[Tensor, dict[str, float]]:
@@ -90,7 +89,7 @@ def _finish(
         if kl_coef > 0:
             loss = loss + kl_coef * kl_loss  # L = L_pg + beta * KL
     stats = _stats(ratio_U, clip_active_U, pg_loss, kl_stat)
-    return loss * loss_scale, stats
+    return loss, stats
 
 
 def _sequence_log_ratio(logp_BT: Tensor, old_logp_BT: Tensor, m_BT: Tensor) -> Tensor:

@@ -3,7 +3,7 @@
 Every loss is called the same way
 
     loss, stats = fn(logp_BT, old_logp_BT, adv_B, mask_BT, *, eps_low, eps_high,
-                     ref_logp_BT=None, kl_coef=0.0, normalizer=None, loss_scale=1.0)
+                     ref_logp_BT=None, kl_coef=0.0, normalizer=None)
 
 and returns a 0-dim loss to minimise and a dict of python floats, so a trainer picks one
 from `looprl.algo.LOSSES` by name and never needs to know which. Inputs:
@@ -44,7 +44,6 @@ gradients, pass the *whole minibatch's* counts to every call:
 so call backward() on each micro-batch loss as is, with no extra scaling. The KL term
 obeys the same convention (see `kl.kl_term`). A sequence whose mask is all 0 contributes
 nothing but still counts in N_seq: drop such rows before the call, or pass the counts.
-`loss_scale` multiplies the final loss (e.g. 1/world_size); it does not touch the stats.
 
 Stats (python floats, for *this call* only; `count` lets the trainer weight them when
 averaging over micro-batches):
@@ -57,7 +56,7 @@ averaging over micro-batches):
                 pessimistic side) is not counted: its gradient still flows.
     ratio_mean, ratio_min, ratio_max   over the same units (1.0 when there are none)
     count       number of units (sequences with >= 1 masked token, or masked tokens)
-    pg_loss     the policy-gradient part of the loss, before kl and loss_scale
+    pg_loss     the policy-gradient part of the loss, before kl
     kl          mean k3 KL to the reference (only when ref_logp_BT is given)
 
 The parts the losses share (shape check, log-ratios, the clipped objective, the KL term
@@ -122,7 +121,6 @@ def gspo_loss(
     ref_logp_BT: Tensor | None = None,
     kl_coef: float = 0.0,
     normalizer: Normalizer | None = None,
-    loss_scale: float = 1.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """GSPO, Group Sequence Policy Optimization (arXiv 2507.18071), sequence-level ratio.
 
@@ -150,7 +148,6 @@ def gspo_loss(
         kl_coef=kl_coef,
         normalizer=n,
         per_sequence=True,
-        loss_scale=loss_scale,
         ratio_U=s_B[valid_B],
         clip_active_U=clip_active_B[valid_B],
     )
@@ -167,7 +164,6 @@ def gspo_token_loss(
     ref_logp_BT: Tensor | None = None,
     kl_coef: float = 0.0,
     normalizer: Normalizer | None = None,
-    loss_scale: float = 1.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """GSPO-token (arXiv 2507.18071, sec. 4.3): sequence ratio value, per-token gradient path.
 
@@ -202,7 +198,6 @@ def gspo_token_loss(
         kl_coef=kl_coef,
         normalizer=n,
         per_sequence=True,
-        loss_scale=loss_scale,
         ratio_U=s_B[valid_B],
         clip_active_U=clip_active_B[valid_B],
     )
@@ -219,7 +214,6 @@ def _token_ratio_loss(
     ref_logp_BT: Tensor | None,
     kl_coef: float,
     normalizer: Normalizer | None,
-    loss_scale: float,
     token_mean: bool,
 ) -> tuple[Tensor, dict[str, float]]:
     """Token ratios r_it = exp(logp_it - old_it), clipped per token; GRPO and Dr.GRPO
@@ -249,7 +243,6 @@ def _token_ratio_loss(
         kl_coef=kl_coef,
         normalizer=n,
         per_sequence=not token_mean,
-        loss_scale=loss_scale,
         ratio_U=r_BT[m_BT],
         clip_active_U=clip_active_BT[m_BT],
     )
@@ -266,7 +259,6 @@ def grpo_loss(
     ref_logp_BT: Tensor | None = None,
     kl_coef: float = 0.0,
     normalizer: Normalizer | None = None,
-    loss_scale: float = 1.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO with DAPO's token-level loss and clip-higher (arXiv 2503.14476).
 
@@ -286,7 +278,6 @@ def grpo_loss(
         ref_logp_BT=ref_logp_BT,
         kl_coef=kl_coef,
         normalizer=normalizer,
-        loss_scale=loss_scale,
         token_mean=True,
     )
 
@@ -302,7 +293,6 @@ def dr_grpo_loss(
     ref_logp_BT: Tensor | None = None,
     kl_coef: float = 0.0,
     normalizer: Normalizer | None = None,
-    loss_scale: float = 1.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """Dr.GRPO (arXiv 2503.20783): the token ratios of `grpo_loss`, a constant length.
 
@@ -324,6 +314,5 @@ def dr_grpo_loss(
         ref_logp_BT=ref_logp_BT,
         kl_coef=kl_coef,
         normalizer=normalizer,
-        loss_scale=loss_scale,
         token_mean=False,
     )

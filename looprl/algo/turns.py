@@ -77,7 +77,6 @@ def gspo_turn_loss(
     ref_logp_BT: Tensor | None = None,
     kl_coef: float = 0.0,
     normalizer: Normalizer | None = None,
-    loss_scale: float = 1.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """Turn-level GSPO (module doc): L = - sum_i (1/K_i) sum_k min(s_ik A_ik, clip(s_ik) A_ik) / N.
 
@@ -111,7 +110,6 @@ def gspo_turn_loss(
         kl_coef=kl_coef,
         normalizer=n,
         per_sequence=True,
-        loss_scale=loss_scale,
         ratio_U=s_BK[valid_BK],
         clip_active_U=clip_active_BK[valid_BK],
     )

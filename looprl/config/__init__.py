@@ -6,6 +6,8 @@ overrides (`load.py`). Every validation error is turned into a `ConfigError` tha
 the field, the bad value and what is allowed.
 """
 
+from looprl.config.algo import DEFAULT_CLIP, AlgoConfig, AlgoExperimental, CurriculumConfig
+from looprl.config.base import Section
 from looprl.config.load import (
     config_from_dict,
     describe_fields,
@@ -16,17 +18,12 @@ from looprl.config.load import (
 )
 from looprl.config.run import Config
 from looprl.config.sections import (
-    DEFAULT_CLIP,
-    AlgoConfig,
-    AlgoExperimental,
-    CurriculumConfig,
     EnvConfig,
     EvalConfig,
     LoggingConfig,
     LoraConfig,
     ModelConfig,
     RolloutConfig,
-    Section,
     SFTConfig,
     TrainConfig,
 )

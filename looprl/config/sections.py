@@ -2,8 +2,8 @@
 own section and the curriculum in `algo.py`; the whole config and the rules over several
 sections in `run.py`).
 
-Defaults live in these modules and nowhere else (`looprl.config` re-exports every name; loading a
-config from YAML and `--set` overrides is `looprl/config/load.py`).
+Defaults live in these modules and nowhere else (`looprl.config` re-exports every name;
+loading a config from YAML and `--set` overrides is `looprl/config/load.py`).
 """
 
 from __future__ import annotations
@@ -13,24 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from looprl.config.algo import DEFAULT_CLIP, AlgoConfig, AlgoExperimental, CurriculumConfig
 from looprl.config.base import Section
-
-__all__ = [
-    "DEFAULT_CLIP",
-    "AlgoConfig",
-    "AlgoExperimental",
-    "CurriculumConfig",
-    "EnvConfig",
-    "EvalConfig",
-    "LoggingConfig",
-    "LoraConfig",
-    "ModelConfig",
-    "RolloutConfig",
-    "SFTConfig",
-    "Section",
-    "TrainConfig",
-]
 
 
 class LoraConfig(Section):
