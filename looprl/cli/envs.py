@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -77,6 +77,30 @@ def envs_show(
     console.print(renderer.tokenizer.decode(ids), markup=False, highlight=False)
     console.rule("tool schemas")
     console.print_json(json.dumps(obs.tools))
+    _show_answer(env, task, renderer)
+
+
+def _show_answer(env: Any, task: Any, renderer: Any) -> None:
+    """The task's expected answer, its demonstration's length in tokens (what
+    `rollout.max_new_tokens` must hold), and how a scored env's scorers compare replies."""
+    from looprl.envs import demonstrations
+
+    if "answer" in task.data:
+        console.rule("expected answer")
+        console.print(json.dumps(task.data["answer"], ensure_ascii=False), markup=False)
+    demos = demonstrations(env, task) or []
+    if demos:
+        sizes = [len(renderer.assistant_ids(demo)) for demo in demos]
+        replies = f" in {len(sizes)} replies" if len(sizes) > 1 else ""
+        console.print(
+            f"demonstration: {' + '.join(map(str, sizes))} tokens{replies} "
+            f"(rollout.max_new_tokens must hold {max(sizes)})",
+            highlight=False,
+        )
+    for scorer in getattr(env, "scorers", None) or []:
+        how = getattr(scorer, "matching", None)
+        detail = f": {how.describe()}" if how is not None else ""
+        console.print(f"scorer {scorer.name} (weight {scorer.weight:g}){detail}", markup=False)
 
 
 @envs_app.command("check")

@@ -19,6 +19,8 @@ the scores; each score and its label are kept in the episode's `info`.
 - `contains`: 1 if the normalized answer occurs in the normalized reply;
 - `json_fields`: per-field credit, F1 = 2C / (S + T) with C right of S submitted and T
   expected fields (`all_fields: true`: 1 only if every field is right and none is extra);
+  a text field is matched by `match` (`normalized` by default, `casefold` or `exact`) or
+  by its own entry in `field_match: {field: exact}`;
 - `tool_call`: 0 for another tool's name, else `json_fields` over the arguments;
 - `judge`: a model grades the reply against a `rubric` (envs/data/judge.py);
 - `module:function`: your own, `fn(response, answer, row)` returning a number in [0, 1]
@@ -29,6 +31,7 @@ Labels: `correct` (score 1), `partial` (between), `wrong` (0).
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 import string
@@ -60,15 +63,68 @@ def last_number(text: str) -> float | None:
     return None
 
 
-def same_value(got: Any, want: Any) -> bool:
-    """One field: numbers numerically (to 1e-9), strings normalized, the rest by equality."""
+# how a text field of a call or a JSON answer is compared with the expected text
+MATCHES = {
+    "normalized": "case, punctuation and runs of spaces folded",  # today's default
+    "casefold": "case folded, all else as written",
+    "exact": "as written, character for character",
+}
+
+
+def same_text(got: str, want: str, match: str) -> bool:
+    if match == "exact":
+        return got == want
+    if match == "casefold":
+        return got.casefold() == want.casefold()
+    return normalize(got) == normalize(want)
+
+
+def same_value(got: Any, want: Any, match: str = "normalized") -> bool:
+    """One field: numbers numerically (to 1e-9), text by `match` (MATCHES), the rest
+    (booleans, lists, objects) by equality."""
     if isinstance(want, bool) or isinstance(got, bool):
         return got == want
     if isinstance(want, int | float) and isinstance(got, int | float):
         return math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-9)
     if isinstance(want, str) and isinstance(got, str):
-        return normalize(got) == normalize(want)
+        return same_text(got, want, match)
     return got == want
+
+
+@dataclass(frozen=True)
+class Matching:
+    """How a per-field scorer compares text fields: `match` for all, `fields` per field."""
+
+    match: str = "normalized"
+    fields: tuple[tuple[str, str], ...] = ()
+
+    def of(self, field: str) -> str:
+        return dict(self.fields).get(field, self.match)
+
+    def describe(self) -> str:
+        """What `looprl envs show` prints: the matching in force."""
+        text = f"text fields {self.match} ({MATCHES[self.match]})"
+        return text + "".join(f"; {name}: {how}" for name, how in self.fields)
+
+
+def matching(match: Any, field_match: Any) -> Matching:
+    """The checked `match` and `field_match` arguments; a misspelt way is an EnvError with
+    a suggestion."""
+    if field_match is None:
+        field_match = {}
+    if not isinstance(field_match, dict) or not all(isinstance(k, str) for k in field_match):
+        raise EnvError(f"field_match={field_match!r}: expected {{field: way}}, e.g. {{sku: exact}}")
+    for where, way in [
+        ("match", match),
+        *((f"field_match.{k}", v) for k, v in field_match.items()),
+    ]:
+        if way not in MATCHES:
+            close = difflib.get_close_matches(str(way), list(MATCHES), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise EnvError(
+                f"{where}={way!r} is not a way to match text; {hint}known: {', '.join(MATCHES)}"
+            )
+    return Matching(match, tuple(field_match.items()))
 
 
 # ---------------------------------------------------------------------------- built-ins
@@ -116,13 +172,22 @@ def _compile(pattern: str) -> re.Pattern:
         raise EnvError(f"regex pattern {pattern!r} does not compile: {err}") from None
 
 
-def field_credit(got: Any, want: Any, all_fields: bool) -> Score:
-    """F1 over the expected fields of `want` (a dict): 2C / (S + T); `all_fields`: 0 or 1."""
+def field_credit(
+    got: Any,
+    want: Any,
+    all_fields: bool,
+    match: Matching = Matching(),  # noqa: B008 (frozen)
+) -> Score:
+    """F1 over the expected fields of `want` (a dict): 2C / (S + T); `all_fields`: 0 or 1;
+    text fields compared as `match` says."""
     if not isinstance(want, dict):
         raise EnvError(f"a per-field scorer needs the answer as an object, got {as_text(want)!r}")
     if not isinstance(got, dict):
         return labelled(0.0, dict.fromkeys(want, False))
-    right = {key: key in got and same_value(got[key], value) for key, value in want.items()}
+    right = {
+        key: key in got and same_value(got[key], value, match.of(key))
+        for key, value in want.items()
+    }
     submitted = sum(1 for value in got.values() if value not in (None, ""))
     n_right = sum(right.values())
     if all_fields:
@@ -132,14 +197,23 @@ def field_credit(got: Any, want: Any, all_fields: bool) -> Score:
     return labelled(value, right)
 
 
-def make_json_fields(all_fields: bool = False) -> Callable:
-    def json_fields(response: Any, answer: Any, row: dict) -> Score:
-        return field_credit(response, answer, all_fields)
+def make_json_fields(
+    all_fields: bool = False, match: str = "normalized", field_match: Any = None
+) -> Callable:
+    how = matching(match, field_match)
 
+    def json_fields(response: Any, answer: Any, row: dict) -> Score:
+        return field_credit(response, answer, all_fields, how)
+
+    json_fields.matching = how  # type: ignore[attr-defined]  (shown by `envs show`)
     return json_fields
 
 
-def make_tool_call(all_fields: bool = False) -> Callable:
+def make_tool_call(
+    all_fields: bool = False, match: str = "normalized", field_match: Any = None
+) -> Callable:
+    how = matching(match, field_match)
+
     def tool_call(response: Any, answer: Any, row: dict) -> Score:
         if not isinstance(answer, dict) or "name" not in answer:
             raise EnvError("the tool_call scorer needs the answer as {name, arguments}")
@@ -148,8 +222,9 @@ def make_tool_call(all_fields: bool = False) -> Callable:
             return labelled(0.0, dict.fromkeys(want, False))
         if not want:
             return labelled(float(not response.get("arguments")))
-        return field_credit(response.get("arguments"), want, all_fields)
+        return field_credit(response.get("arguments"), want, all_fields, how)
 
+    tool_call.matching = how  # type: ignore[attr-defined]  (shown by `envs show`)
     return tool_call
 
 
@@ -200,6 +275,11 @@ class Scorer:
         return bool(getattr(self.fn, "group", False))
 
     @property
+    def matching(self) -> Matching | None:
+        """How a per-field scorer compares text fields (None for the others)."""
+        return getattr(self.fn, "matching", None)
+
+    @property
     def remote(self) -> bool:
         """Whether it asks a model (the judge): not run on every row up front."""
         return bool(getattr(self.fn, "remote", False))
@@ -231,6 +311,8 @@ def _scorer_fn(name: str, args: dict[str, Any], where: str) -> Callable:
             return _BUILTINS[name](**args)
         except TypeError as err:
             raise EnvError(f"{where} ({name}): bad arguments {args}: {err}") from None
+        except EnvError as err:
+            raise EnvError(f"{where} ({name}): {err}") from None
     if name == "judge":
         from looprl.envs.data.judge import GroupJudge, Judge
 
