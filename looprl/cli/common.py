@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 
 from looprl.errors import LoopRLError
+
+if TYPE_CHECKING:
+    from looprl.config import Config
 
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
@@ -36,6 +39,26 @@ SetOpt = Annotated[
     list[str] | None,
     typer.Option("--set", "-s", help="Override a config field: section.field=value (repeatable)."),
 ]
+
+
+def load_run_config(config: Path | None, overrides: list[str] | None) -> Config:
+    """`load_config`, with the data files env.args (and sft.env_args) name found and written
+    as absolute paths: a relative one is looked up in the config file's folder, then in the
+    current folder (envs `with_found_files`). A run folder's saved config then loads from
+    anywhere, and `looprl config show` prints the files a run would read."""
+    from looprl.config import load_config
+    from looprl.envs import with_found_files
+
+    cfg = load_config(config, overrides)
+    base = None if config is None else Path(config).resolve().parent
+    args = with_found_files(cfg.env.name, cfg.env.args, base)
+    env = cfg.env.model_copy(
+        update={"args": args, "mix": args["members"] if cfg.env.mix else cfg.env.mix}
+    )
+    sft = cfg.sft.model_copy(
+        update={"env_args": with_found_files(cfg.env.name, cfg.sft.env_args, base)}
+    )
+    return cfg.model_copy(update={"env": env, "sft": sft})
 
 
 def fail(message: str, code: int = 2) -> None:

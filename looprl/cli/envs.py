@@ -19,6 +19,7 @@ from looprl.cli.common import (
     envs_app,
     fail,
     guarded,
+    load_run_config,
 )
 from looprl.errors import ConfigError, EnvError
 
@@ -167,9 +168,7 @@ def _env_spec(name: str | None, items: list[str] | None, config: Path | None) ->
         if name is None:
             fail("name an environment, or give a run config with --config")
         return name, args
-    from looprl.config import load_config
-
-    env = load_config(config, None).env
+    env = load_run_config(config, None).env
     if name is None or name == env.name:
         return env.name, {**env.args, **args}
     return name, args
@@ -194,9 +193,9 @@ def _env_args(items: list[str] | None) -> dict:
 @guarded
 def config_show(config: ConfigArg = None, set_: SetOpt = None) -> None:
     """Print the fully resolved config as YAML."""
-    from looprl.config import load_config, to_yaml
+    from looprl.config import to_yaml
 
-    sys.stdout.write(to_yaml(load_config(config, set_)))
+    sys.stdout.write(to_yaml(load_run_config(config, set_)))
 
 
 @config_app.command("fields")

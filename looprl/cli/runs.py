@@ -18,6 +18,7 @@ from looprl.cli.common import (
     err_console,
     fail,
     guarded,
+    load_run_config,
 )
 
 # ---------------------------------------------------------------- run / eval
@@ -41,14 +42,13 @@ def run(
     ] = None,
 ) -> None:
     """Baseline eval → GSPO post-training → retest on the same tasks → report."""
-    from looprl.config import load_config
     from looprl.loop.dist import current as current_rank
     from looprl.loop.train import run_training
     from looprl.report.headline import headline
 
     config, out = _run_paths(config, out, resume)
     replayed = [f"train.replay={replay}"] if replay is not None else []
-    cfg = load_config(config, [*(set_ or []), *replayed])
+    cfg = load_run_config(config, [*(set_ or []), *replayed])
     result = run_training(cfg, out, force=force, resume=resume)
     if not current_rank().is_main:
         return  # rank 0 of a torchrun job prints the headline
@@ -113,9 +113,7 @@ def eval_cmd(
 ) -> None:
     """Evaluate a model (or a run's checkpoint, or an API endpoint) on the env's held-out
     tasks."""
-    from looprl.config import load_config
-
-    cfg = load_config(config, set_)
+    cfg = load_run_config(config, set_)
     if endpoint is not None or model is not None:
         from looprl.loop.remote import run_remote_eval
 
@@ -141,9 +139,8 @@ def doctor(
 ) -> None:
     """Check what a first run needs: Python, torch, devices, model, disk; say how to fix."""
     from looprl.apps.doctor import doctor_table, run_checks
-    from looprl.config import load_config
 
-    cfg = load_config(config, set_)
+    cfg = load_run_config(config, set_)
     with console.status("checking"):
         checks = run_checks(cfg, out)
     console.print(doctor_table(checks))

@@ -17,6 +17,7 @@ from looprl.cli.common import (
     console,
     fail,
     guarded,
+    load_run_config,
 )
 
 
@@ -129,10 +130,9 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
     """Predict a run's peak memory from configs alone (no weights) and say if it fits."""
-    from looprl.config import load_config
     from looprl.plan.show import make_plan, tables
 
-    result = make_plan(load_config(config, set_), device)
+    result = make_plan(load_run_config(config, set_), device)
     if as_json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
         return

@@ -14,7 +14,7 @@ from looprl.envs.base import (
     group_scorer,
     solved_outcomes,
 )
-from looprl.envs.registry import env_class, env_factory, list_envs, make_env
+from looprl.envs.registry import env_class, env_factory, list_envs, make_env, with_found_files
 
 __all__ = [
     "Capabilities",
@@ -28,6 +28,7 @@ __all__ = [
     "list_envs",
     "make_env",
     "solved_outcomes",
+    "with_found_files",
 ]
 
 registry.add_mix(mix.ENVIRONMENTS)

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any
 
 from looprl.envs.common import import_attribute
+from looprl.envs.data.data_files import find_file
 from looprl.errors import EnvError
 
 # `mix` makes its members through this registry (envs/mix.py imports it), so the package
@@ -111,6 +113,31 @@ def env_factory(name: str, args: dict[str, Any] | None = None) -> Callable[[], A
             raise EnvError(f"bad env.args for {name!r}: {err}") from None
 
     return make
+
+
+def with_found_files(name: str, args: dict[str, Any], base: Path | None) -> dict[str, Any]:
+    """`args` with each file they name (the class's `path_args`; a mix's members' too) as an
+    absolute path, found in `base` (a config file's folder) or the current folder
+    (`find_file`): saved with a run, the config then loads from anywhere."""
+    if name == "mix" and isinstance(args.get("members"), list):
+        members = [
+            {**m, "args": with_found_files(m["name"], m.get("args") or {}, base)}
+            if isinstance(m, dict) and isinstance(m.get("name"), str)
+            else m
+            for m in args["members"]
+        ]
+        return {**args, "members": members}
+    if name.partition(":")[0] in ADAPTER_PREFIXES:
+        return args  # their arguments name no data files of looprl's reading
+    try:
+        cls = env_class(name)
+    except Exception:
+        return args  # making the env says what is wrong with its name
+    found = dict(args)
+    for key in getattr(cls, "path_args", ()):
+        if isinstance(args.get(key), str) and args[key]:
+            found[key] = find_file(args[key], base, f"env.args.{key}")
+    return found
 
 
 def _import_class(spec: str) -> type:

@@ -91,6 +91,8 @@ class McpTools:
     description: ClassVar[str] = "An MCP server's tools (stdio command or URL), tasks from a file."
     solved_outcomes: ClassVar[tuple[str, ...]] = ("correct",)
     needs_args: ClassVar[str] = "server=COMMAND_OR_URL tasks=FILE"
+    # the arguments that name files: a config's are looked up in its folder first
+    path_args: ClassVar[tuple[str, ...]] = ("tasks", "eval_path")
 
     def __init__(
         self,

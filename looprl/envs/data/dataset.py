@@ -3,15 +3,18 @@
     env:
       name: dataset
       args:
-        path: examples/bookings/train.jsonl   # .jsonl, .csv, .parquet, or a save_to_disk folder
-        eval_path: examples/bookings/eval.jsonl   # or eval_fraction: 0.2 of `path`
+        path: examples/bookings/train.jsonl   # .jsonl, .csv, .parquet, a save_to_disk folder,
+                                              # or org/name on the hub (split, revision, subset)
+        eval_path: examples/bookings/eval.jsonl   # or eval_split, or eval_fraction: 0.2 of `path`
         answer_form: tool_call                # text | tool_call | json
         tools: [...]                          # or a `tools` column, one list per row
         scorers: tool_call                    # see envs/data/scorers.py
 
 A row holds a `prompt` (text) or `messages` (a chat), optionally a `system` prompt, the
 `answer`, per-row `tools` and an `info` object that scorers receive; `columns` maps these
-names to the file's own. The answer forms:
+names to the file's own (`eval_columns` to the eval file's, when it names them otherwise).
+A relative path is looked up in the config file's folder and in the current folder
+(data_files.py `find_file`). The answer forms:
 - `text`: the reply's text is scored (default scorer `normalized`);
 - `tool_call`: one forced call of the row's tools; the answer is `{name, arguments}` (or,
   with one tool, its arguments alone); default scorer `tool_call` (per-field credit);
@@ -23,8 +26,10 @@ failure) earns `failure_reward` (-1 by default: below any wrong answer). Outcome
 (every scorer gave 1), `partial`, `wrong`, and the parse failures. Each score, its label and
 the per-field credit are in the episode's `info`.
 
-The held-out split is `eval_path`, or a seeded `eval_fraction` of the rows; either way a
-train row whose prompt equals a held-out row's is dropped (so they never overlap). Rows
+The held-out split is `eval_path`, the `eval_split` of `path`, or a seeded `eval_fraction`
+of the rows; either way a train row whose prompt equals a held-out row's is dropped (so they
+never overlap), and a warning says how many; train prompts asked twice are kept, with a
+warning. Rows
 with an answer are demonstrations (`sft.enabled`). Everything is read and checked once, when
 the first instance is made: a malformed row, a missing column, an answer that does not fit
 its tools or schema, or a scorer that raises on a row's own answer is one EnvError naming the
@@ -47,6 +52,7 @@ from looprl.envs.common import (
     sample_items,
     unscored,
 )
+from looprl.envs.data.data_files import find_file
 from looprl.envs.data.dataset_rows import COLUMNS, check_schema, check_tools, checked_rows, valid
 from looprl.envs.data.score_types import Score, as_text, labelled
 from looprl.envs.data.scorers import Scorer, combine, make_scorers
@@ -75,6 +81,8 @@ class Dataset:
     solved_outcomes: ClassVar[tuple[str, ...]] = ("correct",)
     # `looprl envs check` without names skips an env that cannot run without arguments
     needs_args: ClassVar[str] = "path=FILE (a data file of your own)"
+    # the arguments that name files: a config's are looked up in its folder first
+    path_args: ClassVar[tuple[str, ...]] = ("path", "eval_path")
 
     def __init__(
         self,
@@ -83,6 +91,11 @@ class Dataset:
         eval_fraction: float = 0.1,
         split_seed: int = 0,
         columns: dict[str, str] | None = None,
+        eval_columns: dict[str, str] | None = None,
+        split: str = "train",
+        eval_split: str | None = None,
+        revision: str | None = None,
+        subset: str | None = None,
         answer_form: str | None = None,
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str = "required",
@@ -95,9 +108,16 @@ class Dataset:
             raise EnvError("dataset: env.args.path is required (a .jsonl, .csv or .parquet file)")
         check_fraction("eval_fraction", eval_fraction)
         check_failure_reward(failure_reward)
-        unknown = set(columns or {}) - set(COLUMNS)
-        if unknown:
-            raise EnvError(f"columns: unknown names {sorted(unknown)}; known: {', '.join(COLUMNS)}")
+        _check_columns("columns", columns)
+        _check_columns("eval_columns", eval_columns)
+        if eval_columns is not None and not eval_path:
+            raise EnvError(
+                "eval_columns maps the columns of eval_path's file, and there is no eval_path: "
+                "the held-out rows come from path, mapped by columns"
+            )
+        for key, value in (("split", split), ("eval_split", eval_split)):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise EnvError(f"{key}={value!r} is invalid: expected a split's name (train)")
         form = answer_form or ("tool_call" if tools or _has_tools_column(columns) else "text")
         self.form = check_choice("answer_form", form, FORMS)
         if self.form == "json" and response_schema is not None:
@@ -115,11 +135,16 @@ class Dataset:
         custom = any(":" in s.name or s.remote for s in self.scorers)
         self.uncertain_outcomes = ("partial",) if custom else ()
         self.spec = {
-            "path": str(path),
-            "eval_path": eval_path,
+            "path": find_file(str(path), None, "env.args.path"),
+            "eval_path": eval_path and find_file(str(eval_path), None, "env.args.eval_path"),
             "eval_fraction": float(eval_fraction),
             "split_seed": check_int("split_seed", split_seed),
             "columns": columns or {},
+            "eval_columns": eval_columns,
+            "split": split,
+            "eval_split": eval_split,
+            "revision": revision,
+            "subset": subset,
             "form": self.form,
             "tools": tools,
             "tool_choice": tool_choice,
@@ -290,6 +315,16 @@ def _outcomes(form: str, scorers: list[Scorer]) -> tuple[str, ...]:
     graded = len(scorers) > 1 or any(s.name not in all_or_nothing for s in scorers)
     failures = {"text": (), "json": ("bad_json", "bad_arguments"), "tool_call": PARSE_FAILURES}
     return ("correct", *(("partial",) if graded else ()), "wrong", *failures[form])
+
+
+def _check_columns(key: str, columns: Any) -> None:
+    if columns is None:
+        return
+    if not isinstance(columns, dict) or not all(isinstance(v, str) for v in columns.values()):
+        raise EnvError(f"{key}={columns!r}: expected {{name: your column}}, e.g. {{prompt: q}}")
+    unknown = set(columns) - set(COLUMNS)
+    if unknown:
+        raise EnvError(f"{key}: unknown names {sorted(unknown)}; known: {', '.join(COLUMNS)}")
 
 
 def _has_tools_column(columns: dict[str, str] | None) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,13 +55,33 @@ def checked_messages(messages: list, fail: Any) -> list[dict[str, str]]:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def split_rows(path: Path, spec: dict) -> tuple[list[tuple], list[tuple]]:
+@dataclass(frozen=True)
+class Splits:
+    """Which split of a saved DatasetDict or a hub dataset each side reads (and a hub
+    dataset's revision and subset); a plain file has one table and ignores them."""
+
+    split: str = "train"
+    eval_split: str | None = None  # of eval_path, else of path; None: eval_path's `split`
+    revision: str | None = None
+    subset: str | None = None
+
+    def rows(self, path: Path, split: str) -> list[tuple[Path, int, dict]]:
+        return [(path, n, row) for n, row in read_rows(path, split, self.revision, self.subset)]
+
+
+def split_rows(
+    path: Path,
+    spec: dict,
+    splits: Splits = Splits(),  # noqa: B008 (frozen)
+) -> tuple[list[tuple], list[tuple]]:
     """The (file, row number, row) triples of the train and held-out splits: `path` and
-    `spec["eval_path"]`, or a seeded `spec["eval_fraction"]` of `path` held out."""
-    rows = [(path, n, row) for n, row in read_rows(path)]
+    `spec["eval_path"]`, the `eval_split` of `path`, or a seeded `spec["eval_fraction"]`
+    of `path` held out."""
+    rows = splits.rows(path, splits.split)
     if spec["eval_path"]:
-        eval_path = Path(spec["eval_path"])
-        return rows, [(eval_path, n, row) for n, row in read_rows(eval_path)]
+        return rows, splits.rows(Path(spec["eval_path"]), splits.eval_split or splits.split)
+    if splits.eval_split is not None:
+        return rows, splits.rows(path, splits.eval_split)
     order = list(range(len(rows)))
     random.Random(spec["split_seed"]).shuffle(order)
     k = max(1, round(spec["eval_fraction"] * len(rows)))
@@ -77,14 +98,75 @@ def split_rows(path: Path, spec: dict) -> tuple[list[tuple], list[tuple]]:
 
 
 def _rows(spec: dict, env: Any) -> Rows:
-    """Read and check both splits (`env` gives the scorers, form and schema)."""
+    """Read and check both splits (`env` gives the scorers, form and schema); say what was
+    dropped or repeated."""
     columns = {name: spec["columns"].get(name, name) for name in COLUMNS}
+    eval_map = spec["eval_columns"] if spec["eval_columns"] is not None else spec["columns"]
+    eval_columns = {name: eval_map.get(name, name) for name in COLUMNS}
     path = Path(spec["path"])
-    rows, eval_rows = split_rows(path, spec)
-    held_out = [_task("eval", *r, columns, spec, env) for r in eval_rows]
+    splits = Splits(spec["split"], spec["eval_split"], spec["revision"], spec["subset"])
+    rows, eval_rows = split_rows(path, spec, splits)
+    if spec["eval_path"]:  # two files, each with its own map
+        check_columns(rows, columns, spec["columns"], env, "columns")
+        check_columns(eval_rows, eval_columns, eval_map, env, "eval_columns")
+    else:
+        check_columns(rows + eval_rows, columns, spec["columns"], env, "columns")
+    held_out = [_task("eval", *r, eval_columns, spec, env) for r in eval_rows]
     train = [_task("train", *r, columns, spec, env) for r in rows]
     kept = without_held_out(path, train, held_out, _prompt_key)
+    for note in notes(path, train, kept):
+        print(f"warning: {note}", file=sys.stderr)
     return Rows(tuple(kept), tuple(held_out), len(train) - len(kept))
+
+
+def notes(path: Path, train: list[Task], kept: list[Task]) -> list[str]:
+    """What the user should know of the train rows: those dropped for a held-out twin,
+    and prompts asked more than once (kept: each copy is drawn as often as any row)."""
+    out = []
+    if len(kept) < len(train):
+        out.append(
+            f"{path}: {len(train) - len(kept)} train row(s) dropped: their prompt is also a "
+            "held-out row's (the splits never share a task)"
+        )
+    answers: dict[str, list[Any]] = {}
+    for task in kept:
+        answers.setdefault(_prompt_key(task), []).append(task.data.get("answer"))
+    repeats = sum(len(a) - 1 for a in answers.values())
+    if repeats:
+        differ = sum(1 for a in answers.values() if any(x != a[0] for x in a))
+        clash = f"; {differ} such prompt(s) with different answers" if differ else ""
+        out.append(
+            f"{path}: {repeats} train row(s) repeat an earlier row's prompt (kept: such a "
+            f"prompt is drawn once per copy{clash})"
+        )
+    return out
+
+
+def check_columns(
+    rows: list[tuple], columns: dict[str, str], mapped: dict[str, str], env: Any, key: str
+) -> None:
+    """A column that no row of a file has is one error naming the file's columns (not the
+    first row's): no prompt or messages, the answer a scorer needs, or a column `key` maps."""
+    by_file: dict[Path, set[str]] = {}
+    for path, _, row in rows:
+        by_file.setdefault(path, set()).update(k for k, v in row.items() if v not in (None, ""))
+    needing = [s.name for s in env.scorers if s.needs_answer]
+    for path, have in by_file.items():
+        listed = ", ".join(sorted(have)) or "none"
+
+        def missing(what: str, path: Path = path, listed: str = listed) -> EnvError:
+            return EnvError(
+                f"{path}: {what} is missing from every row; the file's columns: {listed} "
+                f"(env.args.{key} maps looprl's names to yours, e.g. {{prompt: question}})"
+            )
+
+        for name, column in mapped.items():
+            if column not in have:
+                raise missing(f"column {column!r} ({key} maps {name} to it)")
+        if columns["prompt"] not in have and columns["messages"] not in have:
+            raise missing(f"a {columns['prompt']!r} or {columns['messages']!r} column")
+        if needing and columns["answer"] not in have:
+            raise missing(f"column {columns['answer']!r} (the scorer {needing[0]!r} needs it)")
 
 
 def without_held_out(
