@@ -190,8 +190,15 @@ def test_parquet_and_a_saved_datasets_folder(tmp_path):
     ("rows", "args", "needle"),
     [
         ("{bad json\n", {}, "line 1 is not valid JSON"),
-        ([{"question": "q", "answer": "a"}] * 3, {}, "row 1 has neither a 'prompt' nor"),
-        ([{"prompt": "q"}] * 3, {}, "row 1: field 'answer': missing"),
+        ([{"question": "q", "answer": "a"}] * 3, {},
+         "a 'prompt' or 'messages' column is missing from every row; the file's columns: "
+         "answer, question"),
+        (qa_rows(2) + [{"question": "q", "answer": "a"}], {}, "row 3 has neither a 'prompt' nor"),
+        ([{"prompt": "q"}] * 3, {},
+         "column 'answer' (the scorer 'normalized' needs it) is missing from every row"),
+        (qa_rows(2) + [{"prompt": "q"}], {}, "row 3: field 'answer': missing"),
+        (qa_rows(3), {"columns": {"info": "meta"}},
+         "column 'meta' (columns maps info to it) is missing from every row"),
         (call_rows(3)[:2] + [{"prompt": "x", "answer": {"city": "c", "days": "two"}}],
          {"tools": [TOOL]}, "row 3: field 'answer': the call does not fit lookup's schema"),
         (call_rows(3), {"tools": [{"type": "function", "function": {

@@ -88,7 +88,8 @@ def _show_answer(env: Any, task: Any, renderer: Any) -> None:
 
     if "answer" in task.data:
         console.rule("expected answer")
-        console.print(json.dumps(task.data["answer"], ensure_ascii=False), markup=False)
+        answer = json.dumps(task.data["answer"], ensure_ascii=False)
+        console.print(answer, markup=False, highlight=False, soft_wrap=True)
     demos = demonstrations(env, task) or []
     if demos:
         sizes = [len(renderer.assistant_ids(demo)) for demo in demos]
@@ -97,11 +98,13 @@ def _show_answer(env: Any, task: Any, renderer: Any) -> None:
             f"demonstration: {' + '.join(map(str, sizes))} tokens{replies} "
             f"(rollout.max_new_tokens must hold {max(sizes)})",
             highlight=False,
+            soft_wrap=True,
         )
     for scorer in getattr(env, "scorers", None) or []:
         how = getattr(scorer, "matching", None)
         detail = f": {how.describe()}" if how is not None else ""
-        console.print(f"scorer {scorer.name} (weight {scorer.weight:g}){detail}", markup=False)
+        line = f"scorer {scorer.name} (weight {scorer.weight:g}){detail}"
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 @envs_app.command("check")
