@@ -113,12 +113,24 @@ def test_text_fields_match_as_the_scorer_says(spec, got, fields):
         ({"name": "json_fields", "field_match": {"sku": "case"}},
          "field_match.sku='case' is not a way to match text; did you mean 'casefold'?"),
         ({"name": "tool_call", "field_match": ["sku"]}, "field_match=['sku']: expected"),
+        ({"name": "tool_call", "match": ["exact"]}, "match=['exact'] is not a way to match"),
     ],
 )  # fmt: skip
 def test_a_misspelt_match_is_an_error_with_a_suggestion(spec, needle):
     with pytest.raises(EnvError) as err:
         make_scorers(spec)
     assert needle in str(err.value)
+
+
+def test_a_field_match_naming_no_answers_field_is_an_error(tmp_path):
+    train = write_jsonl(tmp_path / "train.jsonl", order_rows(6))
+    spec = {"name": "tool_call", "field_match": {"skus": "exact"}}
+    with pytest.raises(EnvError) as err:
+        make_env("dataset", {"path": str(train), "tools": [ORDER], "scorers": spec,
+                             "eval_fraction": 0.5})  # fmt: skip
+    want = ("scorers (tool_call): field_match names 'skus', a field no row's answer has; "
+            "did you mean 'sku'? the answers' fields: part, qty, sku")  # fmt: skip
+    assert want in str(err.value)
 
 
 def test_a_misspelt_match_exits_2_through_the_cli(runner, tmp_path):

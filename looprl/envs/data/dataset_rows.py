@@ -5,6 +5,7 @@ schema, scorers, `response` and `score` check each row's own answer."""
 
 from __future__ import annotations
 
+import difflib
 import json
 import random
 import sys
@@ -114,6 +115,7 @@ def _rows(spec: dict, env: Any) -> Rows:
     held_out = [_task("eval", *r, eval_columns, spec, env) for r in eval_rows]
     train = [_task("train", *r, columns, spec, env) for r in rows]
     kept = without_held_out(path, train, held_out, _prompt_key)
+    check_field_match(env.scorers, train + held_out, spec["form"])
     for note in notes(path, train, kept):
         print(f"warning: {note}", file=sys.stderr)
     return Rows(tuple(kept), tuple(held_out), len(train) - len(kept))
@@ -140,6 +142,26 @@ def notes(path: Path, train: list[Task], kept: list[Task]) -> list[str]:
             f"prompt is drawn once per copy{clash})"
         )
     return out
+
+
+def check_field_match(scorers: list[Any], tasks: list[Task], form: str) -> None:
+    """A `field_match` entry naming a field that no row's answer has (a typo would leave the
+    field matched the default way, unsaid) is an EnvError with a suggestion."""
+    fields: set[str] = set()
+    for task in tasks:
+        answer = task.data.get("answer")
+        if form == "tool_call" and isinstance(answer, dict):
+            answer = answer["arguments"]
+        fields |= set(answer) if isinstance(answer, dict) else set()
+    for scorer in scorers:
+        named = dict(scorer.matching.fields) if scorer.matching is not None else {}
+        for name in sorted(set(named) - fields):
+            close = difflib.get_close_matches(name, sorted(fields), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise EnvError(
+                f"scorers ({scorer.name}): field_match names {name!r}, a field no row's answer "
+                f"has; {hint}the answers' fields: {', '.join(sorted(fields)) or 'none'}"
+            )
 
 
 def check_columns(

@@ -65,7 +65,7 @@ def last_number(text: str) -> float | None:
 
 # how a text field of a call or a JSON answer is compared with the expected text
 MATCHES = {
-    "normalized": "case, punctuation and runs of spaces folded",  # today's default
+    "normalized": "case, punctuation and runs of spaces folded",  # the default
     "casefold": "case folded, all else as written",
     "exact": "as written, character for character",
 }
@@ -118,7 +118,7 @@ def matching(match: Any, field_match: Any) -> Matching:
         ("match", match),
         *((f"field_match.{k}", v) for k, v in field_match.items()),
     ]:
-        if way not in MATCHES:
+        if not isinstance(way, str) or way not in MATCHES:
             close = difflib.get_close_matches(str(way), list(MATCHES), n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise EnvError(
