@@ -207,6 +207,17 @@ def test_a_mix_members_files_are_found_too(tmp_path, monkeypatch):
     make_env(cfg.env.name, cfg.env.args)
 
 
+def test_each_env_finds_the_files_it_declares_and_only_those(tmp_path, monkeypatch):
+    from looprl.envs import with_found_files
+
+    write_jsonl(tmp_path / "task" / "shop.jsonl", order_rows(2))
+    monkeypatch.chdir(tmp_path)
+    args = {"server": "python server.py", "tasks": "shop.jsonl", "system_prompt": "shop.jsonl"}
+    found = with_found_files("mcp", args, tmp_path / "task")
+    assert found == {**args, "tasks": str(tmp_path / "task" / "shop.jsonl")}
+    assert with_found_files("tictactoe-move", {"path": "x"}, tmp_path) == {"path": "x"}
+
+
 def test_a_run_folders_config_loads_from_anywhere(runner, tmp_path, monkeypatch):
     config = orders_config(tmp_path / "task")
     monkeypatch.chdir(tmp_path)
