@@ -75,9 +75,10 @@ def run_remote_eval(
     episodes: dict[int, Episode] = {i: _from_record(r, repeated[i]) for i, r in kept.items()}
     out.parent.mkdir(parents=True, exist_ok=True)
     title = f"reference eval: {model}" + (f" ({len(kept)} kept)" if kept else "")
-    with progress.phase(title, len(repeated), "episode") as phase, log_path.open("a") as log:
-        phase.update(len(kept))
-
+    with (
+        progress.phase(title, len(repeated), "episode", start=len(kept)) as phase,
+        log_path.open("a") as log,
+    ):
         pool = ThreadPoolExecutor(max_workers=max(1, concurrency))
         futures = {
             pool.submit(play_remote, repeated[i], cfg, client, model, cfg.eval.seed + i): i
