@@ -4,7 +4,6 @@ and what `--out` keeps (the EvalResult and each episode, in the endpoint eval's 
 from __future__ import annotations
 
 import json
-import re
 from collections import Counter
 
 from typer.testing import CliRunner
@@ -44,10 +43,10 @@ def test_a_local_eval_prints_a_summary_and_keeps_its_episodes(tmp_path):
     assert sorted(_kept(out.with_suffix(".episodes.jsonl"), [t for t in tasks for _ in "ab"])) == [
         0, 1, 2, 3, 4, 5,
     ]  # fmt: skip
-    # the progress, on stderr: the count lines end with the time left until the last
+    # the progress, on stderr: a count line as episodes end (the time left once a quarter
+    # of them have: the first few of a batch say nothing of the pace)
     counted = [x for x in res.stderr.splitlines() if x.startswith("  eval · ")]
-    assert re.fullmatch(r"  eval · 1/6 episodes · ETA \d+\.\d (s|min)", counted[0])
-    assert counted[-1] == "  eval · 6/6 episodes"
+    assert counted[0] == "  eval · 1/6 episodes" and counted[-1] == "  eval · 6/6 episodes"
 
 
 def test_json_prints_the_whole_eval_result_and_no_out_writes_nothing(tmp_path, monkeypatch):

@@ -90,6 +90,22 @@ def test_a_resumed_phase_counts_its_earlier_units_but_times_only_its_own():
     assert 0.2 <= seconds < 1.0  # one step of ~0.2 s to go, not 9 steps' worth
 
 
+def test_episodes_played_together_show_no_eta_before_a_quarter_of_them_ended():
+    progress, _ = captured()
+    with progress.phase("eval", total=16, unit="episode", concurrent=True) as phase:
+        shown = []
+        for n in range(1, 17):
+            phase.update(n)
+            shown.append(phase.eta())
+    assert shown[:3] == ["", "", ""] and shown[-1] == ""  # before 4 of 16, and after all
+    assert all(re.fullmatch(r"ETA \d+\.\d s", eta) for eta in shown[3:-1])
+    with progress.phase("eval", total=12, unit="episode", concurrent=True, start=4) as phase:
+        phase.update(5)
+        assert phase.eta() == ""  # a quarter of the 8 it plays is 2: 1 is not enough
+        phase.update(6)
+        assert phase.eta().startswith("ETA ")
+
+
 def test_remaining_is_the_mean_pace_times_the_units_left():
     assert remaining(elapsed=30.0, done=3, left=7) == pytest.approx(70.0)
     assert remaining(elapsed=5.0, done=0, left=7) is None  # no pace before the first unit

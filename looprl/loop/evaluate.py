@@ -117,7 +117,8 @@ def play_eval(
     dist = ranks.current()  # each rank plays its share; every rank then has them all
     mine = dist.share(range(len(repeated)))
     title = EVAL_TITLES.get(name, name)
-    with (progress or Progress(quiet=True)).phase(title, len(mine), "episode") as phase:
+    shown = progress or Progress(quiet=True)
+    with shown.phase(title, len(mine), "episode", concurrent=True) as phase:
         episodes = dist.gather(
             play(
                 [repeated[i] for i in mine],

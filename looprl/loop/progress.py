@@ -10,13 +10,14 @@ Those count lines are flushed as they are written and carry no carriage return; 
 whose units end faster than one every `PLAIN_EVERY_S` seconds writes its first and last
 count line and at most one in between every `PLAIN_EVERY_S`, so fast steps never flood a
 log. Both forms show the time remaining (`ETA`): the phase's mean time per unit so far
-times the units left. `quiet=True` writes nothing. Everything goes to stderr, so that
-stdout carries only a command's result (the headline of `looprl run`, the summary of
-`looprl eval`).
+times the units left (for episodes played together, once a quarter of them have ended).
+`quiet=True` writes nothing. Everything goes to stderr, so that stdout carries only a
+command's result (the headline of `looprl run`, the summary of `looprl eval`).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,7 +36,9 @@ class Phase:
 
     `start` units were done before the phase began (a resumed run's steps, a reference
     eval's kept episodes): they count towards the total, not towards the time per unit.
-    Off a terminal, `say` writes the count lines."""
+    `concurrent` units are played together (an eval's episodes): the first to end says
+    little of the pace, so the ETA waits for a quarter of them. Off a terminal, `say`
+    writes the count lines."""
 
     def __init__(
         self,
@@ -46,6 +49,7 @@ class Phase:
         start: int = 0,
         say: Callable[[str], None] | None = None,
         every: float = PLAIN_EVERY_S,
+        concurrent: bool = False,
     ) -> None:
         self.title, self.total, self.unit = title, total, unit
         self.start = self.completed = self.said = start
@@ -54,6 +58,7 @@ class Phase:
         self.started = time.monotonic()
         self._said_at = float("-inf")
         self._say, self._every = say, every
+        self._first_eta = max(1, math.ceil((total - start) / 4)) if concurrent and total else 1
         self._bars = bars
         self._task = None
         if bars is not None:
@@ -91,7 +96,7 @@ class Phase:
 
     def eta(self) -> str:
         """`ETA 2.5 min`, or nothing before the first unit and after the last."""
-        if self.total is None:
+        if self.total is None or self.completed - self.start < self._first_eta:
             return ""
         left = remaining(
             time.monotonic() - self.started,
@@ -132,16 +137,21 @@ class Progress:
 
     @contextmanager
     def phase(
-        self, title: str, total: int | None = None, unit: str = "", start: int = 0
+        self,
+        title: str,
+        total: int | None = None,
+        unit: str = "",
+        start: int = 0,
+        concurrent: bool = False,
     ) -> Iterator[Phase]:
         """`with progress.phase("baseline eval", total=256, unit="episode") as phase:`
         then `phase.update(...)` as work gets done and `phase.done(summary)` at the end;
-        `start`: units done before (see `Phase`). A phase left by an exception writes no
+        `start` and `concurrent`: see `Phase`. A phase left by an exception writes no
         closing line (the error says enough)."""
         if not self.live:
             size = f" ({total} {plural(total, unit)})" if total is not None else ""
             self.note(f"{START} {title}{size}")
-            phase = Phase(title, total, unit, None, start, self.note, self.every)
+            phase = Phase(title, total, unit, None, start, self.note, self.every, concurrent)
             yield phase
         else:
             columns = [SpinnerColumn(), TextColumn("{task.description}")]
@@ -150,7 +160,7 @@ class Progress:
             columns += [TimeElapsedColumn(), TextColumn("{task.fields[eta]}")]
             bars = LiveBars(*columns, console=self.console, transient=True)
             with bars:
-                phase = Phase(title, total, unit, bars, start)
+                phase = Phase(title, total, unit, bars, start, concurrent=concurrent)
                 yield phase
         summary = f": {phase.closing()}" if phase.closing() else ""
         self.note(f"{DONE} {title}{summary} ({duration(time.monotonic() - phase.started)})")

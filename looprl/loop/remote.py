@@ -77,7 +77,7 @@ def run_remote_eval(
     out.parent.mkdir(parents=True, exist_ok=True)
     title = f"reference eval: {model}" + (f" ({len(kept)} kept)" if kept else "")
     with (
-        progress.phase(title, len(repeated), "episode", start=len(kept)) as phase,
+        progress.phase(title, len(repeated), "episode", len(kept), concurrent=True) as phase,
         log_path.open("a") as log,
     ):
         pool = ThreadPoolExecutor(max_workers=max(1, concurrency))
