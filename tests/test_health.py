@@ -45,7 +45,10 @@ def test_each_check_by_hand():
 
 def test_the_unscorable_check_names_the_token_limit_when_episodes_were_cut():
     row = {**GOOD, "rollout/unscorable": 1.0, "outcomes/truncated": 0.75, "outcomes/bad_json": 0.25}
-    assert "raise rollout.max_new_tokens=64" in step_health([row], 2, 2, 64)["unscorable"]
+    sentence = step_health([row], 2, 2, 64)["unscorable"]
+    assert sentence.endswith(
+        "(mostly truncated); rollout.max_new_tokens is 64: raise it (e.g. to 128)"
+    )
     row = {**GOOD, "rollout/unscorable": 1.0, "outcomes/bad_json": 1.0}
     sentence = step_health([row], 2, 2, 64)["unscorable"]
     assert "mostly bad_json" in sentence and "max_new_tokens" not in sentence

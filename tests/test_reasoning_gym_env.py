@@ -96,6 +96,30 @@ def test_mistakes_are_clear_errors(name, args, needle):
     assert needle in str(err.value)
 
 
+def test_an_unknown_name_gets_a_guess_then_every_dataset_by_family(runner):
+    import reasoning_gym
+
+    res = runner.invoke(app, ["envs", "check", "reasoning-gym:chain_summ"])
+    assert res.exit_code == 2
+    head, intro, *rows = res.stderr.strip().splitlines()
+    assert head.endswith(
+        "has no dataset 'chain_summ'; did you mean chain_sum or decimal_chain_sum?"
+    )
+    datasets = reasoning_gym.factory.DATASETS
+    assert intro == f"Its {len(datasets)} datasets, by family (env.name: reasoning-gym:<dataset>):"
+    assert all(len(row) <= 88 for row in rows)  # wrapped, never 100 names on one line
+    families: dict[str, str] = {}  # a family's row, then its rows indented further
+    family = ""
+    for row in rows:
+        if row.startswith("    "):
+            families[family] += " " + row.strip()
+        else:
+            family, families[family] = row.strip().split(": ", 1)
+    named = [n for names in families.values() for n in names.split(", ")]
+    assert sorted(named) == sorted(datasets)  # each one, once
+    assert "chain_sum" in families["arithmetic"].split(", ")
+
+
 def test_a_dataset_trains_through_the_cli(runner, tmp_path):
     out = tmp_path / "run"
     sets = [f"env.args.{k}={v}" for k, v in SMALL.items()] + [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -111,6 +112,19 @@ def test_run_shows_each_phase_and_ends_with_the_headline(first_run):
     ]
     for title in ("load model", "baseline eval", "training", "final eval", "write report"):
         assert f"✓ {title}: " in res.stderr, title
+    # piped, not a terminal: a plain line per step, flushed as it goes, with the time left
+    assert "\r" not in res.stderr
+    counted = [line for line in res.stderr.splitlines() if line.startswith("  training · ")]
+    assert len(counted) == 2, res.stderr
+    assert re.fullmatch(
+        r"  training · 1/2 steps · step 1 · reward [+-]\d\.\d{3} · \d+\.\d s "
+        r"\(mean \d+\.\d s/step\) · ETA \d+\.\d (s|min)",
+        counted[0],
+    ), counted[0]
+    assert counted[1].startswith("  training · 2/2 steps · step 2 · reward ")
+    assert "ETA" not in counted[1]  # nothing left
+    # episodes played together: the first to end says nothing of the pace, so no ETA yet
+    assert "  baseline eval · 1/16 episodes" in res.stderr.splitlines()
     # the training line closes on the last step's seconds and the mean over the steps
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     times = [s["perf/step_s"] for s in steps]
@@ -206,11 +220,12 @@ def test_resume_continues_from_the_last_checkpoint(run_dir, tmp_path):
 def test_eval_a_checkpoint(run_dir, tmp_path):
     out = tmp_path / "eval.json"
     ckpt = run_dir / "checkpoints" / "step_000002"
-    res = looprl("eval", *SMALL, "--checkpoint", ckpt, "--out", out)
+    res = looprl("eval", *SMALL, "--checkpoint", ckpt, "--out", out, "--json")
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads(out.read_text())
     final = json.loads((run_dir / "eval/final.json").read_text())
     assert json.loads(res.stdout) == result  # progress goes to stderr: stdout stays JSON
+    assert len(out.with_suffix(".episodes.jsonl").read_text().splitlines()) == 16
     assert "▶ eval (16 episodes)" in res.stderr and "✓ eval: reward " in res.stderr
     # same weights, same tasks, same greedy decoding: the same rewards
     assert result["rewards"] == final["rewards"]

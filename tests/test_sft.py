@@ -120,6 +120,10 @@ def test_greedy_eval_after_sft(tmp_path):
     assert mid["task_ids"] == base["task_ids"] == final["task_ids"]
     assert mid["rewards"] == final["rewards"]
     assert "▶ greedy eval after SFT (6 episodes)" in shown.getvalue()
+    # not a terminal: a line per SFT step, the time left on all but the last
+    sft_lines = [x for x in shown.getvalue().splitlines() if x.startswith("  SFT warm start · ")]
+    assert len(sft_lines) == 2 and "· ETA " in sft_lines[0] and "ETA" not in sft_lines[1]
+    assert sft_lines[1].startswith("  SFT warm start · 2/2 steps · loss ")
     greedy = (run / "report.md").read_text().split("## Greedy policy (T = 0)")[1]
     assert "| metric | before | after SFT | after |" in greedy.split("##")[0]
 

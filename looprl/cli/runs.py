@@ -96,7 +96,12 @@ def eval_cmd(
     checkpoint: Annotated[
         Path | None, typer.Option(help="A checkpoint folder of a run to evaluate.")
     ] = None,
-    out: Annotated[Path | None, typer.Option(help="Write the EvalResult JSON here.")] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write the EvalResult JSON here, and its episodes to OUT.episodes.jsonl."
+        ),
+    ] = None,
     endpoint: Annotated[
         str | None,
         typer.Option(help="An OpenAI-compatible base URL to evaluate instead of a local model."),
@@ -110,6 +115,9 @@ def eval_cmd(
     concurrency: Annotated[
         int, typer.Option(help="Requests in flight at once (with --endpoint).", min=1)
     ] = 4,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the whole EvalResult JSON, not the summary.")
+    ] = False,
 ) -> None:
     """Evaluate a model (or a run's checkpoint, or an API endpoint) on the env's held-out
     tasks."""
@@ -127,7 +135,31 @@ def eval_cmd(
         from looprl.loop.evaluate import run_eval
 
         result = run_eval(cfg, checkpoint=checkpoint, out=out)
-    console.print_json(json.dumps(result))
+    if as_json:
+        console.print_json(json.dumps(result))
+        return
+    for line in _eval_summary(result, out):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def _eval_summary(result: dict, out: Path | None) -> list[str]:
+    """What `looprl eval` prints: who played what, the mean reward with its interval, how
+    the episodes ended, and where the files went."""
+    from collections import Counter
+
+    from looprl.loop.evaluate import episodes_path
+    from looprl.report.stats import reward_with_ci
+
+    who = result["model"] + (f" at {result['endpoint']}" if result.get("endpoint") else "")
+    counts = Counter(result.get("episode_outcomes") or [])
+    lines = [
+        f"{result['env']}, {who}: {result['n']} episodes",
+        f"reward, mean [95% CI]: {reward_with_ci(result)}",
+        "outcomes: " + " · ".join(f"{label} {n}" for label, n in counts.most_common()),
+    ]
+    if out is None:
+        return [*lines, "nothing written: --out FILE.json keeps the EvalResult and each episode"]
+    return [*lines, f"wrote {out} (EvalResult) and {episodes_path(out)} (episodes)"]
 
 
 @app.command()

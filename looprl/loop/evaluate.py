@@ -79,9 +79,29 @@ def evaluate(
     progress: Progress | None = None,
     greedy: bool = False,
 ) -> dict:
-    """Play the eval tasks with the eval sampling settings; write eval/NAME.json. With
-    `greedy`, at T = 0 and one episode per distinct task (another episode of the same
-    task would be the same one, and would only narrow the interval)."""
+    """Play the eval tasks with the eval sampling settings; write eval/NAME.json and
+    samples/NAME.jsonl when there is a run folder. With `greedy`, at T = 0 and one
+    episode per distinct task (another episode of the same task would be the same one,
+    and would only narrow the interval)."""
+    result, episodes = play_eval(policy, play, tasks, cfg, name, progress, greedy)
+    transcripts = None
+    if run_dir is not None:
+        main_only(write_eval)(run_dir, name, result, episodes)
+        transcripts = run_dir / "samples" / f"{name}.jsonl"
+    check_some_scored(episodes, EVAL_TITLES.get(name, name), transcripts)
+    return result
+
+
+def play_eval(
+    policy: Policy,
+    play: Player,
+    tasks: list,
+    cfg: Config,
+    name: str,
+    progress: Progress | None = None,
+    greedy: bool = False,
+) -> tuple[dict, list[Episode]]:
+    """`evaluate`'s episodes and their EvalResult, written nowhere."""
     temperature = 0.0 if greedy else cfg.eval.temperature
     params = SamplingParams(
         temperature=temperature,
@@ -94,10 +114,11 @@ def evaluate(
         repeated = distinct_tasks(tasks)
     else:
         repeated = [t for t in tasks for _ in range(cfg.eval.samples_per_task)]
-    title = EVAL_TITLES.get(name, name)
     dist = ranks.current()  # each rank plays its share; every rank then has them all
     mine = dist.share(range(len(repeated)))
-    with (progress or Progress(quiet=True)).phase(title, len(mine), "episode") as phase:
+    title = EVAL_TITLES.get(name, name)
+    shown = progress or Progress(quiet=True)
+    with shown.phase(title, len(mine), "episode", concurrent=True) as phase:
         episodes = dist.gather(
             play(
                 [repeated[i] for i in mine],
@@ -123,10 +144,7 @@ def evaluate(
             f"reward {reward_with_ci(result)}{calls} · {result['n']} episodes"
             + (f" · {cut} truncated at the token limit" if cut else "")
         )
-    if run_dir is not None:
-        main_only(write_eval)(run_dir, name, result, episodes)
-    check_some_scored(episodes, title, run_dir, name)
-    return result
+    return result, episodes
 
 
 @dataclass
@@ -187,12 +205,12 @@ class HeldOut:
         return kept if kept is not None else self.run(name, greedy)
 
 
-def check_some_scored(episodes: list[Episode], title: str, run_dir: Path | None, name: str) -> None:
+def check_some_scored(episodes: list[Episode], title: str, transcripts: Path | None) -> None:
     """An eval whose every episode ended in `env_error` measured nothing: a failure, never
-    a reward of 0 (its tracebacks are in samples/NAME.jsonl when there is a run folder)."""
+    a reward of 0 (its tracebacks are in `transcripts`, when they were written)."""
     if not episodes or any(e.outcome != ENV_ERROR for e in episodes):
         return
-    where = f"; every traceback is in {run_dir / 'samples' / f'{name}.jsonl'}" if run_dir else ""
+    where = f"; every traceback is in {transcripts}" if transcripts else ""
     last = (episodes[0].error or "").strip().splitlines()[-1:] or ["(no traceback)"]
     raise EnvError(
         f"the {title} measured nothing: all {len(episodes)} episodes ended in env_error "
@@ -234,10 +252,13 @@ def run_eval(
     out: Path | None = None,
     progress: Progress | None = None,
 ) -> dict:
-    """`looprl eval`: evaluate a model, or a run's checkpoint, on the held-out tasks."""
+    """`looprl eval`: evaluate a model, or a run's checkpoint, on the held-out tasks; with
+    `out`, write the EvalResult there and its episodes to `episodes_path(out)`."""
     progress = progress or Progress()
     if checkpoint is not None and not (checkpoint / "trainable.safetensors").exists():
         raise ConfigError(f"{checkpoint} is not a looprl checkpoint folder")
+    if out is not None and out.is_dir():
+        raise ConfigError(f"--out {out} is a folder; give a file, e.g. --out {out / 'eval.json'}")
     probe = make_env(cfg.env.name, cfg.env.args)
     preflight.check_env(cfg, probe)
     policy = load_model(cfg, progress)
@@ -247,8 +268,25 @@ def run_eval(
         progress.note(f"{DONE} weights from {checkpoint}")
     play = player(cfg, policy, probe)
     tasks = probe.tasks("eval", n=cfg.eval.tasks, seed=cfg.eval.seed)
-    result = evaluate(policy, play, tasks, cfg, None, "eval", progress)
+    result, episodes = play_eval(policy, play, tasks, cfg, "eval", progress)
+    transcripts = None
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
+        transcripts = episodes_path(out)
+        write_episodes(transcripts, episodes)
+    check_some_scored(episodes, "eval", transcripts)
     return result
+
+
+def episodes_path(out: Path) -> Path:
+    """Where `looprl eval --out F.json` keeps its transcripts: F.episodes.jsonl."""
+    return out.with_suffix(".episodes.jsonl")
+
+
+def write_episodes(path: Path, episodes: list[Episode]) -> None:
+    """`looprl eval`'s transcripts, one line per episode in play order: its `index` and
+    loop/log.py's `episode_record` (as `--endpoint` writes them, one at a time)."""
+    with path.open("w") as f:
+        for i, episode in enumerate(episodes):
+            f.write(json.dumps({"index": i, **log.episode_record(episode)}) + "\n")

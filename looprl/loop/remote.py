@@ -28,7 +28,7 @@ from looprl.config import Config
 from looprl.envs import Environment, capabilities, make_env, solved_outcomes
 from looprl.envs.common import check_reward, lowest_reward
 from looprl.errors import ConfigError, LoopRLError
-from looprl.loop.evaluate import check_some_scored, eval_result
+from looprl.loop.evaluate import check_some_scored, episodes_path, eval_result
 from looprl.loop.log import episode_record
 from looprl.loop.progress import Progress
 from looprl.loop.rollout import mark_env_error
@@ -66,18 +66,20 @@ def run_remote_eval(
             "looprl eval --endpoint scores episode by episode: a judge with "
             "mode: group is not supported there; use mode: pointwise"
         )
+    _check_resumable(out, endpoint, model)
     client = _client(endpoint, api_key_env)
     tasks = probe.tasks("eval", n=cfg.eval.tasks, seed=cfg.eval.seed)
     repeated = [t for t in tasks for _ in range(cfg.eval.samples_per_task)]
-    log_path = out.with_suffix(".episodes.jsonl")
+    log_path = episodes_path(out)
     kept = _kept(log_path, repeated)
     todo = [i for i in range(len(repeated)) if i not in kept]
     episodes: dict[int, Episode] = {i: _from_record(r, repeated[i]) for i, r in kept.items()}
     out.parent.mkdir(parents=True, exist_ok=True)
     title = f"reference eval: {model}" + (f" ({len(kept)} kept)" if kept else "")
-    with progress.phase(title, len(repeated), "episode") as phase, log_path.open("a") as log:
-        phase.update(len(kept))
-
+    with (
+        progress.phase(title, len(repeated), "episode", len(kept), concurrent=True) as phase,
+        log_path.open("a") as log,
+    ):
         pool = ThreadPoolExecutor(max_workers=max(1, concurrency))
         futures = {
             pool.submit(play_remote, repeated[i], cfg, client, model, cfg.eval.seed + i): i
@@ -106,9 +108,32 @@ def run_remote_eval(
             len(scored), 1
         )
         phase.done(f"reward {result['reward_mean']:+.3f} · {result['n']} episodes")
-    check_some_scored(ordered, "reference eval", None, "reference")
+    check_some_scored(ordered, "reference eval", log_path)
     out.write_text(json.dumps(result, indent=2))
     return result
+
+
+def _check_resumable(out: Path, endpoint: str, model: str) -> None:
+    """`out` and its episodes from another model (a local `looprl eval --out`, another
+    endpoint): a rerun keeps the episodes beside `out`, and would pass theirs off as this
+    endpoint's."""
+    log_path = episodes_path(out)
+    if not (out.is_file() and log_path.exists()):
+        return
+    try:
+        earlier = json.loads(out.read_text())
+    except (OSError, json.JSONDecodeError):
+        return  # not an EvalResult: nothing says whose episodes they are
+    if not isinstance(earlier, dict):
+        return
+    whose = (earlier.get("endpoint"), earlier.get("model"))
+    if whose != (endpoint, model):
+        played = f"{whose[1]} at {whose[0]}" if whose[0] else f"{whose[1]} (a local model)"
+        raise ConfigError(
+            f"{out} and {log_path} hold an eval of {played}, not of {model} at {endpoint}: "
+            "an endpoint eval resumes from the episodes beside --out, and would take those "
+            "for its own; give another --out, or delete both files"
+        )
 
 
 def _client(endpoint: str, api_key_env: str) -> Any:

@@ -180,10 +180,9 @@ def run_steps(trainer: Trainer, start: int, curve: EvalCurve | None, progress: P
     NaN steps)."""
     cfg = trainer.cfg
     with (
-        progress.phase("training", total=cfg.train.steps, unit="step") as phase,
+        progress.phase("training", total=cfg.train.steps, unit="step", start=start) as phase,
         StopOnSignal() as stop,
     ):
-        phase.update(start)
         step_seconds: list[float] = []  # this process's steps, for the mean it shows
         for step in range(start + 1, cfg.train.steps + 1):
             metrics = trainer.step(step)

@@ -51,7 +51,11 @@ def step_health(
         out["unscorable"] = (
             HEALTH["unscorable"]
             + f" (mostly {top})"
-            + (f"; raise rollout.max_new_tokens={token_limit}" if top == TRUNCATED else "")
+            + (
+                f"; rollout.max_new_tokens is {token_limit}: raise it (e.g. to {2 * token_limit})"
+                if top == TRUNCATED
+                else ""
+            )
         )
     elif len(last) == patience and all(
         r.get("train/tokens") == 0 and r.get("train/zero_std_groups", 0) >= groups for r in last

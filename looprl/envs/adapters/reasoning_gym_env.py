@@ -30,6 +30,7 @@ import dataclasses
 import difflib
 import json
 import math
+import textwrap
 from functools import lru_cache
 from typing import Any, ClassVar
 
@@ -227,10 +228,11 @@ def _generator(name: str, config: str, seed: int, size: int) -> Any:
     datasets = _rg().factory.DATASETS
     if name not in datasets:
         close = difflib.get_close_matches(name, list(datasets), n=3)
-        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
         raise EnvError(
-            f"reasoning-gym has no dataset {name!r}{hint}; its datasets: "
-            f"{', '.join(sorted(datasets))}"
+            f"reasoning-gym has no dataset {name!r}{hint}\n"
+            f"Its {len(datasets)} datasets, by family (env.name: reasoning-gym:<dataset>):\n"
+            + _by_family(datasets)
         )
     kwargs = json.loads(config)
     config_cls = datasets[name][1]
@@ -247,6 +249,25 @@ def _generator(name: str, config: str, seed: int, size: int) -> Any:
         return _rg().create_dataset(name, **kwargs, seed=seed, size=size)
     except (AssertionError, ValueError, TypeError) as err:
         raise EnvError(f"reasoning-gym:{name}: its config refuses {kwargs}: {err}") from None
+
+
+def _by_family(datasets: dict[str, Any]) -> str:
+    """reasoning-gym's dataset names, a line per family (the package they live in:
+    arithmetic, games, ...), wrapped to a terminal's width."""
+    families: dict[str, list[str]] = {}
+    for name, (dataset_cls, _) in datasets.items():
+        family = dataset_cls.__module__.split(".")[1:2] or ["other"]
+        families.setdefault(family[0], []).append(name)
+    return "\n".join(
+        textwrap.fill(
+            f"{family}: {', '.join(sorted(names))}",
+            width=88,
+            initial_indent="  ",
+            subsequent_indent="    ",
+            break_on_hyphens=False,
+        )
+        for family, names in sorted(families.items())
+    )
 
 
 @lru_cache(maxsize=16)
