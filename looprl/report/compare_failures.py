@@ -18,10 +18,9 @@ from looprl.report.failures import (
     task_fields,
     wrong_field_counts,
 )
-from looprl.report.failures_page import FIELDS_SAID, WORSE_SHOWN, pp, samples_of
+from looprl.report.failures_page import FIELDS_SAID, WORSE_SHOWN, plural, pp, samples_of
 from looprl.report.plots import finite
 from looprl.report.stats import fmt
-from looprl.types import ENV_ERROR
 
 TITLE = "What still fails (final eval)"
 UNSOLVED_SHOWN = 6  # tasks listed as solved by no run
@@ -31,30 +30,35 @@ def compare_failures(runs: list[Run]) -> tuple[list[tuple], list[str]]:
     """The page's blocks and the terminal's lines; a note without lines when the
     transcripts cannot be paired."""
     first = runs[0]
-    sides = [samples_of(first.path, "baseline", first.evals["baseline"])]
-    sides += [samples_of(run.path, "final", run.evals["final"]) for run in runs]
-    for run, side in zip([first, *runs], sides):
+    sides: list[list[dict]] = []
+    for run, name in [(first, "baseline"), *((run, "final") for run in runs)]:
+        side = samples_of(run.path, name, run.evals[name])
         if isinstance(side, str):
             return [("h2", TITLE), ("p", f"Not shown: {side} in {run.path}.")], []
-    # the first run's final against its baseline, then each other run's against the first's
-    pairs = [pair_episodes(sides[0], sides[1])] + [pair_episodes(sides[1], s) for s in sides[2:]]
-    for run, side in zip(runs, pairs):
-        if isinstance(side, str):
-            return [("h2", TITLE), ("p", f"Not shown: {run.path}: {side}.")], []
+        sides.append(side)
+    # the first run's final against its baseline, then each other run's against the first's;
+    # an episode that is an env_error in any of these evals is left out of all of them
+    pairs: list[list[Pair]] = []
+    for run, (before, after) in zip(runs, [sides[:2], *((sides[1], s) for s in sides[2:])]):
+        paired = pair_episodes(before, after)
+        if isinstance(paired, str):
+            return [("h2", TITLE), ("p", f"Not shown: {run.path}: {paired}.")], []
+        pairs.append(paired)
+    kept = set.intersection(*({p.index for p in side} for side in pairs))
+    pairs = [[p for p in side if p.index in kept] for side in pairs]
     labels = list(first.evals["final"].get("solved_outcomes") or [])
-    rows = [{r.name: r for r in field_rows(p)} for p in pairs]  # type: ignore[arg-type]
+    rows = [{r.name: r for r in field_rows(side)} for side in pairs]
     blocks: list[tuple] = [("h2", TITLE)]
     lines: list[str] = []
     if any(rows):
         blocks += _field_table(runs, rows)
         lines += _field_lines(runs, rows)
     if labels or any(rows):
-        fields = task_fields(pairs[0])  # type: ignore[arg-type]
-        more, said = _unsolved(runs, sides[1:], labels, fields)  # type: ignore[arg-type]
+        more, said = _unsolved(runs, sides[1:], labels, task_fields(pairs[0]), sorted(kept))
         blocks += more
         lines.append(said)
-    for run, run_pairs in zip(runs[1:], pairs[1:]):
-        more, said = _worse(runs[0], run, run_pairs)  # type: ignore[arg-type]
+    for run, side in zip(runs[1:], pairs[1:]):
+        more, said = _worse(runs[0], run, side)
         blocks += more
         lines.append(said)
     return blocks, lines
@@ -115,15 +119,16 @@ def _field_lines(runs: list[Run], rows: list[dict[str, FieldRow]]) -> list[str]:
 
 
 def _unsolved(
-    runs: list[Run], finals: list[list[dict]], labels: list[str], fields: dict[str, list[str]]
+    runs: list[Run],
+    finals: list[list[dict]],
+    labels: list[str],
+    fields: dict[str, list[str]],
+    kept: list[int],
 ) -> tuple[list[tuple], str]:
-    """The episodes no run's final eval solved, grouped by task, the lowest best reward first."""
-    n = len(finals[0])
-    everywhere = [
-        i
-        for i in range(n)
-        if all(r[i].get("outcome") != ENV_ERROR and not solved(r[i], labels) for r in finals)
-    ]
+    """The episodes (of `kept`) no run's final eval solved, grouped by task, the lowest best
+    reward first."""
+    n = len(kept)
+    everywhere = [i for i in kept if all(not solved(r[i], labels) for r in finals)]
     counts = wrong_field_counts([finals[0][i] for i in everywhere], fields)
     by_field = ", ".join(f"{name} {k}" for name, k in counts.items())
     said = f"not solved in any run's final eval: {len(everywhere)} of {n} episodes" + (
@@ -141,7 +146,7 @@ def _unsolved(
     worst = sorted(
         ((min(ix, key=best), len(ix)) for ix in by_task.values()), key=lambda t: (best(t[0]), t[0])
     )
-    header = ["task: episodes", "expected", *(f"{run.name} gave" for run in runs)]
+    header = ["task: episodes none solved", "expected", *(f"{run.name} gave" for run in runs)]
     table = [
         [f"{finals[0][i].get('task_id')}: {k}", expected_text(finals[0][i])]
         + [f"{given_text(r[i])} ({fmt(r[i].get('reward'), '+.3f')})" for r in finals]
@@ -163,7 +168,7 @@ def _worse(first: Run, run: Run, pairs: list[Pair]) -> tuple[list[tuple], str]:
     said = f"{run.name}: lower reward than {first.name} on {fell} of {len(pairs)} episodes"
     if not worse:
         return [("p", f"{run.name} scored no episode lower than {first.name}.")], said
-    header = ["task: episodes", f"reward {first.name} → {run.name}", "expected"]
+    header = ["task: episodes lower", f"reward {first.name} → {run.name}", "expected"]
     header += [f"{first.name} gave", f"{run.name} gave"]
     table = [
         [
@@ -178,6 +183,7 @@ def _worse(first: Run, run: Run, pairs: list[Pair]) -> tuple[list[tuple], str]:
     more = "" if len(worse) <= WORSE_SHOWN else f"; {WORSE_SHOWN} of {len(worse)} tasks shown"
     text = (
         f"{run.name} did worse than {first.name} on {fell} of {len(pairs)} episodes (a lower "
-        f"reward on the same episode), on {len(worse)} tasks; the largest fall first{more}:"
+        f"reward on the same episode), on {plural(len(worse), 'task')}; the largest fall "
+        f"first{more}:"
     )
     return [("p", text), ("table", header, table)], said

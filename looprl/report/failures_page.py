@@ -167,13 +167,19 @@ def _worse_blocks(pairs: list[Pair], has_fields: bool) -> list[tuple]:
         table.append([*row, expected_text(p.after), given_text(p.before), given_text(p.after)])
     text = (
         f"Got worse: {fell} of {len(pairs)} episodes have a lower reward after than before, "
-        f"on {len(worse)} tasks; the largest fall first (each task's episode that fell most)"
+        f"on {plural(len(worse), 'task')}; the largest fall first (each task's episode that "
+        "fell most)"
     )
     return [("p", text + _more(len(worse), WORSE_SHOWN, "task")), ("table", header, table)]
 
 
 def _rewards(p: Pair) -> str:
     return f"{fmt(p.before.get('reward'), '+.3f')} → {fmt(p.after.get('reward'), '+.3f')}"
+
+
+def plural(n: int, what: str) -> str:
+    """'1 task', '2 tasks'."""
+    return f"{n} {what}{'' if n == 1 else 's'}"
 
 
 def _more(total: int, shown: int, what: str) -> str:
