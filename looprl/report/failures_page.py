@@ -36,6 +36,7 @@ FIELD_NOTE = (
     "right to wrong. A reply that could not be read counts as wrong on every field. The "
     "lowest share after training comes first."
 )
+GREEDY_NOTE = "The same on the greedy eval's episodes (T = 0, one per task):"
 
 
 def samples_of(run_dir: Path, name: str, result: dict) -> list[dict] | str:
@@ -43,13 +44,16 @@ def samples_of(run_dir: Path, name: str, result: dict) -> list[dict] | str:
     return eval_records(read_jsonl(run_dir / "samples" / f"{name}.jsonl"), result)
 
 
-def paired_samples(run_dir: Path, names: tuple[str, str], results: tuple[dict, dict]):
-    """The two evals' episodes paired (`Pair`s), or why not."""
-    before, after = (samples_of(run_dir, n, r) for n, r in zip(names, results))
-    for side in (before, after):
-        if isinstance(side, str):
-            return side
-    return pair_episodes(before, after)  # type: ignore[arg-type]
+def paired_samples(
+    run_dir: Path, names: tuple[str, str], results: tuple[dict, dict]
+) -> list[Pair] | str:
+    """The two evals' episodes paired, or why not."""
+    before = samples_of(run_dir, names[0], results[0])
+    after = samples_of(run_dir, names[1], results[1])
+    if isinstance(before, str) or isinstance(after, str):
+        return before if isinstance(before, str) else str(after)
+    pairs = pair_episodes(before, after)
+    return pairs if pairs else "no episode was scored both times (every pair had an env_error)"
 
 
 # ============================================================================ the report
@@ -72,7 +76,7 @@ def failure_section(
             blocks.append(("p", f"Not shown: {pairs} ({where})."))
             continue
         labels = list(after.get("solved_outcomes") or before.get("solved_outcomes") or [])
-        blocks += pair_blocks(pairs, labels, FIELD_NOTE if not title else "The same, greedily:")
+        blocks += pair_blocks(pairs, labels, FIELD_NOTE if not title else GREEDY_NOTE)
     return blocks
 
 
