@@ -231,6 +231,9 @@ def test_real_run_report_and_regeneration(tiny_run):
     md = (tiny_run / "report.md").read_text("utf-8")
     assert "| metric | before | after |" in md and "3 steps logged of 3 configured" in md
     assert "### Task move-" in md
+    # tictactoe-move's episodes carry no field verdicts: what still fails, without a table
+    section = md.split("## What still fails")[1].split("## Training curves")[0]
+    assert "| field |" not in section and "(solved: win, optimal)" in section
     page = (tiny_run / "report.html").read_text("utf-8")
     assert page.count(DATA_URI) == 3 == len(list((tiny_run / "plots").glob("*.png")))
     (tiny_run / "report.html").unlink()

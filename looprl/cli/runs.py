@@ -229,5 +229,9 @@ def compare(
     for run_dir in runs:
         if not (run_dir / "config.yaml").is_file():
             fail(f"{run_dir} is not a run folder (no config.yaml)")
-    path = compare_runs(runs, out)
+    path = compare_runs(
+        runs,
+        out,
+        say=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True),
+    )
     console.print(f"wrote {path}, {path.with_suffix('.html')} and {path.parent / 'plots'}/")

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from looprl.errors import ConfigError
+from looprl.report.compare_failures import compare_failures
 from looprl.report.compare_plots import plot_blocks
 from looprl.report.compare_read import PAIRED_EVALS, Run, load_run, name_runs
 from looprl.report.plots import finite, render_html, render_markdown
@@ -189,9 +191,10 @@ def header_rows(runs: list[Run]) -> list[list[str]]:
 # ============================================================================ the page
 
 
-def compare_runs(paths: list[Path], out: Path) -> Path:
+def compare_runs(paths: list[Path], out: Path, say: Callable[[str], None] | None = None) -> Path:
     """Write OUT/compare.md, OUT/compare.html and OUT/plots/*.png; return compare.md's
-    path. Every run is read and checked first: a refusal writes nothing."""
+    path. Every run is read and checked first: a refusal writes nothing. `say` gets the
+    short summary of what still fails, a line at a time, once the page is written."""
     if len(paths) < 2:
         raise ConfigError("compare needs at least two run folders")
     runs = [load_run(path) for path in paths]
@@ -240,9 +243,12 @@ def compare_runs(paths: list[Path], out: Path) -> Path:
         ),
         ("table", ["outcome", *(run.name for run in runs)], outcome_rows(runs)),
     ]
-    blocks += plot_blocks(runs, out / "plots")
+    failures, lines = compare_failures(runs)
+    blocks += failures + plot_blocks(runs, out / "plots")
     out.mkdir(parents=True, exist_ok=True)
     md_path = out / "compare.md"
     md_path.write_text(render_markdown(blocks), encoding="utf-8")
     (out / "compare.html").write_text(render_html(blocks, title=blocks[0][1]), encoding="utf-8")
+    for line in lines if say is not None else []:
+        say(line)
     return md_path

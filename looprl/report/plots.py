@@ -216,8 +216,9 @@ def _save(fig: Figure, path: Path) -> Path:
 # ============================================================================ pages
 
 
-# A report is a list of blocks: ("h1" | "h2" | "p" | "warn" | "code", text), ("table", header,
-# rows), ("img", png_path, caption) and ("transcripts", [(task_id, prompt, before, after)])
+# A report is a list of blocks: ("h1" | "h2" | "h3" | "p" | "warn" | "code", text),
+# ("table", header, rows), ("img", png_path, caption) and ("transcripts", [(task_id,
+# prompt, before, after)])
 # where before/after are (headline, [(role, text), ...]). Text is plain: the renderers
 # escape it, never the caller.
 
@@ -226,7 +227,7 @@ def render_markdown(blocks: list[tuple]) -> str:
     """report.md: images are linked from plots/, transcripts go in fenced code blocks."""
     out: list[str] = []
     for kind, *rest in blocks:
-        if kind in ("h1", "h2"):
+        if kind in ("h1", "h2", "h3"):
             out += [f"{'#' * int(kind[1])} {rest[0]}", ""]
         elif kind == "p":
             out += [rest[0], ""]
@@ -263,7 +264,7 @@ def render_html(blocks: list[tuple], title: str) -> str:
     e = html.escape
     body: list[str] = []
     for kind, *rest in blocks:
-        if kind in ("h1", "h2"):
+        if kind in ("h1", "h2", "h3"):
             body.append(f"<{kind}>{e(rest[0])}</{kind}>")
         elif kind == "p":
             body.append(f"<p>{e(rest[0])}</p>")

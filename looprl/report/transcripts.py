@@ -1,14 +1,32 @@
-"""One episode of a transcript as the report shows it: the prompt the model was shown,
-then everything from its first reply on, each message clipped to MAX_TEXT characters."""
+"""The transcripts of a run folder (`samples/*.jsonl`) read back, and one episode as the
+report shows it: the prompt the model was shown, then everything from its first reply on,
+each message clipped to MAX_TEXT characters."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from looprl.report.stats import fmt
 
 MAX_TEXT = 1500  # characters of one message shown in a transcript
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]] | None:
+    """A JSONL file's objects; None when it is missing. A line cut short by a crash
+    mid-write is skipped."""
+    if not path.is_file():
+        return None
+    rows = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
 
 
 def first_by_task(records: list[dict]) -> dict[str, dict]:

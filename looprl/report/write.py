@@ -23,6 +23,7 @@ from looprl.errors import ConfigError
 from looprl.report.comparisons import member_blocks, reference_blocks
 from looprl.report.curve import PLOT as CURVE_PLOT
 from looprl.report.curve import curve_blocks
+from looprl.report.failures_page import failure_section
 from looprl.report.health import run_warnings
 from looprl.report.plots import finite, render_html, render_markdown
 from looprl.report.solved import hacking_flag, solved_text
@@ -35,7 +36,7 @@ from looprl.report.stats import (
     paired_stats,
     reward_with_ci,
 )
-from looprl.report.transcripts import first_by_task, shown_prompt, transcript_side
+from looprl.report.transcripts import first_by_task, read_jsonl, shown_prompt, transcript_side
 
 TRANSCRIPT_TASKS = 4
 PLOTS = ("before_after.png", "outcomes.png", "training_curves.png", CURVE_PLOT)
@@ -45,21 +46,7 @@ PLOTS = ("before_after.png", "outcomes.png", "training_curves.png", CURVE_PLOT)
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """metrics.jsonl as a list of dicts; a missing file or a torn last line is no step."""
-    return _read_jsonl(run_dir / "metrics.jsonl") or []
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]] | None:
-    if not path.is_file():
-        return None
-    rows = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a crash mid-write
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
+    return read_jsonl(run_dir / "metrics.jsonl") or []
 
 
 def _load_eval(path: Path) -> dict | None:
@@ -126,6 +113,7 @@ def write_report(
     before = mean_ci(baseline)
     greedy_before = _load_eval(run_dir / "eval" / "baseline_greedy.json")
     sides = [("before", baseline.get("outcomes") or {})]
+    greedy = [greedy_before, None]  # the greedy evals before and after, when run
     blocks: list[tuple] = []
     if final is None:
         last = rows[-1] if rows else {}
@@ -191,6 +179,8 @@ def write_report(
     solved = tuple(baseline.get("solved_outcomes") or ())
     outcomes_png = plot_outcomes(sides, plots / "outcomes.png", solved)
     blocks.append(("img", outcomes_png, "Outcome shares"))
+    if final is not None:
+        blocks += failure_section(run_dir, baseline, final, (greedy[0], greedy[1]))
 
     blocks.append(("h2", "Training curves"))
     curves = plot_curves(rows, plots / "training_curves.png")
@@ -354,8 +344,8 @@ def _facts(
 def _transcripts(run_dir: Path) -> list[tuple]:
     """Up to TRANSCRIPT_TASKS tasks, first episode of each, before next to after. Tasks
     whose outcome or reward changed come first (in eval order), then unchanged ones."""
-    before = _read_jsonl(run_dir / "samples" / "baseline.jsonl")
-    after = _read_jsonl(run_dir / "samples" / "final.jsonl")
+    before = read_jsonl(run_dir / "samples" / "baseline.jsonl")
+    after = read_jsonl(run_dir / "samples" / "final.jsonl")
     if not before or not after:
         return [("p", "Skipped: samples/baseline.jsonl or samples/final.jsonl is missing.")]
     first_before, first_after = first_by_task(before), first_by_task(after)
