@@ -29,50 +29,26 @@ from looprl.algo import (
     LOSSES,
     Advantage,
     Normalizer,
-    k3_kl,
     moves,
     scoring_temperature,
-    tis_weights,
-    weight_gradient,
 )
 from looprl.config import AlgoConfig, TrainConfig
-from looprl.engine.hf import HFEngine
 from looprl.forward.routing import RouterLoad, router_metrics
 from looprl.forward.score import micro_batches, sequence_logprobs
-from looprl.loop.batches import UpdateState, minibatches, retry_on_oom, scoring_keys
+from looprl.loop.batches import Scored, UpdateState, minibatches, retry_on_oom, scoring_keys
 from looprl.loop.dist import Dist
+from looprl.loop.offpolicy import (
+    corrected,
+    correction_counts,
+    gap_stats,
+    samples_policy_exactly,
+    set_corrections,
+)
 from looprl.loop.policy import Policy
-from looprl.model.load import base_model
 from looprl.model.memory import release_free_memory
-from looprl.types import Episode
 
 if TYPE_CHECKING:
     from looprl.loop.groups import Group
-
-
-@dataclass(eq=False)
-class Scored:
-    """One episode as the update scores it: its advantage and, once computed, the
-    trainer's logprobs of its generated tokens before the step (`old`) and the reference
-    policy's (`ref`, with `algo.kl_coef`), in order."""
-
-    episode: Episode
-    advantage: Advantage
-    old: torch.Tensor | None = None
-    ref: torch.Tensor | None = None
-
-    @property
-    def sampled(self) -> torch.Tensor:
-        """The engine's logprobs of the episode's generated tokens, in order."""
-        e = self.episode
-        return torch.tensor([lp for lp, m in zip(e.logprobs, e.loss_mask) if m])
-
-    @property
-    def behaviour(self) -> torch.Tensor:
-        """The logprobs of the policy that produced the episode. An expert episode was not
-        sampled: the policy before the step stands in for it (loop/guidance.py)."""
-        assert self.old is not None
-        return self.old if self.episode.expert else self.sampled
 
 
 def update_policy(
@@ -118,7 +94,8 @@ def update_policy(
     scorer = Scorer(policy, algo, state, optimizer)
     load = RouterLoad(policy.model)  # MoE models: tokens per expert in the first full pass
     reuse, checks = old_logprobs(scorer, batch, group_size, fresh, load, dist)
-    losses, clips, norms = [], [], []  # of the minibatches whose optimizer step was taken
+    out.update(set_corrections(batch, algo, dist))
+    losses, clips, kls, norms = [], [], [], []  # of the minibatches whose step was taken
     with load if reuse else nullcontext():
         for minibatch in minibatches(task_units(batch), algo.num_minibatches, seed=seed, dist=dist):
             normalizer = minibatch_normalizer(minibatch, max_tokens, dist)
@@ -135,17 +112,20 @@ def update_policy(
             if norm is not None:
                 losses.append(acc["loss"])
                 clips.append(acc["clipped"] / max(acc["units"], 1))
+                kls.append(acc["kl"] / max(acc["units"], 1))
                 norms.append(float(norm))
     optimizer.zero_grad(set_to_none=True)
     if load.counts_LE is not None or (dist.world > 1 and load.routers):
         out["router"] = _gathered_router_metrics(load, dist)
-    out.update(_gap_stats(checks, dist))
+    out.update(gap_stats(checks, dist))
     release_free_memory()
     out.update(
         loss=float(np.mean(losses)) if losses else float("nan"),
         clip_frac=float(np.mean(clips)) if clips else 0.0,
         grad_norm=float(np.mean(norms)) if norms else float("nan"),
     )
+    if algo.kl_coef > 0:  # the KL estimate to the reference (algo.kl_estimator's)
+        out["kl"] = float(np.mean(kls)) if kls else float("nan")
     return out
 
 
@@ -230,8 +210,12 @@ def old_logprobs(
 def minibatch_normalizer(minibatch: list[Scored], max_tokens: int, dist: Dist) -> Normalizer:
     """The whole minibatch's counts, over all ranks: each loss divides by its own
     (algo/losses.py)."""
+    masked_sequences, masked_tokens = correction_counts(minibatch)  # out of the loss
     sequences, tokens = dist.all_reduce(
-        [len(minibatch), sum(s.episode.response_len for s in minibatch)]
+        [
+            len(minibatch) - masked_sequences,
+            sum(s.episode.response_len for s in minibatch) - masked_tokens,
+        ]
     )
     return Normalizer(sequences=sequences, tokens=tokens, max_tokens=max_tokens)
 
@@ -246,8 +230,10 @@ def minibatch_gradient(
     # A = 0 sequences add nothing to the policy-gradient loss: skip their forward
     # pass (unless the KL term needs them); they still count in the normaliser.
     active = [s for s in minibatch if moves(s.advantage) or algo.kl_coef > 0]
+    active = [s for s in active if s.correction is None or bool(s.correction.keep_T.any())]
     optimizer.zero_grad(set_to_none=True)
-    acc = {"loss": 0.0, "units": 0.0, "clipped": 0.0, "ratio_max": 1.0, "tokens": 0, "checks": []}
+    acc = {"loss": 0.0, "units": 0.0, "clipped": 0.0, "kl": 0.0, "ratio_max": 1.0, "tokens": 0,
+           "checks": []}  # fmt: skip
     for indices in micro_batches(*scoring_keys([s.episode for s in active]), budget):
         chunk = [active[i] for i in indices]
         logp_BK, mask_BK = scorer.logprobs(chunk)
@@ -259,11 +245,8 @@ def minibatch_gradient(
             ]
         old_BK = torch.zeros_like(logp_BK)
         old_BK[mask_BK] = torch.cat([s.old for s in chunk]).to(old_BK)
-        if algo.tis_cap is not None:  # off-policy correction (algo/tis.py)
-            engine_BK = torch.zeros_like(logp_BK)
-            engine_BK[mask_BK] = torch.cat([s.behaviour for s in chunk]).to(engine_BK)
-            w_BK = tis_weights(old_BK, engine_BK, mask_BK, algo.tis_cap)
-            logp_BK = weight_gradient(logp_BK, w_BK)
+        # algo.is_correction: weighted gradients, masked tokens out of the loss
+        logp_BK, loss_mask_BK = corrected(logp_BK, mask_BK, [s.correction for s in chunk])
         ref_BK = None
         if algo.kl_coef > 0:
             ref_BK = torch.zeros_like(logp_BK)
@@ -271,15 +254,17 @@ def minibatch_gradient(
         adv_B = advantage_tensor([s.advantage for s in chunk]).to(logp_BK.device)
         # the loss's inputs, its clip range, its KL term (a line each)
         loss, st = LOSSES[algo.name](
-            logp_BK, old_BK, adv_B, mask_BK.float(),
+            logp_BK, old_BK, adv_B, loss_mask_BK.float(),
             eps_low=algo.eps_low, eps_high=algo.eps_high,
-            ref_logp_BT=ref_BK, kl_coef=algo.kl_coef, normalizer=normalizer,
+            ref_logp_BT=ref_BK, kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator,
+            normalizer=normalizer,
         )  # fmt: skip
         loss.backward()
         acc["loss"] += float(loss.detach())
         acc["units"] += st["count"]
         acc["clipped"] += st["clip_frac"] * st["count"]
         acc["ratio_max"] = max(acc["ratio_max"], st["ratio_max"])
+        acc["kl"] += st.get("kl", 0.0) * st["count"]
         acc["tokens"] += sum(len(s.episode.token_ids) for s in chunk)
     return acc
 
@@ -297,7 +282,7 @@ def optimizer_step(
     nothing was applied: no token to learn from, or a NaN/inf loss or gradient (the step
     is skipped, weights and optimizer state untouched)."""
     dist.sum_gradients(policy.trainable_parameters())
-    keys = ("loss", "units", "clipped", "tokens")
+    keys = ("loss", "units", "clipped", "kl", "tokens")
     acc.update(zip(keys, dist.all_reduce([acc[k] for k in keys])))
     acc["ratio_max"] = dist.all_reduce([acc["ratio_max"]], op="max")[0]
     if not acc["tokens"]:
@@ -312,44 +297,6 @@ def optimizer_step(
     optimizer.step()
     out["updated"] += 1
     return norm
-
-
-def samples_policy_exactly(policy: Policy) -> bool:
-    """Whether the policy's engine samples from the policy module itself, in its own
-    dtype and with no dropout: then the engine's logprobs of fresh episodes are the
-    trainer's old logprobs, to float32 rounding."""
-    engine = policy.engine
-    if not isinstance(engine, HFEngine) or engine.policy_model is not policy.model:
-        return False
-    dtype = next(policy.model.parameters()).dtype
-    if engine.sampler_dtype not in (None, dtype):
-        return False
-    return not has_dropout(policy.model)
-
-
-def has_dropout(model: torch.nn.Module) -> bool:
-    """Any dropout training mode turns on: a module's, or the attention's (config)."""
-    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
-        return True
-    config = getattr(base_model(model), "config", None)
-    return bool(getattr(config, "attention_dropout", 0.0))
-
-
-def _gap_stats(checks: list[tuple[torch.Tensor, torch.Tensor]], dist: Dist) -> dict[str, float]:
-    """The token-parity check on (trainer's, engine's) logprobs before any update:
-    `logprob_gap`, their mean absolute difference per episode; `mismatch_kl`, the sampling
-    policy's KL to the trainer's per token (k3 over the sampled tokens: the off-policy gap
-    that overlapped rollouts add to the engine's numerics)."""
-    gaps = [(trainer - engine).abs().mean().item() for trainer, engine in checks]
-    gap_sum, gap_count = dist.all_reduce([float(np.sum(gaps)), len(gaps)])
-    kls = [k3_kl(engine, trainer) for trainer, engine in checks]
-    kl_sum, kl_count = dist.all_reduce(
-        [float(sum(k.sum().item() for k in kls)), sum(k.numel() for k in kls)]
-    )
-    return {
-        "logprob_gap": gap_sum / gap_count if gap_count else float("nan"),
-        "mismatch_kl": kl_sum / kl_count if kl_count else float("nan"),
-    }
 
 
 def advantage_tensor(advantages: list[Advantage]) -> torch.Tensor:
