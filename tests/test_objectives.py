@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from looprl.algo import (
@@ -270,3 +271,20 @@ def test_icepop_under_overlapped_rollouts_logs_what_it_masked(tmp_path):
     assert all(0.0 <= r["train/is_masked_frac"] <= 1.0 for r in rows)
     assert all(r["train/is_weight_mean"] > 0 for r in rows)
     assert rows[1]["rollout/staleness_max"] == 1
+
+
+def test_a_kl_anchor_to_the_warm_start(tmp_path):
+    # after an SFT stage, `start` anchors to the warm-started weights: at step 1 (one
+    # minibatch, before any RL update) the policy *is* the reference, KL exactly 0; the
+    # base model is some way off. The start's weights are kept in RUN/checkpoints/rl_start.
+    args = ["--set", "sft.enabled=true", "--set", "sft.steps=2", "--set", "sft.lr=0.05",
+            "--set", "model.lora.enabled=true", "--set", "algo.kl_coef=0.1",
+            "--set", "algo.num_minibatches=1", "--set", "algo.kl_estimator=k2"]  # fmt: skip
+    start = _run(tmp_path / "start", *args, "--set", "algo.kl_reference=start")
+    base = _run(tmp_path / "base", *args)
+    assert start[0]["train/kl"] == 0.0
+    assert base[0]["train/kl"] > 1e-6
+    kept = tmp_path / "start" / "checkpoints" / "rl_start" / "trainable.safetensors"
+    sft = tmp_path / "start" / "checkpoints" / "step_000000" / "trainable.safetensors"
+    a, b = load_file(str(kept)), load_file(str(sft))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

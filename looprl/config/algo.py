@@ -122,6 +122,11 @@ class AlgoConfig(Section):
         description="KL estimator: k3 or k2 in the loss, k1 in the reward (algo/kl.py: k1 "
         "and k2 follow the reverse KL's gradient, k3 the forward KL's).",
     )
+    kl_reference: Literal["base", "start"] = Field(
+        "base",
+        description="The KL penalty's reference: base = the base model (adapters off); "
+        "start = the policy as the RL steps began (after the SFT warm start).",
+    )
     is_correction: IS_CORRECTIONS | None = Field(
         None,
         description="Importance-sampling correction of engine-sampled episodes: "
@@ -184,11 +189,12 @@ class AlgoConfig(Section):
                 f"algo.turn_reward_weight > 0 gives each turn its own advantage, which only "
                 f"algo.name=gspo_turn takes (one ratio per turn); got algo.name={self.name}"
             )
-        if self.kl_estimator != "k3" and self.kl_coef == 0:
-            raise ValueError(
-                f"algo.kl_estimator={self.kl_estimator} estimates the KL penalty, which is off "
-                "(algo.kl_coef=0): set algo.kl_coef > 0 as well, or drop algo.kl_estimator"
-            )
+        for name, default in (("kl_estimator", "k3"), ("kl_reference", "base")):
+            if getattr(self, name) != default and self.kl_coef == 0:
+                raise ValueError(
+                    f"algo.{name}={getattr(self, name)} sets the KL penalty, which is off "
+                    f"(algo.kl_coef=0): set algo.kl_coef > 0 as well, or drop algo.{name}"
+                )
         self._fill_correction()
         low, high = DEFAULT_CLIP[self.name]
         if self.eps_low is None:

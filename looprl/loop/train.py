@@ -47,6 +47,7 @@ from looprl.loop.overlap import check_overlap
 from looprl.loop.play import player
 from looprl.loop.policy import Policy, load_model
 from looprl.loop.progress import DONE, Progress
+from looprl.loop.reference import keep_reference
 from looprl.loop.replay import check_replay
 from looprl.loop.run_state import (
     LoopState,
@@ -265,6 +266,7 @@ def start_trainer(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg))
     state = LoopState(update=UpdateState(micro_batch_tokens=cfg.train.micro_batch_tokens))
     start = resume_state(run_dir, policy, optimizer, scheduler, state) if resume else 0
+    keep_reference(cfg, policy, run_dir, dist, start)  # algo.kl_reference=start
     if snapshot is not None and resume:
         snapshot.refresh(policy.model)  # the resumed checkpoint's weights
     logger = MetricsLogger(

@@ -45,6 +45,7 @@ from looprl.loop.offpolicy import (
     set_corrections,
 )
 from looprl.loop.policy import Policy
+from looprl.loop.reference import reference_weights
 from looprl.model.memory import release_free_memory
 
 if TYPE_CHECKING:
@@ -199,7 +200,7 @@ def old_logprobs(
     for sample in [s for s in scored if reuse and not s.episode.expert]:
         sample.old = sample.sampled  # the engine's, exact to rounding (module doc)
     if algo.kl_coef > 0:
-        with model.disable_adapter():
+        with reference_weights(scorer.policy):  # algo.kl_reference's
             ref = scorer.all_values(scored)
         for sample, values in zip(scored, ref, strict=True):
             sample.ref = values
