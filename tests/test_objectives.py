@@ -22,6 +22,7 @@ from looprl.algo import (
     grpo_loss,
     kl_tokens,
     masked_counts,
+    opd_loss,
 )
 from looprl.algo.kl import kl_term
 from looprl.cli import app
@@ -288,3 +289,76 @@ def test_a_kl_anchor_to_the_warm_start(tmp_path):
     sft = tmp_path / "start" / "checkpoints" / "step_000000" / "trainable.safetensors"
     a, b = load_file(str(kept)), load_file(str(sft))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ------------------------------------------------------------- on-policy distillation
+
+
+def test_opd_hand_values_and_gradient():
+    # at r = 1 each token's advantage is -(old - teacher): dL/dlogp = (old - teacher) / N_tok
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, 0.0, 0.0]], dtype=torch.float64)
+    teacher = torch.tensor([[-0.5, -2.5, -0.5], [-3.0, 7.0, 7.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.float64)
+    logp = old.clone().requires_grad_(True)
+    loss, stats = opd_loss(logp, old, teacher, mask)
+    d = [-0.5, 0.5, 0.0, 1.5]  # old - teacher on the 4 masked tokens
+    assert loss.item() == pytest.approx(sum(d) / 4)  # -sum(r A)/N with r = 1, A = -d
+    assert stats["distill_kl"] == pytest.approx(sum(d) / 4)
+    loss.backward()
+    want = torch.tensor([[-0.5, 0.5, 0.0], [1.5, 0.0, 0.0]], dtype=torch.float64) / 4
+    torch.testing.assert_close(logp.grad, want)
+
+
+def test_distillation_config_rules():
+    assert AlgoConfig(name="opd", teacher="tiny-random").distills
+    assert AlgoConfig(distill_coef=0.5, teacher="tiny-random").distills
+    assert (
+        AlgoConfig(name="opd", teacher="t").eps_low,
+        AlgoConfig(name="opd", teacher="t").eps_high,
+    ) == (0.2, 0.28)
+    with pytest.raises(ValueError, match="set algo.teacher"):
+        AlgoConfig(name="opd")
+    with pytest.raises(ValueError, match="only used by on-policy distillation"):
+        AlgoConfig(teacher="tiny-random")
+    with pytest.raises(ValueError, match="drop algo.distill_coef"):
+        AlgoConfig(name="opd", teacher="t", distill_coef=0.1)
+
+
+def test_a_teacher_with_another_tokenizer_is_refused(tmp_path):
+    from looprl.model.load import load_tokenizer
+
+    other = load_tokenizer("tiny-random")
+    other.add_tokens(["<only-in-the-teacher>"])
+    other.save_pretrained(tmp_path / "teacher")
+    result = CliRunner().invoke(
+        app,
+        [
+            "run",
+            *TINY,
+            "--set",
+            "algo.name=opd",
+            "--set",
+            f"algo.teacher={tmp_path / 'teacher'}",
+            "--out",
+            str(tmp_path / "run"),
+        ],  # fmt: skip
+    )
+    assert result.exit_code == 2, result.output
+    assert "another tokenizer than the student" in result.output
+    assert "<only-in-the-teacher>" in result.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_opd_from_a_run_folder_teacher(tmp_path):
+    # the teacher: a tiny run whose SFT moved its weights; the student starts from the base
+    _run(tmp_path / "teacher", "--set", "sft.enabled=true", "--set", "sft.steps=3",
+         "--set", "sft.lr=0.05")  # fmt: skip
+    rows = _run(tmp_path / "opd", "--set", "algo.name=opd",
+                "--set", f"algo.teacher={tmp_path / 'teacher'}")  # fmt: skip
+    # (the tokens of a forced call are drawn under its grammar, not from pi itself, so the
+    # k1 mean there is an estimate that can fall below 0)
+    assert all(abs(r["train/distill_kl"]) > 1e-3 for r in rows)
+    # the same model as the teacher: nothing to distil (to the engine's float rounding)
+    same = _run(tmp_path / "same", "--set", "algo.name=grpo", "--set", "algo.distill_coef=1",
+                "--set", "algo.teacher=tiny-random")  # fmt: skip
+    assert abs(same[0]["train/distill_kl"]) < 1e-4

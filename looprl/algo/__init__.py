@@ -14,6 +14,7 @@ from looprl.algo.advantages import (
 )
 from looprl.algo.cispo import cispo_loss
 from looprl.algo.corrections import Correction, correct, correction_stats, masked_counts
+from looprl.algo.distill import opd_loss
 from looprl.algo.kl import k3_kl, kl_tokens
 from looprl.algo.logprobs import (
     head_logprobs,
@@ -60,6 +61,7 @@ __all__ = [
     "correction_stats",
     "kl_tokens",
     "masked_counts",
+    "opd_loss",
     "tis_weights",
     "weight_gradient",
     "Normalizer",

@@ -29,6 +29,8 @@ DEFAULT_CLIP = {
     "dr_grpo": (0.2, 0.28),
     # CISPO (arXiv 2506.13585): no lower bound on the weight, the upper one tuned
     "cispo": (1.0, 0.28),
+    # on-policy distillation's per-token ratios (algo/distill.py), as GRPO's
+    "opd": (0.2, 0.28),
 }
 
 IS_CORRECTIONS = Literal[
@@ -58,10 +60,11 @@ class AlgoExperimental(Section):
 
 
 class AlgoConfig(Section):
-    name: Literal["gspo", "gspo_token", "gspo_turn", "grpo", "dr_grpo", "cispo"] = Field(
+    name: Literal["gspo", "gspo_token", "gspo_turn", "grpo", "dr_grpo", "cispo", "opd"] = Field(
         "gspo",
         description="Policy loss: gspo, gspo_token, gspo_turn (one ratio per assistant "
-        "turn), grpo (clip-higher), dr_grpo, cispo (clipped detached weight x logp).",
+        "turn), grpo (clip-higher), dr_grpo, cispo (clipped detached weight x logp), opd "
+        "(on-policy distillation from algo.teacher).",
     )
     eps_low: float | None = Field(
         None, ge=0, le=1, description="Lower clip range; unset = the algorithm's default."
@@ -121,6 +124,17 @@ class AlgoConfig(Section):
         "k3",
         description="KL estimator: k3 or k2 in the loss, k1 in the reward (algo/kl.py: k1 "
         "and k2 follow the reverse KL's gradient, k3 the forward KL's).",
+    )
+    teacher: str | None = Field(
+        None,
+        description="On-policy distillation's teacher: a model alias, a local folder or a "
+        "run folder (its newest checkpoint); same tokenizer as the student.",
+    )
+    distill_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of the distillation loss added to algo.name's loss (per-token "
+        "reverse KL to algo.teacher); 0 = off.",
     )
     kl_reference: Literal["base", "start"] = Field(
         "base",
@@ -195,6 +209,7 @@ class AlgoConfig(Section):
                     f"algo.{name}={getattr(self, name)} sets the KL penalty, which is off "
                     f"(algo.kl_coef=0): set algo.kl_coef > 0 as well, or drop algo.{name}"
                 )
+        self._check_teacher()
         self._fill_correction()
         low, high = DEFAULT_CLIP[self.name]
         if self.eps_low is None:
@@ -202,6 +217,34 @@ class AlgoConfig(Section):
         if self.eps_high is None:
             object.__setattr__(self, "eps_high", high)
         return self
+
+    @property
+    def distills(self) -> bool:
+        """Whether the update scores the episodes with a teacher (algo/distill.py)."""
+        return self.name == "opd" or self.distill_coef > 0
+
+    def _check_teacher(self) -> None:
+        if self.distills and not self.teacher:
+            what = "algo.name=opd" if self.name == "opd" else "algo.distill_coef > 0"
+            raise ValueError(
+                f"{what} distills from a teacher: set algo.teacher (a model alias, a "
+                "folder or a run folder with the student's tokenizer)"
+            )
+        if self.teacher and not self.distills:
+            raise ValueError(
+                f"algo.teacher={self.teacher!r} is only used by on-policy distillation: set "
+                "algo.name=opd, or algo.distill_coef > 0 to add it to algo.name's loss"
+            )
+        if self.name == "opd" and self.distill_coef > 0:
+            raise ValueError(
+                "algo.distill_coef adds distillation to another loss; with algo.name=opd "
+                "distillation is the loss: drop algo.distill_coef"
+            )
+        if self.name == "opd" and self.kl_coef > 0:
+            raise ValueError(
+                "algo.name=opd is a KL to the teacher already; algo.kl_coef adds one to the "
+                "initial policy, which opd does not take: set algo.kl_coef=0"
+            )
 
     def _fill_correction(self) -> None:
         """`tis_cap: C` is `is_correction: token_truncate` with `is_bound: C`; an unset

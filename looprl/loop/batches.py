@@ -113,6 +113,7 @@ class Scored:
     old: torch.Tensor | None = None
     ref: torch.Tensor | None = None
     correction: Correction | None = None  # algo.is_correction's, once `old` is known
+    teacher: torch.Tensor | None = None  # algo.teacher's logprobs (on-policy distillation)
 
     @property
     def sampled(self) -> torch.Tensor:

@@ -35,6 +35,8 @@ class Policy:
     device: torch.device
     # algo.kl_reference=start: the trainable weights the RL steps began from (loop/reference.py)
     reference: dict[str, torch.Tensor] | None = None
+    # algo.teacher: the frozen model on-policy distillation scores the episodes with
+    teacher: Any = None
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]

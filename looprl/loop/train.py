@@ -61,6 +61,7 @@ from looprl.loop.run_state import (
 from looprl.loop.snapshot import start_snapshots
 from looprl.loop.sources import group_source
 from looprl.loop.step import Trainer, save_checkpoint, say_health, write_report
+from looprl.loop.teacher import check_teacher, load_teacher
 from looprl.loop.trackers import check_trackers
 from looprl.report import write as report_files
 from looprl.report.comparisons import load_references
@@ -108,6 +109,7 @@ def train(
         f"{cfg.train.steps} steps → {out}{' (resumed)' if resume else ''}"
     )
     policy = load_model(cfg, progress)
+    policy.teacher = load_teacher(cfg, progress)  # algo.teacher (on-policy distillation)
     preflight.check_reply_room(cfg, probe, policy.renderer)  # still nothing written
     dist.broadcast_parameters(policy.trainable_parameters())  # the replicas start equal
     # tictactoe-game's `snapshot` opponent: frozen copies of the model (loop/snapshot.py)
@@ -233,6 +235,7 @@ def check_run(cfg: Config, out: Path, dist: Dist, force: bool, resume: bool) -> 
     preflight.check_env(cfg, probe)  # one task of each split played without the model
     check_replay(cfg)  # train.replay: its saved rollouts fit this run
     check_overlap(cfg, probe, dist.world)  # rollout.max_staleness ≥ 1
+    check_teacher(cfg)  # algo.teacher: the student's tokenizer
     return probe, sft_env
 
 

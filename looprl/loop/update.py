@@ -30,9 +30,11 @@ from looprl.algo import (
     Advantage,
     Normalizer,
     moves,
+    opd_loss,
     scoring_temperature,
 )
 from looprl.config import AlgoConfig, TrainConfig
+from looprl.config.algo import DEFAULT_CLIP
 from looprl.forward.routing import RouterLoad, router_metrics
 from looprl.forward.score import micro_batches, sequence_logprobs
 from looprl.loop.batches import Scored, UpdateState, minibatches, retry_on_oom, scoring_keys
@@ -96,11 +98,11 @@ def update_policy(
     load = RouterLoad(policy.model)  # MoE models: tokens per expert in the first full pass
     reuse, checks = old_logprobs(scorer, batch, group_size, fresh, load, dist)
     out.update(set_corrections(batch, algo, dist))
-    losses, clips, kls, norms = [], [], [], []  # of the minibatches whose step was taken
+    taken: list[dict[str, float]] = []  # the minibatches whose optimizer step was taken
     with load if reuse else nullcontext():
         for minibatch in minibatches(task_units(batch), algo.num_minibatches, seed=seed, dist=dist):
             normalizer = minibatch_normalizer(minibatch, max_tokens, dist)
-            gap = reuse and not losses  # no weight has moved yet: measure the gap here
+            gap = reuse and not taken  # no weight has moved yet: measure the gap here
             acc = retry_on_oom(
                 lambda budget, mb=minibatch, n=normalizer, g=gap: minibatch_gradient(
                     scorer, mb, n, budget, g
@@ -111,23 +113,31 @@ def update_policy(
             checks += acc.pop("checks")
             norm = optimizer_step(policy, optimizer, train, acc, out, dist)
             if norm is not None:
-                losses.append(acc["loss"])
-                clips.append(acc["clipped"] / max(acc["units"], 1))
-                kls.append(acc["kl"] / max(acc["units"], 1))
-                norms.append(float(norm))
+                taken.append(minibatch_stats(acc, norm))
     optimizer.zero_grad(set_to_none=True)
     if load.counts_LE is not None or (dist.world > 1 and load.routers):
         out["router"] = _gathered_router_metrics(load, dist)
     out.update(gap_stats(checks, dist))
     release_free_memory()
-    out.update(
-        loss=float(np.mean(losses)) if losses else float("nan"),
-        clip_frac=float(np.mean(clips)) if clips else 0.0,
-        grad_norm=float(np.mean(norms)) if norms else float("nan"),
-    )
-    if algo.kl_coef > 0:  # the KL estimate to the reference (algo.kl_estimator's)
-        out["kl"] = float(np.mean(kls)) if kls else float("nan")
+    out.update(step_means(taken, algo))
     return out
+
+
+def minibatch_stats(acc: dict[str, Any], norm: torch.Tensor) -> dict[str, float]:
+    """One taken minibatch's loss, clipped share, KL estimates and gradient norm."""
+    units = max(acc["units"], 1)
+    return {"loss": acc["loss"], "clip_frac": acc["clipped"] / units, "kl": acc["kl"] / units,
+            "distill_kl": acc["distill_kl"] / units, "grad_norm": float(norm)}  # fmt: skip
+
+
+def step_means(taken: list[dict[str, float]], algo: AlgoConfig) -> dict[str, float]:
+    """The step's stats: the taken minibatches' means (NaN, or a 0 clipped share, when
+    none was taken); the KL estimates only where a KL term or a teacher is on."""
+    keys = ["loss", "clip_frac", "grad_norm"]
+    keys += ["kl"] * (algo.kl_coef > 0) + ["distill_kl"] * algo.distills
+    empty = {"clip_frac": 0.0}
+    return {k: float(np.mean([t[k] for t in taken])) if taken else empty.get(k, float("nan"))
+            for k in keys}  # fmt: skip
 
 
 @dataclass
@@ -140,12 +150,12 @@ class Scorer:
     state: UpdateState
     optimizer: torch.optim.Optimizer
 
-    def logprobs(self, chunk: list[Scored]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One micro-batch's logprobs and loss mask, [B, K]: one temperature per
-        micro-batch (forward/score.py `micro_batches`)."""
+    def logprobs(self, chunk: list[Scored], model: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One micro-batch's logprobs and loss mask, [B, K], under the policy (or `model`,
+        e.g. the teacher): one temperature per micro-batch (forward/score.py)."""
         policy = self.policy
         return sequence_logprobs(
-            policy.model,
+            policy.model if model is None else model,
             [s.episode.token_ids for s in chunk],
             [s.episode.loss_mask for s in chunk],
             policy.tokenizer.pad_token_id or 0,
@@ -153,21 +163,23 @@ class Scorer:
             scoring_temperature(chunk[0].episode.temperature),
         )
 
-    def masked_values(self, samples: list[Scored], budget: int) -> list[torch.Tensor]:
+    def masked_values(
+        self, samples: list[Scored], budget: int, model: Any = None
+    ) -> list[torch.Tensor]:
         """Each episode's logprobs at its generated tokens, in order (no grad)."""
         values: list[torch.Tensor] = []
         with torch.no_grad():
             keys = scoring_keys([s.episode for s in samples])
             for indices in micro_batches(*keys, budget):
                 chunk = [samples[i] for i in indices]
-                logp_BK, mask_BK = self.logprobs(chunk)
+                logp_BK, mask_BK = self.logprobs(chunk, model)
                 values += [logp_BK[row][mask_BK[row]].float().cpu() for row in range(len(chunk))]
         return values
 
-    def all_values(self, samples: list[Scored]) -> list[torch.Tensor]:
+    def all_values(self, samples: list[Scored], model: Any = None) -> list[torch.Tensor]:
         """`masked_values` under the out-of-memory retry."""
         return retry_on_oom(
-            lambda budget: self.masked_values(samples, budget), self.state, self.optimizer
+            lambda budget: self.masked_values(samples, budget, model), self.state, self.optimizer
         )
 
 
@@ -177,7 +189,8 @@ Check = tuple[torch.Tensor, torch.Tensor]  # (trainer's, engine's) logprobs of o
 def old_logprobs(
     scorer: Scorer, batch: list[Scored], group_size: int, fresh: bool, load: RouterLoad, dist: Dist
 ) -> tuple[bool, list[Check]]:
-    """Set each learning episode's old (and, with `algo.kl_coef`, reference) logprobs.
+    """Set each learning episode's old (with `algo.kl_coef`, reference; with a teacher, the
+    teacher's) logprobs.
     Returns whether the engine's logprobs stand in for the old ones (`reuse`: the gap is
     then measured by the first minibatch's loss pass) and the gap checks made here.
 
@@ -185,7 +198,7 @@ def old_logprobs(
     loss passes (unless the KL term needs them); with none left on any rank, one group per
     rank still measures the engine-vs-trainer gap."""
     algo, model = scorer.algo, scorer.policy.model
-    learning = [s for s in batch if moves(s.advantage) or algo.kl_coef > 0]
+    learning = [s for s in batch if takes_part(s, algo)]
     anyone_learning = dist.all_reduce([len(learning)])[0] > 0
     scored = learning if anyone_learning else batch[:group_size]
     reuse = fresh and anyone_learning and samples_policy_exactly(scorer.policy)
@@ -204,6 +217,10 @@ def old_logprobs(
             ref = scorer.all_values(scored)
         for sample, values in zip(scored, ref, strict=True):
             sample.ref = values
+    if algo.distills:  # the teacher's view of the student's own tokens
+        teacher = scorer.all_values(scored, model=scorer.policy.teacher)
+        for sample, values in zip(scored, teacher, strict=True):
+            sample.teacher = values
     model.train()
     return reuse, checks
 
@@ -230,11 +247,10 @@ def minibatch_gradient(
     algo, optimizer = scorer.algo, scorer.optimizer
     # A = 0 sequences add nothing to the policy-gradient loss: skip their forward
     # pass (unless the KL term needs them); they still count in the normaliser.
-    active = [s for s in minibatch if moves(s.advantage) or algo.kl_coef > 0]
-    active = [s for s in active if s.correction is None or bool(s.correction.keep_T.any())]
+    active = [s for s in minibatch if takes_part(s, algo)]
     optimizer.zero_grad(set_to_none=True)
-    acc = {"loss": 0.0, "units": 0.0, "clipped": 0.0, "kl": 0.0, "ratio_max": 1.0, "tokens": 0,
-           "checks": []}  # fmt: skip
+    acc = {"loss": 0.0, "units": 0.0, "clipped": 0.0, "kl": 0.0, "distill_kl": 0.0,
+           "ratio_max": 1.0, "tokens": 0, "checks": []}  # fmt: skip
     for indices in micro_batches(*scoring_keys([s.episode for s in active]), budget):
         chunk = [active[i] for i in indices]
         logp_BK, mask_BK = scorer.logprobs(chunk)
@@ -248,26 +264,70 @@ def minibatch_gradient(
         old_BK[mask_BK] = torch.cat([s.old for s in chunk]).to(old_BK)
         # algo.is_correction: weighted gradients, masked tokens out of the loss
         logp_BK, loss_mask_BK = corrected(logp_BK, mask_BK, [s.correction for s in chunk])
-        ref_BK = None
-        if algo.kl_coef > 0:
-            ref_BK = torch.zeros_like(logp_BK)
-            ref_BK[mask_BK] = torch.cat([s.ref for s in chunk]).to(ref_BK)
+        ref_BK = _padded(chunk, "ref", mask_BK, logp_BK) if algo.kl_coef > 0 else None
+        teacher_BK = _padded(chunk, "teacher", mask_BK, logp_BK) if algo.distills else None
         adv_B = advantage_tensor([s.advantage for s in chunk]).to(logp_BK.device)
-        # the loss's inputs, its clip range, its KL term (a line each)
-        loss, st = LOSSES[algo.name](
-            logp_BK, old_BK, adv_B, loss_mask_BK.float(),
-            eps_low=algo.eps_low, eps_high=algo.eps_high,
-            ref_logp_BT=ref_BK, kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator,
-            normalizer=normalizer,
-        )  # fmt: skip
+        loss, st = policy_loss(
+            algo, logp_BK, old_BK, adv_B, loss_mask_BK.float(), ref_BK, teacher_BK, normalizer
+        )
         loss.backward()
         acc["loss"] += float(loss.detach())
         acc["units"] += st["count"]
         acc["clipped"] += st["clip_frac"] * st["count"]
         acc["ratio_max"] = max(acc["ratio_max"], st["ratio_max"])
         acc["kl"] += st.get("kl", 0.0) * st["count"]
+        acc["distill_kl"] += st.get("distill_kl", 0.0) * st["count"]
         acc["tokens"] += sum(len(s.episode.token_ids) for s in chunk)
     return acc
+
+
+def takes_part(sample: Scored, algo: AlgoConfig) -> bool:
+    """Whether an episode enters the loss passes: its advantage moves the loss, or a KL
+    term or the teacher gives every token a signal; and a correction left it a token."""
+    if sample.correction is not None and not bool(sample.correction.keep_T.any()):
+        return False
+    return moves(sample.advantage) or algo.kl_coef > 0 or algo.distills
+
+
+def policy_loss(
+    algo: AlgoConfig,
+    logp_BK: torch.Tensor,
+    old_BK: torch.Tensor,
+    adv_B: torch.Tensor,
+    mask_BK: torch.Tensor,
+    ref_BK: torch.Tensor | None,
+    teacher_BK: torch.Tensor | None,
+    normalizer: Normalizer,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """`algo.name`'s loss with its clip range and KL term; on-policy distillation's as the
+    loss (`opd`) or added to it (`algo.distill_coef`, at opd's own clip range)."""
+    if algo.name == "opd":
+        low, high = algo.eps_low, algo.eps_high
+        return opd_loss(logp_BK, old_BK, teacher_BK, mask_BK,
+                        eps_low=low, eps_high=high, normalizer=normalizer)  # fmt: skip
+    loss, stats = LOSSES[algo.name](
+        logp_BK, old_BK, adv_B, mask_BK,
+        eps_low=algo.eps_low, eps_high=algo.eps_high,
+        ref_logp_BT=ref_BK, kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator,
+        normalizer=normalizer,
+    )  # fmt: skip
+    if algo.distill_coef > 0:
+        low, high = DEFAULT_CLIP["opd"]
+        distill, distill_stats = opd_loss(
+            logp_BK, old_BK, teacher_BK, mask_BK, eps_low=low, eps_high=high, normalizer=normalizer
+        )
+        loss = loss + algo.distill_coef * distill
+        stats["distill_kl"] = distill_stats["distill_kl"]
+    return loss, stats
+
+
+def _padded(
+    chunk: list[Scored], name: str, mask_BK: torch.Tensor, like_BK: torch.Tensor
+) -> torch.Tensor:
+    """Per-episode logprobs (`Scored.ref`, `.teacher`) laid out at the mask's positions."""
+    out_BK = torch.zeros_like(like_BK).detach()
+    out_BK[mask_BK] = torch.cat([getattr(s, name) for s in chunk]).to(out_BK)
+    return out_BK
 
 
 def optimizer_step(
@@ -283,7 +343,7 @@ def optimizer_step(
     nothing was applied: no token to learn from, or a NaN/inf loss or gradient (the step
     is skipped, weights and optimizer state untouched)."""
     dist.sum_gradients(policy.trainable_parameters())
-    keys = ("loss", "units", "clipped", "kl", "tokens")
+    keys = ("loss", "units", "clipped", "kl", "distill_kl", "tokens")
     acc.update(zip(keys, dist.all_reduce([acc[k] for k in keys])))
     acc["ratio_max"] = dist.all_reduce([acc["ratio_max"]], op="max")[0]
     if not acc["tokens"]:
