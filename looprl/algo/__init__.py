@@ -12,7 +12,10 @@ from looprl.algo.advantages import (
     moves,
     turn_returns,
 )
-from looprl.algo.kl import k3_kl
+from looprl.algo.cispo import cispo_loss
+from looprl.algo.corrections import Correction, correct, correction_stats, masked_counts
+from looprl.algo.distill import opd_loss
+from looprl.algo.kl import k3_kl, kl_tokens
 from looprl.algo.logprobs import (
     head_logprobs,
     masked_mean,
@@ -47,10 +50,18 @@ LOSSES: dict[str, LossFn] = {
     "gspo_turn": gspo_turn_loss,
     "grpo": grpo_loss,
     "dr_grpo": dr_grpo_loss,
+    "cispo": cispo_loss,
 }
 
 __all__ = [
     "LOSSES",
+    "Correction",
+    "cispo_loss",
+    "correct",
+    "correction_stats",
+    "kl_tokens",
+    "masked_counts",
+    "opd_loss",
     "tis_weights",
     "weight_gradient",
     "Normalizer",

@@ -81,11 +81,14 @@ def _finish(
     per_sequence: bool,
     ratio_U: Tensor,
     clip_active_U: Tensor,
+    kl_estimator: str = "k3",
 ) -> tuple[Tensor, dict[str, float]]:
     loss = pg_loss
     kl_stat = None
     if ref_logp_BT is not None:
-        kl_loss, kl_stat = kl_term(logp_BT, ref_logp_BT, m_BT, normalizer, per_sequence)
+        kl_loss, kl_stat = kl_term(
+            logp_BT, ref_logp_BT, m_BT, normalizer, per_sequence, kl_estimator
+        )
         if kl_coef > 0:
             loss = loss + kl_coef * kl_loss  # L = L_pg + beta * KL
     stats = _stats(ratio_U, clip_active_U, pg_loss, kl_stat)

@@ -121,6 +121,7 @@ def gspo_loss(
     ref_logp_BT: Tensor | None = None,
     kl_coef: float = 0.0,
     normalizer: Normalizer | None = None,
+    kl_estimator: str = "k3",
 ) -> tuple[Tensor, dict[str, float]]:
     """GSPO, Group Sequence Policy Optimization (arXiv 2507.18071), sequence-level ratio.
 
@@ -146,6 +147,7 @@ def gspo_loss(
         ref_logp_BT,
         m_BT,
         kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
         normalizer=n,
         per_sequence=True,
         ratio_U=s_B[valid_B],
@@ -164,6 +166,7 @@ def gspo_token_loss(
     ref_logp_BT: Tensor | None = None,
     kl_coef: float = 0.0,
     normalizer: Normalizer | None = None,
+    kl_estimator: str = "k3",
 ) -> tuple[Tensor, dict[str, float]]:
     """GSPO-token (arXiv 2507.18071, sec. 4.3): sequence ratio value, per-token gradient path.
 
@@ -196,6 +199,7 @@ def gspo_token_loss(
         ref_logp_BT,
         m_BT,
         kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
         normalizer=n,
         per_sequence=True,
         ratio_U=s_B[valid_B],
@@ -215,6 +219,7 @@ def _token_ratio_loss(
     kl_coef: float,
     normalizer: Normalizer | None,
     token_mean: bool,
+    kl_estimator: str = "k3",
 ) -> tuple[Tensor, dict[str, float]]:
     """Token ratios r_it = exp(logp_it - old_it), clipped per token; GRPO and Dr.GRPO
     differ only in how the sum over tokens is normalised (`token_mean`, see callers)."""
@@ -241,6 +246,7 @@ def _token_ratio_loss(
         ref_logp_BT,
         m_BT,
         kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
         normalizer=n,
         per_sequence=not token_mean,
         ratio_U=r_BT[m_BT],
@@ -259,6 +265,7 @@ def grpo_loss(
     ref_logp_BT: Tensor | None = None,
     kl_coef: float = 0.0,
     normalizer: Normalizer | None = None,
+    kl_estimator: str = "k3",
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO with DAPO's token-level loss and clip-higher (arXiv 2503.14476).
 
@@ -278,6 +285,7 @@ def grpo_loss(
         ref_logp_BT=ref_logp_BT,
         kl_coef=kl_coef,
         normalizer=normalizer,
+        kl_estimator=kl_estimator,
         token_mean=True,
     )
 
@@ -293,6 +301,7 @@ def dr_grpo_loss(
     ref_logp_BT: Tensor | None = None,
     kl_coef: float = 0.0,
     normalizer: Normalizer | None = None,
+    kl_estimator: str = "k3",
 ) -> tuple[Tensor, dict[str, float]]:
     """Dr.GRPO (arXiv 2503.20783): the token ratios of `grpo_loss`, a constant length.
 
@@ -314,5 +323,6 @@ def dr_grpo_loss(
         ref_logp_BT=ref_logp_BT,
         kl_coef=kl_coef,
         normalizer=normalizer,
+        kl_estimator=kl_estimator,
         token_mean=False,
     )

@@ -77,6 +77,7 @@ def gspo_turn_loss(
     ref_logp_BT: Tensor | None = None,
     kl_coef: float = 0.0,
     normalizer: Normalizer | None = None,
+    kl_estimator: str = "k3",
 ) -> tuple[Tensor, dict[str, float]]:
     """Turn-level GSPO (module doc): L = - sum_i (1/K_i) sum_k min(s_ik A_ik, clip(s_ik) A_ik) / N.
 
@@ -108,6 +109,7 @@ def gspo_turn_loss(
         ref_logp_BT,
         m_BT,
         kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
         normalizer=n,
         per_sequence=True,
         ratio_U=s_BK[valid_BK],

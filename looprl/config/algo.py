@@ -10,6 +10,15 @@ from pydantic import Field, model_validator
 
 from looprl.config.base import Section
 
+# the bound of each `is_correction` mode when `is_bound` is unset (algo/corrections.py)
+DEFAULT_IS_BOUND = {
+    "token_truncate": 2.0,
+    "token_mask": 3.0,
+    "sequence_truncate": 3.0,
+    "sequence_mask": 3.0,
+    "icepop": 2.0,
+}
+
 # Clip ranges (eps_low, eps_high) used when the config leaves them unset:
 # GSPO paper (arXiv 2507.18071) sequence-level ranges; DAPO clip-higher for token ratios.
 DEFAULT_CLIP = {
@@ -18,7 +27,15 @@ DEFAULT_CLIP = {
     "gspo_turn": (3e-4, 4e-4),
     "grpo": (0.2, 0.28),
     "dr_grpo": (0.2, 0.28),
+    # CISPO (arXiv 2506.13585): no lower bound on the weight, the upper one tuned
+    "cispo": (1.0, 0.28),
+    # on-policy distillation's per-token ratios (algo/distill.py), as GRPO's
+    "opd": (0.2, 0.28),
 }
+
+IS_CORRECTIONS = Literal[
+    "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "icepop"
+]
 
 MOVED = {"entropy_coef", "expert_baseline"}  # once algo.*, now algo.experimental.*
 
@@ -43,13 +60,14 @@ class AlgoExperimental(Section):
 
 
 class AlgoConfig(Section):
-    name: Literal["gspo", "gspo_token", "gspo_turn", "grpo", "dr_grpo"] = Field(
+    name: Literal["gspo", "gspo_token", "gspo_turn", "grpo", "dr_grpo", "cispo", "opd"] = Field(
         "gspo",
         description="Policy loss: gspo, gspo_token, gspo_turn (one ratio per assistant "
-        "turn), grpo (clip-higher), dr_grpo.",
+        "turn), grpo (clip-higher), dr_grpo, cispo (clipped detached weight x logp), opd "
+        "(on-policy distillation from algo.teacher).",
     )
     eps_low: float | None = Field(
-        None, ge=0, lt=1, description="Lower clip range; unset = the algorithm's default."
+        None, ge=0, le=1, description="Lower clip range; unset = the algorithm's default."
     )
     eps_high: float | None = Field(
         None, ge=0, description="Upper clip range; unset = the algorithm's default."
@@ -101,12 +119,44 @@ class AlgoConfig(Section):
         description="Greedy member: in each group this many episodes (0 or 1) are decoded "
         "at T = 0, so the policy's argmax is ranked against its own samples; 0 = off.",
     )
-    kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the initial policy; 0 = off.")
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the initial policy; 0 = off.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3",
+        description="KL estimator: k3 or k2 in the loss, k1 in the reward (algo/kl.py: k1 "
+        "and k2 follow the reverse KL's gradient, k3 the forward KL's).",
+    )
+    teacher: str | None = Field(
+        None,
+        description="On-policy distillation's teacher: a model alias, a local folder or a "
+        "run folder (its newest checkpoint); same tokenizer as the student.",
+    )
+    distill_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of the distillation loss added to algo.name's loss (per-token "
+        "reverse KL to algo.teacher); 0 = off.",
+    )
+    kl_reference: Literal["base", "start"] = Field(
+        "base",
+        description="The KL penalty's reference: base = the base model (adapters off); "
+        "start = the policy as the RL steps began (after the SFT warm start).",
+    )
+    is_correction: IS_CORRECTIONS | None = Field(
+        None,
+        description="Importance-sampling correction of engine-sampled episodes: "
+        "token_truncate, token_mask, sequence_truncate, sequence_mask, icepop; unset = off.",
+    )
+    is_bound: float | None = Field(
+        None,
+        gt=0,
+        description="The correction's bound C (ratio cap), or icepop's B (band [1/B, B]); "
+        "unset = the mode's default.",
+    )
     tis_cap: float | None = Field(
         None,
         gt=0,
-        description="Truncated importance sampling: weight each token's loss by "
-        "min(exp(trainer old logp - engine logp), cap); unset = off.",
+        description="Short for is_correction=token_truncate with is_bound=cap: weight each "
+        "token's loss by min(exp(trainer old logp - engine logp), cap); unset = off.",
     )
 
     experimental: AlgoExperimental = Field(
@@ -153,12 +203,81 @@ class AlgoConfig(Section):
                 f"algo.turn_reward_weight > 0 gives each turn its own advantage, which only "
                 f"algo.name=gspo_turn takes (one ratio per turn); got algo.name={self.name}"
             )
+        for name, default in (("kl_estimator", "k3"), ("kl_reference", "base")):
+            if getattr(self, name) != default and self.kl_coef == 0:
+                raise ValueError(
+                    f"algo.{name}={getattr(self, name)} sets the KL penalty, which is off "
+                    f"(algo.kl_coef=0): set algo.kl_coef > 0 as well, or drop algo.{name}"
+                )
+        self._check_teacher()
+        self._fill_correction()
         low, high = DEFAULT_CLIP[self.name]
         if self.eps_low is None:
             object.__setattr__(self, "eps_low", low)
         if self.eps_high is None:
             object.__setattr__(self, "eps_high", high)
         return self
+
+    @property
+    def distills(self) -> bool:
+        """Whether the update scores the episodes with a teacher (algo/distill.py)."""
+        return self.name == "opd" or self.distill_coef > 0
+
+    def _check_teacher(self) -> None:
+        if self.distills and not self.teacher:
+            what = "algo.name=opd" if self.name == "opd" else "algo.distill_coef > 0"
+            raise ValueError(
+                f"{what} distills from a teacher: set algo.teacher (a model alias, a "
+                "folder or a run folder with the student's tokenizer)"
+            )
+        if self.teacher and not self.distills:
+            raise ValueError(
+                f"algo.teacher={self.teacher!r} is only used by on-policy distillation: set "
+                "algo.name=opd, or algo.distill_coef > 0 to add it to algo.name's loss"
+            )
+        if self.name == "opd" and self.distill_coef > 0:
+            raise ValueError(
+                "algo.distill_coef adds distillation to another loss; with algo.name=opd "
+                "distillation is the loss: drop algo.distill_coef"
+            )
+        if self.name == "opd" and self.kl_coef > 0:
+            raise ValueError(
+                "algo.name=opd is a KL to the teacher already; algo.kl_coef adds one to the "
+                "initial policy, which opd does not take: set algo.kl_coef=0"
+            )
+
+    def _fill_correction(self) -> None:
+        """`tis_cap: C` is `is_correction: token_truncate` with `is_bound: C`; an unset
+        bound takes the mode's default (algo/corrections.py)."""
+        mode, bound = self.is_correction, self.is_bound
+        if self.tis_cap is not None:
+            if mode not in (None, "token_truncate"):
+                raise ValueError(
+                    f"algo.tis_cap is short for is_correction=token_truncate, and "
+                    f"algo.is_correction={mode}: keep one of them"
+                )
+            if bound is not None and bound != self.tis_cap:
+                raise ValueError(
+                    f"algo.tis_cap={self.tis_cap} and algo.is_bound={bound} are the same "
+                    "bound: keep one of them"
+                )
+            mode, bound = "token_truncate", self.tis_cap
+        if mode is None:
+            if bound is not None:
+                raise ValueError(
+                    "algo.is_bound is the bound of algo.is_correction, which is unset: "
+                    "set algo.is_correction (e.g. icepop) or drop algo.is_bound"
+                )
+            return
+        bound = DEFAULT_IS_BOUND[mode] if bound is None else bound
+        if mode == "icepop" and bound <= 1:
+            raise ValueError(
+                f"algo.is_bound={bound}: icepop keeps the tokens whose ratio lies in "
+                "[1/B, B], so B must be > 1 (e.g. 2)"
+            )
+        object.__setattr__(self, "is_correction", mode)
+        object.__setattr__(self, "is_bound", bound)
+        object.__setattr__(self, "tis_cap", bound if mode == "token_truncate" else None)
 
 
 class CurriculumConfig(Section):

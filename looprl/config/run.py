@@ -88,11 +88,11 @@ def check_rules(cfg: Config) -> None:
             "pip install 'looprl[optim8bit]' (or train.optimizer=adamw)"
         )
     k = cfg.rollout.max_staleness
-    if k and cfg.algo.tis_cap is None:
+    if k and cfg.algo.is_correction is None:
         raise ValueError(
             f"rollout.max_staleness={k} trains on episodes sampled by a policy up to {k} "
-            "steps old: set algo.tis_cap (e.g. 2.0) to correct for it, or "
-            "rollout.max_staleness=0"
+            "steps old: set algo.tis_cap (e.g. 2.0) or another algo.is_correction (e.g. "
+            "icepop) to correct for it, or rollout.max_staleness=0"
         )
     if k and cfg.rollout.engine == "vllm" and not cfg.model.lora.enabled:
         raise ValueError(

@@ -129,7 +129,7 @@ class RolloutConfig(Section):
         ge=0,
         le=16,
         description="Overlapped rollouts: the next steps are played while the trainer updates, "
-        "by a policy K steps older (needs algo.tis_cap); 0 = synchronous.",
+        "by a policy K steps older (needs algo.is_correction or tis_cap); 0 = synchronous.",
     )
     max_episode_tokens: int = Field(
         2048, ge=16, description="Total tokens (prompt + all turns) before truncation."

@@ -1,7 +1,8 @@
 """How the update cuts a rollout batch: `minibatches` of whole tasks (one optimizer step
 each), the per-episode inputs of forward/score.py's `micro_batches` (one forward pass
 each, under a token budget), and that budget, which running out of memory halves
-(`retry_on_oom`; carried across steps and a resume in `UpdateState`)."""
+(`retry_on_oom`; carried across steps and a resume in `UpdateState`); and `Scored`, one
+episode as the update scores it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import TypeVar
 
 import torch
 
-from looprl.algo import scoring_temperature
+from looprl.algo import Advantage, Correction, scoring_temperature
 from looprl.errors import LoopRLError
 from looprl.forward.score import prompt_length
 from looprl.loop.dist import Dist
@@ -99,3 +100,30 @@ def scoring_keys(
         [prompt_length(e.loss_mask) for e in episodes],
         [scoring_temperature(e.temperature) for e in episodes],
     )
+
+
+@dataclass(eq=False)
+class Scored:
+    """One episode as the update scores it: its advantage and, once computed, the
+    trainer's logprobs of its generated tokens before the step (`old`) and the reference
+    policy's (`ref`, with `algo.kl_coef`), in order."""
+
+    episode: Episode
+    advantage: Advantage
+    old: torch.Tensor | None = None
+    ref: torch.Tensor | None = None
+    correction: Correction | None = None  # algo.is_correction's, once `old` is known
+    teacher: torch.Tensor | None = None  # algo.teacher's logprobs (on-policy distillation)
+
+    @property
+    def sampled(self) -> torch.Tensor:
+        """The engine's logprobs of the episode's generated tokens, in order."""
+        e = self.episode
+        return torch.tensor([lp for lp, m in zip(e.logprobs, e.loss_mask) if m])
+
+    @property
+    def behaviour(self) -> torch.Tensor:
+        """The logprobs of the policy that produced the episode. An expert episode was not
+        sampled: the policy before the step stands in for it (loop/guidance.py)."""
+        assert self.old is not None
+        return self.old if self.episode.expert else self.sampled

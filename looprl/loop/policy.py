@@ -33,6 +33,10 @@ class Policy:
     renderer: ChatRenderer
     engine: Any  # HFEngine, or a VLLMEngine once `attach_rollout_engine` has run
     device: torch.device
+    # algo.kl_reference=start: the trainable weights the RL steps began from (loop/reference.py)
+    reference: dict[str, torch.Tensor] | None = None
+    # algo.teacher: the frozen model on-policy distillation scores the episodes with
+    teacher: Any = None
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]

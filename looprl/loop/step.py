@@ -220,6 +220,9 @@ class Trainer:
         self.logger.close(report_dir=self.run_dir)
 
 
+KL_STATS = ("kl", "distill_kl")
+
+
 def step_metrics(
     cfg: Config,
     step: int,
@@ -272,6 +275,8 @@ def step_metrics(
         "train/ratio_max": stats["ratio_max"],
         **run,  # train/micro_batch_tokens, perf/*
     }
+    # algo.kl_coef: train/kl; a teacher: train/distill_kl; algo.is_correction: train/is_*
+    metrics.update({f"train/{k}": v for k, v in stats.items() if k in KL_STATS or k[:3] == "is_"})
     if levers.expert is not None:
         metrics["train/expert_advantage"] = expert_advantage(batch)
     if cfg.algo.greedy_samples:  # above 0: the argmax beat its groups' mean

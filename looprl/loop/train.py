@@ -47,6 +47,7 @@ from looprl.loop.overlap import check_overlap
 from looprl.loop.play import player
 from looprl.loop.policy import Policy, load_model
 from looprl.loop.progress import DONE, Progress
+from looprl.loop.reference import keep_reference
 from looprl.loop.replay import check_replay
 from looprl.loop.run_state import (
     LoopState,
@@ -60,6 +61,7 @@ from looprl.loop.run_state import (
 from looprl.loop.snapshot import start_snapshots
 from looprl.loop.sources import group_source
 from looprl.loop.step import Trainer, save_checkpoint, say_health, write_report
+from looprl.loop.teacher import check_teacher, load_teacher
 from looprl.loop.trackers import check_trackers
 from looprl.report import write as report_files
 from looprl.report.comparisons import load_references
@@ -107,6 +109,7 @@ def train(
         f"{cfg.train.steps} steps → {out}{' (resumed)' if resume else ''}"
     )
     policy = load_model(cfg, progress)
+    policy.teacher = load_teacher(cfg, progress)  # algo.teacher (on-policy distillation)
     preflight.check_reply_room(cfg, probe, policy.renderer)  # still nothing written
     dist.broadcast_parameters(policy.trainable_parameters())  # the replicas start equal
     # tictactoe-game's `snapshot` opponent: frozen copies of the model (loop/snapshot.py)
@@ -231,6 +234,7 @@ def check_run(cfg: Config, out: Path, dist: Dist, force: bool, resume: bool) -> 
     preflight.check_env(cfg, probe)  # one task of each split played without the model
     check_replay(cfg)  # train.replay: its saved rollouts fit this run
     check_overlap(cfg, probe, dist.world)  # rollout.max_staleness ≥ 1
+    check_teacher(cfg)  # algo.teacher: the student's tokenizer
     return probe, sft_env
 
 
@@ -264,6 +268,7 @@ def start_trainer(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg))
     state = LoopState(update=UpdateState(micro_batch_tokens=cfg.train.micro_batch_tokens))
     start = resume_state(run_dir, policy, optimizer, scheduler, state) if resume else 0
+    keep_reference(cfg, policy, run_dir, dist, start)  # algo.kl_reference=start
     if snapshot is not None and resume:
         snapshot.refresh(policy.model)  # the resumed checkpoint's weights
     logger = MetricsLogger(

@@ -29,50 +29,29 @@ from looprl.algo import (
     LOSSES,
     Advantage,
     Normalizer,
-    k3_kl,
     moves,
+    opd_loss,
     scoring_temperature,
-    tis_weights,
-    weight_gradient,
 )
 from looprl.config import AlgoConfig, TrainConfig
-from looprl.engine.hf import HFEngine
+from looprl.config.algo import DEFAULT_CLIP
 from looprl.forward.routing import RouterLoad, router_metrics
 from looprl.forward.score import micro_batches, sequence_logprobs
-from looprl.loop.batches import UpdateState, minibatches, retry_on_oom, scoring_keys
+from looprl.loop.batches import Scored, UpdateState, minibatches, retry_on_oom, scoring_keys
 from looprl.loop.dist import Dist
+from looprl.loop.offpolicy import (
+    corrected,
+    correction_counts,
+    gap_stats,
+    samples_policy_exactly,
+    set_corrections,
+)
 from looprl.loop.policy import Policy
-from looprl.model.load import base_model
+from looprl.loop.reference import reference_weights
 from looprl.model.memory import release_free_memory
-from looprl.types import Episode
 
 if TYPE_CHECKING:
     from looprl.loop.groups import Group
-
-
-@dataclass(eq=False)
-class Scored:
-    """One episode as the update scores it: its advantage and, once computed, the
-    trainer's logprobs of its generated tokens before the step (`old`) and the reference
-    policy's (`ref`, with `algo.kl_coef`), in order."""
-
-    episode: Episode
-    advantage: Advantage
-    old: torch.Tensor | None = None
-    ref: torch.Tensor | None = None
-
-    @property
-    def sampled(self) -> torch.Tensor:
-        """The engine's logprobs of the episode's generated tokens, in order."""
-        e = self.episode
-        return torch.tensor([lp for lp, m in zip(e.logprobs, e.loss_mask) if m])
-
-    @property
-    def behaviour(self) -> torch.Tensor:
-        """The logprobs of the policy that produced the episode. An expert episode was not
-        sampled: the policy before the step stands in for it (loop/guidance.py)."""
-        assert self.old is not None
-        return self.old if self.episode.expert else self.sampled
 
 
 def update_policy(
@@ -118,11 +97,12 @@ def update_policy(
     scorer = Scorer(policy, algo, state, optimizer)
     load = RouterLoad(policy.model)  # MoE models: tokens per expert in the first full pass
     reuse, checks = old_logprobs(scorer, batch, group_size, fresh, load, dist)
-    losses, clips, norms = [], [], []  # of the minibatches whose optimizer step was taken
+    out.update(set_corrections(batch, algo, dist))
+    taken: list[dict[str, float]] = []  # the minibatches whose optimizer step was taken
     with load if reuse else nullcontext():
         for minibatch in minibatches(task_units(batch), algo.num_minibatches, seed=seed, dist=dist):
             normalizer = minibatch_normalizer(minibatch, max_tokens, dist)
-            gap = reuse and not losses  # no weight has moved yet: measure the gap here
+            gap = reuse and not taken  # no weight has moved yet: measure the gap here
             acc = retry_on_oom(
                 lambda budget, mb=minibatch, n=normalizer, g=gap: minibatch_gradient(
                     scorer, mb, n, budget, g
@@ -133,20 +113,31 @@ def update_policy(
             checks += acc.pop("checks")
             norm = optimizer_step(policy, optimizer, train, acc, out, dist)
             if norm is not None:
-                losses.append(acc["loss"])
-                clips.append(acc["clipped"] / max(acc["units"], 1))
-                norms.append(float(norm))
+                taken.append(minibatch_stats(acc, norm))
     optimizer.zero_grad(set_to_none=True)
     if load.counts_LE is not None or (dist.world > 1 and load.routers):
         out["router"] = _gathered_router_metrics(load, dist)
-    out.update(_gap_stats(checks, dist))
+    out.update(gap_stats(checks, dist))
     release_free_memory()
-    out.update(
-        loss=float(np.mean(losses)) if losses else float("nan"),
-        clip_frac=float(np.mean(clips)) if clips else 0.0,
-        grad_norm=float(np.mean(norms)) if norms else float("nan"),
-    )
+    out.update(step_means(taken, algo))
     return out
+
+
+def minibatch_stats(acc: dict[str, Any], norm: torch.Tensor) -> dict[str, float]:
+    """One taken minibatch's loss, clipped share, KL estimates and gradient norm."""
+    units = max(acc["units"], 1)
+    return {"loss": acc["loss"], "clip_frac": acc["clipped"] / units, "kl": acc["kl"] / units,
+            "distill_kl": acc["distill_kl"] / units, "grad_norm": float(norm)}  # fmt: skip
+
+
+def step_means(taken: list[dict[str, float]], algo: AlgoConfig) -> dict[str, float]:
+    """The step's stats: the taken minibatches' means (NaN, or a 0 clipped share, when
+    none was taken); the KL estimates only where a KL term or a teacher is on."""
+    keys = ["loss", "clip_frac", "grad_norm"]
+    keys += ["kl"] * (algo.kl_coef > 0) + ["distill_kl"] * algo.distills
+    empty = {"clip_frac": 0.0}
+    return {k: float(np.mean([t[k] for t in taken])) if taken else empty.get(k, float("nan"))
+            for k in keys}  # fmt: skip
 
 
 @dataclass
@@ -159,12 +150,12 @@ class Scorer:
     state: UpdateState
     optimizer: torch.optim.Optimizer
 
-    def logprobs(self, chunk: list[Scored]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One micro-batch's logprobs and loss mask, [B, K]: one temperature per
-        micro-batch (forward/score.py `micro_batches`)."""
+    def logprobs(self, chunk: list[Scored], model: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One micro-batch's logprobs and loss mask, [B, K], under the policy (or `model`,
+        e.g. the teacher): one temperature per micro-batch (forward/score.py)."""
         policy = self.policy
         return sequence_logprobs(
-            policy.model,
+            policy.model if model is None else model,
             [s.episode.token_ids for s in chunk],
             [s.episode.loss_mask for s in chunk],
             policy.tokenizer.pad_token_id or 0,
@@ -172,21 +163,23 @@ class Scorer:
             scoring_temperature(chunk[0].episode.temperature),
         )
 
-    def masked_values(self, samples: list[Scored], budget: int) -> list[torch.Tensor]:
+    def masked_values(
+        self, samples: list[Scored], budget: int, model: Any = None
+    ) -> list[torch.Tensor]:
         """Each episode's logprobs at its generated tokens, in order (no grad)."""
         values: list[torch.Tensor] = []
         with torch.no_grad():
             keys = scoring_keys([s.episode for s in samples])
             for indices in micro_batches(*keys, budget):
                 chunk = [samples[i] for i in indices]
-                logp_BK, mask_BK = self.logprobs(chunk)
+                logp_BK, mask_BK = self.logprobs(chunk, model)
                 values += [logp_BK[row][mask_BK[row]].float().cpu() for row in range(len(chunk))]
         return values
 
-    def all_values(self, samples: list[Scored]) -> list[torch.Tensor]:
+    def all_values(self, samples: list[Scored], model: Any = None) -> list[torch.Tensor]:
         """`masked_values` under the out-of-memory retry."""
         return retry_on_oom(
-            lambda budget: self.masked_values(samples, budget), self.state, self.optimizer
+            lambda budget: self.masked_values(samples, budget, model), self.state, self.optimizer
         )
 
 
@@ -196,7 +189,8 @@ Check = tuple[torch.Tensor, torch.Tensor]  # (trainer's, engine's) logprobs of o
 def old_logprobs(
     scorer: Scorer, batch: list[Scored], group_size: int, fresh: bool, load: RouterLoad, dist: Dist
 ) -> tuple[bool, list[Check]]:
-    """Set each learning episode's old (and, with `algo.kl_coef`, reference) logprobs.
+    """Set each learning episode's old (with `algo.kl_coef`, reference; with a teacher, the
+    teacher's) logprobs.
     Returns whether the engine's logprobs stand in for the old ones (`reuse`: the gap is
     then measured by the first minibatch's loss pass) and the gap checks made here.
 
@@ -204,7 +198,7 @@ def old_logprobs(
     loss passes (unless the KL term needs them); with none left on any rank, one group per
     rank still measures the engine-vs-trainer gap."""
     algo, model = scorer.algo, scorer.policy.model
-    learning = [s for s in batch if moves(s.advantage) or algo.kl_coef > 0]
+    learning = [s for s in batch if takes_part(s, algo)]
     anyone_learning = dist.all_reduce([len(learning)])[0] > 0
     scored = learning if anyone_learning else batch[:group_size]
     reuse = fresh and anyone_learning and samples_policy_exactly(scorer.policy)
@@ -219,10 +213,14 @@ def old_logprobs(
     for sample in [s for s in scored if reuse and not s.episode.expert]:
         sample.old = sample.sampled  # the engine's, exact to rounding (module doc)
     if algo.kl_coef > 0:
-        with model.disable_adapter():
+        with reference_weights(scorer.policy):  # algo.kl_reference's
             ref = scorer.all_values(scored)
         for sample, values in zip(scored, ref, strict=True):
             sample.ref = values
+    if algo.distills:  # the teacher's view of the student's own tokens
+        teacher = scorer.all_values(scored, model=scorer.policy.teacher)
+        for sample, values in zip(scored, teacher, strict=True):
+            sample.teacher = values
     model.train()
     return reuse, checks
 
@@ -230,8 +228,12 @@ def old_logprobs(
 def minibatch_normalizer(minibatch: list[Scored], max_tokens: int, dist: Dist) -> Normalizer:
     """The whole minibatch's counts, over all ranks: each loss divides by its own
     (algo/losses.py)."""
+    masked_sequences, masked_tokens = correction_counts(minibatch)  # out of the loss
     sequences, tokens = dist.all_reduce(
-        [len(minibatch), sum(s.episode.response_len for s in minibatch)]
+        [
+            len(minibatch) - masked_sequences,
+            sum(s.episode.response_len for s in minibatch) - masked_tokens,
+        ]
     )
     return Normalizer(sequences=sequences, tokens=tokens, max_tokens=max_tokens)
 
@@ -245,9 +247,10 @@ def minibatch_gradient(
     algo, optimizer = scorer.algo, scorer.optimizer
     # A = 0 sequences add nothing to the policy-gradient loss: skip their forward
     # pass (unless the KL term needs them); they still count in the normaliser.
-    active = [s for s in minibatch if moves(s.advantage) or algo.kl_coef > 0]
+    active = [s for s in minibatch if takes_part(s, algo)]
     optimizer.zero_grad(set_to_none=True)
-    acc = {"loss": 0.0, "units": 0.0, "clipped": 0.0, "ratio_max": 1.0, "tokens": 0, "checks": []}
+    acc = {"loss": 0.0, "units": 0.0, "clipped": 0.0, "kl": 0.0, "distill_kl": 0.0,
+           "ratio_max": 1.0, "tokens": 0, "checks": []}  # fmt: skip
     for indices in micro_batches(*scoring_keys([s.episode for s in active]), budget):
         chunk = [active[i] for i in indices]
         logp_BK, mask_BK = scorer.logprobs(chunk)
@@ -259,29 +262,72 @@ def minibatch_gradient(
             ]
         old_BK = torch.zeros_like(logp_BK)
         old_BK[mask_BK] = torch.cat([s.old for s in chunk]).to(old_BK)
-        if algo.tis_cap is not None:  # off-policy correction (algo/tis.py)
-            engine_BK = torch.zeros_like(logp_BK)
-            engine_BK[mask_BK] = torch.cat([s.behaviour for s in chunk]).to(engine_BK)
-            w_BK = tis_weights(old_BK, engine_BK, mask_BK, algo.tis_cap)
-            logp_BK = weight_gradient(logp_BK, w_BK)
-        ref_BK = None
-        if algo.kl_coef > 0:
-            ref_BK = torch.zeros_like(logp_BK)
-            ref_BK[mask_BK] = torch.cat([s.ref for s in chunk]).to(ref_BK)
+        # algo.is_correction: weighted gradients, masked tokens out of the loss
+        logp_BK, loss_mask_BK = corrected(logp_BK, mask_BK, [s.correction for s in chunk])
+        ref_BK = _padded(chunk, "ref", mask_BK, logp_BK) if algo.kl_coef > 0 else None
+        teacher_BK = _padded(chunk, "teacher", mask_BK, logp_BK) if algo.distills else None
         adv_B = advantage_tensor([s.advantage for s in chunk]).to(logp_BK.device)
-        # the loss's inputs, its clip range, its KL term (a line each)
-        loss, st = LOSSES[algo.name](
-            logp_BK, old_BK, adv_B, mask_BK.float(),
-            eps_low=algo.eps_low, eps_high=algo.eps_high,
-            ref_logp_BT=ref_BK, kl_coef=algo.kl_coef, normalizer=normalizer,
-        )  # fmt: skip
+        loss, st = policy_loss(
+            algo, logp_BK, old_BK, adv_B, loss_mask_BK.float(), ref_BK, teacher_BK, normalizer
+        )
         loss.backward()
         acc["loss"] += float(loss.detach())
         acc["units"] += st["count"]
         acc["clipped"] += st["clip_frac"] * st["count"]
         acc["ratio_max"] = max(acc["ratio_max"], st["ratio_max"])
+        acc["kl"] += st.get("kl", 0.0) * st["count"]
+        acc["distill_kl"] += st.get("distill_kl", 0.0) * st["count"]
         acc["tokens"] += sum(len(s.episode.token_ids) for s in chunk)
     return acc
+
+
+def takes_part(sample: Scored, algo: AlgoConfig) -> bool:
+    """Whether an episode enters the loss passes: its advantage moves the loss, or a KL
+    term or the teacher gives every token a signal; and a correction left it a token."""
+    if sample.correction is not None and not bool(sample.correction.keep_T.any()):
+        return False
+    return moves(sample.advantage) or algo.kl_coef > 0 or algo.distills
+
+
+def policy_loss(
+    algo: AlgoConfig,
+    logp_BK: torch.Tensor,
+    old_BK: torch.Tensor,
+    adv_B: torch.Tensor,
+    mask_BK: torch.Tensor,
+    ref_BK: torch.Tensor | None,
+    teacher_BK: torch.Tensor | None,
+    normalizer: Normalizer,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """`algo.name`'s loss with its clip range and KL term; on-policy distillation's as the
+    loss (`opd`) or added to it (`algo.distill_coef`, at opd's own clip range)."""
+    if algo.name == "opd":
+        low, high = algo.eps_low, algo.eps_high
+        return opd_loss(logp_BK, old_BK, teacher_BK, mask_BK,
+                        eps_low=low, eps_high=high, normalizer=normalizer)  # fmt: skip
+    loss, stats = LOSSES[algo.name](
+        logp_BK, old_BK, adv_B, mask_BK,
+        eps_low=algo.eps_low, eps_high=algo.eps_high,
+        ref_logp_BT=ref_BK, kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator,
+        normalizer=normalizer,
+    )  # fmt: skip
+    if algo.distill_coef > 0:
+        low, high = DEFAULT_CLIP["opd"]
+        distill, distill_stats = opd_loss(
+            logp_BK, old_BK, teacher_BK, mask_BK, eps_low=low, eps_high=high, normalizer=normalizer
+        )
+        loss = loss + algo.distill_coef * distill
+        stats["distill_kl"] = distill_stats["distill_kl"]
+    return loss, stats
+
+
+def _padded(
+    chunk: list[Scored], name: str, mask_BK: torch.Tensor, like_BK: torch.Tensor
+) -> torch.Tensor:
+    """Per-episode logprobs (`Scored.ref`, `.teacher`) laid out at the mask's positions."""
+    out_BK = torch.zeros_like(like_BK).detach()
+    out_BK[mask_BK] = torch.cat([getattr(s, name) for s in chunk]).to(out_BK)
+    return out_BK
 
 
 def optimizer_step(
@@ -297,7 +343,7 @@ def optimizer_step(
     nothing was applied: no token to learn from, or a NaN/inf loss or gradient (the step
     is skipped, weights and optimizer state untouched)."""
     dist.sum_gradients(policy.trainable_parameters())
-    keys = ("loss", "units", "clipped", "tokens")
+    keys = ("loss", "units", "clipped", "kl", "distill_kl", "tokens")
     acc.update(zip(keys, dist.all_reduce([acc[k] for k in keys])))
     acc["ratio_max"] = dist.all_reduce([acc["ratio_max"]], op="max")[0]
     if not acc["tokens"]:
@@ -312,44 +358,6 @@ def optimizer_step(
     optimizer.step()
     out["updated"] += 1
     return norm
-
-
-def samples_policy_exactly(policy: Policy) -> bool:
-    """Whether the policy's engine samples from the policy module itself, in its own
-    dtype and with no dropout: then the engine's logprobs of fresh episodes are the
-    trainer's old logprobs, to float32 rounding."""
-    engine = policy.engine
-    if not isinstance(engine, HFEngine) or engine.policy_model is not policy.model:
-        return False
-    dtype = next(policy.model.parameters()).dtype
-    if engine.sampler_dtype not in (None, dtype):
-        return False
-    return not has_dropout(policy.model)
-
-
-def has_dropout(model: torch.nn.Module) -> bool:
-    """Any dropout training mode turns on: a module's, or the attention's (config)."""
-    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
-        return True
-    config = getattr(base_model(model), "config", None)
-    return bool(getattr(config, "attention_dropout", 0.0))
-
-
-def _gap_stats(checks: list[tuple[torch.Tensor, torch.Tensor]], dist: Dist) -> dict[str, float]:
-    """The token-parity check on (trainer's, engine's) logprobs before any update:
-    `logprob_gap`, their mean absolute difference per episode; `mismatch_kl`, the sampling
-    policy's KL to the trainer's per token (k3 over the sampled tokens: the off-policy gap
-    that overlapped rollouts add to the engine's numerics)."""
-    gaps = [(trainer - engine).abs().mean().item() for trainer, engine in checks]
-    gap_sum, gap_count = dist.all_reduce([float(np.sum(gaps)), len(gaps)])
-    kls = [k3_kl(engine, trainer) for trainer, engine in checks]
-    kl_sum, kl_count = dist.all_reduce(
-        [float(sum(k.sum().item() for k in kls)), sum(k.numel() for k in kls)]
-    )
-    return {
-        "logprob_gap": gap_sum / gap_count if gap_count else float("nan"),
-        "mismatch_kl": kl_sum / kl_count if kl_count else float("nan"),
-    }
 
 
 def advantage_tensor(advantages: list[Advantage]) -> torch.Tensor:

@@ -1,0 +1,70 @@
+"""The KL penalty's reference policy (`algo.kl_reference`).
+
+- `base`: the base model, the LoRA adapters switched off (`model.disable_adapter()`).
+- `start`: the policy as the RL steps began, i.e. after the SFT warm start when there is
+  one: an anchor to what the warm start taught rather than to the base model. Its trainable
+  weights (the adapters) are kept in memory and swapped in for the reference pass, and
+  written once to `RUN/checkpoints/rl_start` (loadable wherever a checkpoint is), from
+  which a resumed run takes them back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from looprl.config import Config
+from looprl.errors import LoopRLError
+from looprl.loop.checkpoint import save_weights, trainable_state
+from looprl.loop.dist import Dist
+from looprl.loop.policy import Policy
+
+START = "rl_start"  # the folder under RUN/checkpoints
+
+
+def keep_reference(cfg: Config, policy: Policy, run_dir: Path, dist: Dist, start: int) -> None:
+    """With `algo.kl_reference: start`, set `policy.reference` to the trainable weights the
+    RL steps start from: now's (step 0: after the warm start, or a resume before the first
+    step), written to RUN/checkpoints/rl_start; a run resumed past step 0 reads them back."""
+    if cfg.algo.kl_coef == 0 or cfg.algo.kl_reference != "start":
+        return
+    folder = run_dir / "checkpoints" / START
+    if start > 0:  # resumed past the start: the weights it wrote then
+        if (folder / "trainable.safetensors").exists():
+            policy.reference = load_file(str(folder / "trainable.safetensors"))
+            return
+        raise LoopRLError(
+            f"algo.kl_reference=start: this run resumes at step {start}, and the weights its "
+            f"RL steps started from ({folder}) are missing; run again without --resume, or "
+            "set algo.kl_reference=base"
+        )
+    policy.reference = {k: v.clone() for k, v in trainable_state(policy.model).items()}
+    if dist.is_main:
+        save_weights(folder, policy.model, {"stage": START})
+
+
+@contextmanager
+def reference_weights(policy: Policy) -> Iterator[Any]:
+    """The model as the reference policy, for one pass without gradients: the base model
+    (adapters off), or the RL start's weights swapped in and back (module doc)."""
+    model = policy.model
+    if policy.reference is None:
+        with model.disable_adapter():
+            yield model
+        return
+    params = dict(model.named_parameters())
+    current = {name: params[name].detach().clone() for name in policy.reference}
+    try:
+        with torch.no_grad():
+            for name, tensor in policy.reference.items():
+                params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+        yield model
+    finally:
+        with torch.no_grad():
+            for name, tensor in current.items():
+                params[name].copy_(tensor)

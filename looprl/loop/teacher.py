@@ -1,0 +1,76 @@
+"""On-policy distillation's teacher (`algo.teacher`): a model alias, a local folder, or a
+run folder (its base model with its newest checkpoint), loaded frozen beside the student
+on the student's device and dtype. The update scores the student's own episodes with it
+(loop/update.py, algo/distill.py).
+
+The teacher must share the student's tokenizer: distillation compares the log-probs the
+two give the *same token ids*. `check_teacher` compares the vocabularies before anything
+is written or any weights load; a mismatch is refused with the first tokens that differ.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from looprl.config import Config, config_from_dict, load_config
+from looprl.errors import ConfigError
+from looprl.loop.checkpoint import list_checkpoints, load_weights
+from looprl.loop.policy import load_policy
+from looprl.loop.progress import Progress
+from looprl.model.load import load_tokenizer
+
+
+def teacher_config(cfg: Config) -> tuple[Config, Path | None]:
+    """The config the teacher loads with (a run folder's own, else a plain model's) and
+    the run folder's newest checkpoint, if any."""
+    spec = str(cfg.algo.teacher)
+    path = Path(spec).expanduser()
+    device = [f"model.device={cfg.model.device}", f"model.dtype={cfg.model.dtype}"]
+    if (path / "config.yaml").is_file():
+        teacher = load_config(path / "config.yaml", [*device, "model.gradient_checkpointing=false"])
+        found = list_checkpoints(path)
+        return teacher, found[-1] if found else None
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"algo.teacher={spec!r} is a file: name a model, a folder or a run")
+    model = {"name": spec, "device": cfg.model.device, "dtype": cfg.model.dtype}
+    return config_from_dict({"model": {**model, "lora": {"enabled": False}}}), None
+
+
+def check_teacher(cfg: Config) -> None:
+    """Refuse a teacher whose tokenizer is not the student's (module doc)."""
+    if not cfg.algo.teacher:
+        return
+    teacher_cfg, _ = teacher_config(cfg)
+    student = load_tokenizer(cfg.model.name, cfg.model.trust_remote_code)
+    teacher = load_tokenizer(teacher_cfg.model.name, teacher_cfg.model.trust_remote_code)
+    mine, theirs = student.get_vocab(), teacher.get_vocab()
+    if mine == theirs:
+        return
+    differ = sorted(set(mine.items()) ^ set(theirs.items()), key=lambda kv: kv[1])[:3]
+    raise ConfigError(
+        f"algo.teacher={cfg.algo.teacher!r} has another tokenizer than the student "
+        f"{cfg.model.name!r} ({len(theirs):,} against {len(mine):,} tokens; first "
+        f"differences: {', '.join(f'{tok!r}={i}' for tok, i in differ)}): on-policy "
+        "distillation compares the log-probs of the same token ids, so teacher and student "
+        "need one tokenizer; pick a teacher of the student's family"
+    )
+
+
+def load_teacher(cfg: Config, progress: Progress) -> Any:
+    """The teacher's model, frozen and in eval mode (None without `algo.teacher`)."""
+    if not cfg.algo.teacher:
+        return None
+    teacher_cfg, checkpoint = teacher_config(cfg)
+    with progress.phase("load teacher") as phase:
+        policy = load_policy(teacher_cfg)
+        if checkpoint is not None:
+            try:
+                load_weights(policy.model, checkpoint)
+            except ValueError as err:
+                raise ConfigError(f"algo.teacher: {err}") from None
+        model = policy.model.eval()
+        model.requires_grad_(False)
+        where = f" + {checkpoint.name}" if checkpoint is not None else ""
+        phase.done(f"{teacher_cfg.model.name}{where} on {policy.device}")
+    return model
