@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from looprl.config import load_config, to_yaml
+from looprl.report.headline import headline
 from looprl.report.stats import paired_difference, paired_stats
 from looprl.report.write import regenerate_report, write_report
 
@@ -431,3 +432,28 @@ def test_training_curves_get_a_panel_per_entropy_logged(tmp_path):
         widths.append(Image.open(path).size[0])
     assert widths[0] < widths[1] < widths[2]
     assert widths[2] - widths[1] == pytest.approx(widths[1] - widths[0], abs=4)
+
+
+def test_the_rl_stage_after_sft_is_paired_and_warned_when_it_lowers_the_reward(tmp_path):
+    # after SFT every episode scored 1.0; the RL steps took 4 of 8 down to 0.0 or 0.8
+    run = make_run(tmp_path, [step(1)])
+    mid = eval_result([1.0] * 8, {"win": 1.0})
+    (run / "eval" / "after_sft.json").write_text(json.dumps(mid))
+    md, _ = write(run)
+    final = json.loads((run / "eval" / "final.json").read_text())
+    diff = [a - 1.0 for a in final["rewards"]]
+    assert f"RL stage alone (after − after SFT, paired): {sum(diff) / 8:+.3f}" in md
+    assert ": below the SFT warm start" in md
+    assert "The RL steps lowered the held-out reward below the SFT warm start's" in md
+    assert "algo.kl_reference=start" in md
+    lines = headline(json.loads((run / "eval" / "baseline.json").read_text()), final,
+                     run / "report.md", after_sft=mid)  # fmt: skip
+    assert any(line.startswith("RL stage alone") and "below the SFT" in line for line in lines)
+    # an RL stage that added: no warning
+    (run / "eval" / "after_sft.json").write_text(json.dumps(eval_result([0.0] * 8, {"legal": 1.0})))
+    md, _ = write(run)
+    assert "RL stage alone (after − after SFT, paired): +0.650" in md
+    assert "lowered the held-out reward" not in md
+    # without a warm start there is no RL-stage line
+    (run / "eval" / "after_sft.json").unlink()
+    assert "RL stage alone" not in write(run)[0]

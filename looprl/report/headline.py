@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from looprl.report.rl_stage import rl_stage, rl_stage_line
 from looprl.report.stats import Paired, member_results, paired_stats, reward_with_ci
 
 
@@ -30,6 +31,9 @@ def headline(
         + " → ".join(f"{name} {reward_with_ci(result)}" for name, result in stages),
         _difference(paired_stats(baseline, final)),
     ]
+    stage = rl_stage(after_sft, final)  # with an SFT warm start: the RL steps' own effect
+    if stage is not None:
+        lines.append(rl_stage_line(stage))
     if greedy is not None and greedy[0] is not None:
         before, after = greedy
         paired = paired_stats(before, after)

@@ -26,6 +26,7 @@ from looprl.report.curve import curve_blocks
 from looprl.report.failures_page import failure_section
 from looprl.report.health import run_warnings
 from looprl.report.plots import finite, render_html, render_markdown
+from looprl.report.rl_stage import rl_stage_blocks
 from looprl.report.solved import hacking_flag, solved_text
 from looprl.report.stats import (
     BOOTSTRAP_RESAMPLES,
@@ -162,6 +163,7 @@ def write_report(
             ),
             ("table", headers, _summary_rows(columns)),
             ("p", _paired_text(paired)),
+            *rl_stage_blocks(mid, final),  # with an SFT warm start: the RL steps' own effect
             *[("p", text) for text in [solved_text(baseline, final)] if text],
             *_greedy_blocks(*greedy, _load_eval(run_dir / "eval" / "after_sft_greedy.json")),
             *reference_blocks(cfg.eval.references, baseline, final, _summary_rows, _paired_text),
@@ -243,6 +245,7 @@ def _greedy_blocks(before: dict | None, after: dict | None, mid: dict | None = N
         ),
         ("table", headers, _summary_rows(sides)),
         ("p", _paired_text(paired_stats(before, after))),
+        *rl_stage_blocks(mid, after, " at T = 0"),
     ]
     text = solved_text(before, after)
     return blocks + ([("p", text)] if text else [])
