@@ -36,13 +36,16 @@ def teach_two_calls(folder: Path) -> Path:
     reply = renderer.assistant_ids(Message(role="assistant", tool_calls=CALLS))
     ids = torch.tensor([prompt + reply])
     model = load_causal_lm("tiny-random", torch.float32)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     model.train()
-    for _ in range(400):
-        logits = model(ids).logits[0, len(prompt) - 1 : -1]
-        if logits.argmax(-1).tolist() == reply:
-            break
+    for _ in range(400):  # about 90 steps
+        hidden = model.model(ids).last_hidden_state[0, len(prompt) - 1 : -1]
+        logits = model.lm_head(hidden)  # the reply's positions only
         loss = F.cross_entropy(logits, ids[0, len(prompt) :])
+        # well past the first step whose argmax is the reply (loss ≈ 0.2), so that the
+        # server's kernels, which round differently, pick the same tokens
+        if loss.item() < 0.05:
+            break
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
