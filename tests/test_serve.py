@@ -59,10 +59,16 @@ def client(url) -> openai.OpenAI:
 
 
 def test_health_and_models(url, client):
-    assert http(f"{url}/health") == (
-        200,
-        {"status": "ok", "model": "tiny-random", "variants": ["base"]},
-    )
+    status, health = http(f"{url}/health")
+    assert status == 200
+    assert health == {
+        "status": "ok",
+        "model": "tiny-random",
+        "variants": ["base"],
+        "live_rows": 0,  # nothing is generating
+        "decode_steps": health["decode_steps"],  # a counter (tests/test_serve_cancel.py)
+    }
+    assert isinstance(health["decode_steps"], int)
     assert [m.id for m in client.models.list()] == ["tiny-random", "tiny-random:base"]
 
 
@@ -286,6 +292,16 @@ def test_unknown_route_and_server_bug_are_openai_errors(url, model, monkeypatch)
     status, reply = http(f"{url}/v1/chat/completions", {"model": "tiny-random", "messages": HI})
     assert status == 500 and reply["error"]["type"] == "server_error"
     assert "Traceback" not in reply["error"]["message"]
+
+
+def test_max_tokens_above_the_context_length_is_refused_naming_it(model, client):
+    limit = model.context_length  # this server was started without --max-tokens-limit
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny-random", messages=HI, max_tokens=limit + 1)
+    message = err.value.body["message"]
+    assert f"max_tokens={limit + 1}" in message
+    assert f"at most {limit} tokens (the model's context length)" in message
+    assert "--max-tokens-limit" not in message  # a flag nobody gave
 
 
 def test_api_key(model):

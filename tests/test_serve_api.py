@@ -128,7 +128,8 @@ def test_a_forced_call_cut_off_by_max_tokens_leaks_no_markup(client, stream):
 def test_max_tokens_above_the_limit_is_refused(url, client):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="tiny-random", messages=HI, max_tokens=LIMIT + 1)
-    assert f"at most {LIMIT} tokens" in err.value.body["message"]
+    message = err.value.body["message"]
+    assert f"at most {LIMIT} tokens (the server's --max-tokens-limit)" in message
     status, body = http(
         f"{url}/v1/completions", {"model": "tiny-random", "prompt": "x", "max_tokens": LIMIT + 1}
     )

@@ -11,7 +11,9 @@ prefilled in chunks between decode steps. Variants that cannot share a forward p
 LoRA run's "trained" and "baseline") take turns step by step, so neither starves.
 
 `cancel` (a client that disconnected or timed out) takes the request's rows out at the
-next step: they stop generating and their slots are free again.
+next step: they stop generating and their slots are free again. `decode_steps` counts
+the steps that decoded rows since the start (the server's `GET /health` shows it beside
+`live_rows`), so that work done for nobody can be seen.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class Batcher:
         self._tickets: dict[tuple[str, int], Ticket] = {}  # (variant, row index) -> ticket
         self._by_future: dict[int, Ticket] = {}  # id(future) -> ticket, while it runs
         self._turn = 0  # which variant's batch steps next
+        self.decode_steps = 0  # steps that decoded live rows, since the start (any variant)
 
     def start(self) -> None:
         self._thread.start()
@@ -180,6 +183,8 @@ class Batcher:
         variant = busy[self._turn % len(busy)]
         self._turn += 1
         batch = self._batches[variant]
+        if batch.live_rows:
+            self.decode_steps += 1
         try:
             with (
                 self.model.engine_lock,

@@ -361,6 +361,7 @@ class ChatModel:
             g.max_new_tokens or p.request.max_tokens,
             _call_id,
             p.request.stop,
+            parallel_tool_calls=p.request.parallel_tool_calls,
         )
 
     @contextlib.contextmanager

@@ -18,9 +18,11 @@ Batching (apps/batcher.py): one worker thread owns the model and keeps a running
 open; a request joins it at the next decode step, whatever its sampling settings, and
 leaves it when it is done. A long prompt is prefilled in chunks between decode steps.
 A client that disconnects (or times out) before its reply is complete cancels its
-request: the route polls `Request.is_disconnected()` while it waits, and a stream that
-the server closes cancels its requests too; their rows leave the batch at the next step.
-The waiting and the streaming are in `apps/serve_wait.py`.
+request: the route races its reply against the server's disconnect message, and a
+stream that the server closes cancels its requests too; their rows leave the batch at
+the next step. The waiting and the streaming are in `apps/serve_wait.py`; the API key
+check (`apps/serve_auth.py`) is a plain ASGI middleware, which lets the disconnect reach
+the route. `GET /health` counts the batcher's decode steps and live rows.
 
 Streaming (`stream: true`): the request carries an `on_token` callback; the engine calls
 it on the worker thread for each token as it is sampled, and the callback hands the
@@ -37,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 import threading
 import time
 import uuid
@@ -51,6 +52,7 @@ from starlette.exceptions import HTTPException
 
 from looprl.apps.batcher import Batcher
 from looprl.apps.inference import ChatModel
+from looprl.apps.serve_auth import BearerKey
 from looprl.apps.serve_wait import ClientGone, stream_replies, wait_for
 from looprl.engine.running import CHUNK_TOKENS
 from looprl.errors import RequestError
@@ -107,6 +109,9 @@ def create_app(
     ids = model_ids(model, default_variant)
     batcher = Batcher(model, batch_window_s, prefill_chunk_tokens)
     limit = max_tokens_limit or model.context_length
+    limit_source = (
+        "the server's --max-tokens-limit" if max_tokens_limit else "the model's context length"
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> Any:
@@ -118,17 +123,8 @@ def create_app(
     app.state.batcher = batcher
     _install_error_handlers(app)
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next: Any) -> Any:
-        if api_key and request.url.path.startswith("/v1/"):
-            # the scheme is case-insensitive (RFC 7235): "bearer KEY" is "Bearer KEY"
-            scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
-            given = given.strip() if scheme.lower() == "bearer" else ""
-            if not secrets.compare_digest(given.encode(), api_key.encode()):
-                message = "Incorrect API key provided: pass it as 'Authorization: Bearer KEY'."
-                body = error_body(message, "invalid_request_error", None, "invalid_api_key")
-                return JSONResponse(body, status_code=401)
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(BearerKey, api_key=api_key, prefix="/v1/")
 
     def variant_of(model_id: str) -> str:
         if model_id not in ids:
@@ -147,14 +143,20 @@ def create_app(
             raise APIError(
                 400,
                 f"{param}={asked} is more than this server allows: at most {limit} tokens "
-                "(its --max-tokens-limit); ask for fewer",
+                f"({limit_source}); ask for fewer",
                 param,
             )
         return min(DEFAULT_MAX_TOKENS, limit or DEFAULT_MAX_TOKENS)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": model.name, "variants": list(model.variants)}
+        return {
+            "status": "ok",
+            "model": model.name,
+            "variants": list(model.variants),
+            "live_rows": batcher.live_rows(),
+            "decode_steps": batcher.decode_steps,
+        }
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

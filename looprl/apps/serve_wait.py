@@ -1,6 +1,14 @@
 """How a route of `looprl serve` waits for its replies: the results of its requests, or
 their tokens streamed as they are sampled; a client that disconnects while it waits
-cancels its requests (`ClientGone`)."""
+cancels its requests (`ClientGone`).
+
+The departure is watched, not polled: while a route waits, a task waits on the ASGI
+`receive` for the server's `http.disconnect` (the request body is read by then, so that
+message is the only one left to come), and the route races its replies against it. The
+moment the client's connection closes (it timed out, was closed, or its process died),
+the requests are cancelled in the batcher, and their rows stop before its next decode
+step.
+"""
 
 from __future__ import annotations
 
@@ -22,7 +30,6 @@ from looprl.openai.streaming import ChatStream, CompletionStream
 from looprl.openai.wire import APIError, ChatRequest, error_body
 
 log = logging.getLogger("looprl.apps.serve")  # the server's log
-DISCONNECT_POLL_S = 0.1  # how often a waiting route checks that its client is still there
 
 
 class ClientGone(Exception):
@@ -32,22 +39,40 @@ class ClientGone(Exception):
 async def wait_for(batcher: Batcher, futures: list[Future], raw: Request | None) -> list[Any]:
     """The results of `futures`; if the client of `raw` disconnects first, cancel them
     in the batcher and raise `ClientGone`."""
-    waiting = [asyncio.wrap_future(future) for future in futures]
-    gathered = asyncio.gather(*waiting)
+    gathered = asyncio.gather(*[asyncio.wrap_future(future) for future in futures])
     try:
-        while True:
-            done, _ = await asyncio.wait({gathered}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return gathered.result()
-            if raw is not None and await raw.is_disconnected():
-                raise ClientGone()
-    except BaseException:  # disconnected, or this task cancelled: stop their generation
+        await _unless_gone(gathered, raw)
+        return gathered.result()
+    except BaseException:  # disconnected, failed, or this task cancelled: stop them all
         for future in futures:
             batcher.cancel(future)
         gathered.cancel()
         with contextlib.suppress(BaseException):
             await gathered
         raise
+
+
+async def _unless_gone(waiting: asyncio.Future, raw: Request | None) -> None:
+    """Wait for `waiting`; raise `ClientGone` if the client of `raw` disconnects first."""
+    if raw is None:
+        await asyncio.wait({waiting})
+        return
+    watcher = asyncio.ensure_future(_departure(raw))
+    try:
+        done, _ = await asyncio.wait({waiting, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if waiting not in done:
+        watcher.result()  # a failure of the watch itself is a bug: raise it
+        raise ClientGone()
+
+
+async def _departure(raw: Request) -> None:
+    """Returns when the client of `raw` has disconnected."""
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 async def stream_replies(
@@ -118,12 +143,8 @@ async def _first_event(
     and raise `ClientGone`."""
     getting = asyncio.ensure_future(events.get())
     try:
-        while True:
-            done, _ = await asyncio.wait({getting}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return getting.result()
-            if await raw.is_disconnected():
-                raise ClientGone()
+        await _unless_gone(getting, raw)
+        return getting.result()
     except BaseException:
         getting.cancel()
         for future in futures:

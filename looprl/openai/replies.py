@@ -12,6 +12,10 @@ string), it is a fragment of call syntax or JSON. The client then gets
 that satisfies the schema) or empty content with `error` saying what happened: never the
 raw template text of a half-written call.
 
+A request with `parallel_tool_calls: false` gets one call at most: under `tool_choice:
+"auto"` the model may write several, and the message keeps the first (its text, tokens
+and logprobs stay as sampled); a forced call is one call already.
+
 One difference, `as_sampled=True`, is the agent proxy's: a rollout's reply is the
 policy's text parsed as is, whatever it is, because the episode records what the policy
 wrote and the agent goes on from that (a cut forced call comes back with no tool calls
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import jsonschema
@@ -43,10 +48,12 @@ def chat_choice(
     call_id: Callable[[int, ToolCall], str],
     stop: list[str] | None = None,
     as_sampled: bool = False,
+    parallel_tool_calls: bool = True,
 ) -> ChatChoice:
     """The reply for one `completion` of a request rendered to `prompt_ids` with `tools`
     (those rendered and parsed) under `constraint`. `call_id(j, call)`: the id of the
-    reply's j-th tool call; `as_sampled`: the agent proxy's parsing (module doc)."""
+    reply's j-th tool call; `as_sampled`: the agent proxy's parsing (module doc);
+    `parallel_tool_calls=False`: the message keeps its first tool call only."""
     text = cut_at_stop(renderer.decode(completion.ids), stop or [])
     if as_sampled:
         forced = isinstance(constraint, ToolConstraint)
@@ -57,6 +64,8 @@ def chat_choice(
         message, reasoning, finish, error = reply_for(
             renderer, text, tools, constraint, completion.finish_reason, max_tokens, call_id
         )
+    if not parallel_tool_calls and len(message.tool_calls) > 1:
+        message = replace(message, tool_calls=message.tool_calls[:1])
     return ChatChoice(
         message,
         text,

@@ -191,6 +191,7 @@ def chat_request(
         messages=messages,
         tools=_chat_tools(request.tools),
         tool_choice=_chat_tool_choice(request.tool_choice),
+        parallel_tool_calls=request.parallel_tool_calls,
         temperature=request.temperature,
         top_p=request.top_p,
         max_completion_tokens=request.max_output_tokens,

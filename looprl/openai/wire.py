@@ -57,6 +57,7 @@ class ChatRequest:
     prompt: str | list[int] | None = None  # the raw prompt (a completion request)
     tools: list[dict[str, Any]] | None = None  # OpenAI function-format tool schemas
     tool_choice: str = "auto"  # "auto" | "none" | "required" | a tool's name
+    parallel_tool_calls: bool = True  # False: a reply keeps only its first tool call
     response_format: dict[str, Any] | None = None  # OpenAI json_object / json_schema
     logit_bias: dict[str, float] | None = None  # token id (a string) → bias in [-100, 100]
     n: int = 1  # replies to sample
@@ -168,6 +169,7 @@ class ChatCompletionRequest(_Strict):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -244,6 +246,7 @@ def chat_request(request: ChatCompletionRequest, variant: str, max_tokens: int) 
         messages=to_messages(request.messages),
         tools=tools,
         tool_choice=tool_choice,
+        parallel_tool_calls=request.parallel_tool_calls is not False,
         response_format=request.response_format,
         n=request.n,
         temperature=1.0 if request.temperature is None else request.temperature,
