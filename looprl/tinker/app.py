@@ -139,6 +139,8 @@ def build_app(service: Service) -> Any:
             return {"request_id": service.submit(refuse)}
 
         def work() -> bytes:
+            if decoded.refusal is not None:
+                raise RequestError(decoded.refusal)
             logprobs, metrics = service.model(decoded.model_id).forward_backward(decoded)
             return encode_forward_backward_output(logprobs, metrics)
 

@@ -121,8 +121,15 @@ class TrainedModel:
         """Each datum's target logprobs and, unless `forward_only`, the loss's gradients
         added to those already accumulated. The loss is the sum over datums."""
         compute = loss_function(request.loss_fn, request.config)
+        vocab = self.model.get_output_embeddings().weight.shape[0]
         for i, datum in enumerate(request.data):
             check_datum(datum, LOSS_INPUTS[request.loss_fn], i)
+            ids = np.concatenate([datum.tokens, datum.inputs["target_tokens"]])
+            if ids.min() < 0 or ids.max() >= vocab:
+                raise RequestError(
+                    f"data[{i}]: token id {int(ids.max() if ids.max() >= vocab else ids.min())} "
+                    f"is outside this model's vocabulary [0, {vocab})"
+                )
             if request.loss_fn == "gspo" and not datum.inputs["sequence_ratio_mask"].any():
                 raise RequestError(f"data[{i}]: loss_fn='gspo': sequence_ratio_mask marks no token")
         device = next(self.model.parameters()).device

@@ -45,6 +45,8 @@ class ForwardBackward:
     forward_only: bool
     config: dict[str, float]
     data: list[Datum]
+    # what made the data unservable: refused in its turn, so the queue keeps its order
+    refusal: str | None = None
 
 
 def _numpy_dtype(pb: Any, dtype: int) -> np.dtype:
@@ -114,27 +116,33 @@ def decode_forward_backward(body: bytes, encoding: str | None) -> ForwardBackwar
     for key, value in msg.loss_fn_config_v2.items():
         if value.WhichOneof("value") == "number":
             config[key] = float(value.number)
-    data = []
-    for i, datum in enumerate(msg.data):
-        tokens: list[int] = []
-        for chunk in datum.model_input:
-            kind = chunk.WhichOneof("chunk")
-            if kind != "encoded_text":
-                raise RequestError(
-                    f"data[{i}]: model input chunk type {kind!r} is not served: this server "
-                    "runs text models only; send encoded_text chunks"
-                )
-            tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
-        inputs = {name: _tensor(pb, t, name) for name, t in datum.loss_fn_inputs.items()}
-        data.append(Datum(tokens=tokens, inputs=inputs))
-    return ForwardBackward(
+    out = ForwardBackward(
         model_id=msg.model_id,
         seq_id=msg.seq_id,
         loss_fn=msg.loss_fn,
         forward_only=msg.forward_only,
         config=config,
-        data=data,
+        data=[],
     )
+    try:
+        out.data = [_datum(pb, datum, i) for i, datum in enumerate(msg.data)]
+    except RequestError as err:
+        out.refusal = str(err)
+    return out
+
+
+def _datum(pb: Any, datum: Any, index: int) -> Datum:
+    tokens: list[int] = []
+    for chunk in datum.model_input:
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise RequestError(
+                f"data[{index}]: model input chunk type {kind!r} is not served: this server "
+                "runs text models only; send encoded_text chunks"
+            )
+        tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
+    inputs = {name: _tensor(pb, t, name) for name, t in datum.loss_fn_inputs.items()}
+    return Datum(tokens=tokens, inputs=inputs)
 
 
 def encode_forward_backward_output(logprobs: list[np.ndarray], metrics: dict[str, float]) -> bytes:
