@@ -202,8 +202,11 @@ def test_sampler_logprobs_are_the_trainers_and_a_fixed_snapshot(training, tokens
     # the trainer steps on; the sampler keeps the weights it was made from
     training.forward_backward([datum(tokens, weights=[1.0] * n)], "cross_entropy").result()
     training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-    again = sampler.sample(prompt, num_samples=2, sampling_params=params).result()
-    assert [s.tokens for s in again.sequences] == [s.tokens for s in result.sequences]
+    # and requests sent at once, sampled as one batch, draw the same samples
+    futures = [sampler.sample(prompt, num_samples=2, sampling_params=params) for _ in range(3)]
+    for again in [f.result() for f in futures]:
+        assert [s.tokens for s in again.sequences] == [s.tokens for s in result.sequences]
+        assert np.allclose(again.sequences[1].logprobs, trainer_rows[1], atol=1e-4)
     assert not np.allclose(logprobs_of(training, tokens)[1:], prompt_lp[2:], atol=1e-4)
 
 

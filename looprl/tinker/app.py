@@ -18,7 +18,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from looprl.errors import ModelError, RequestError
-from looprl.tinker.sampling import sample
 from looprl.tinker.service import Service
 from looprl.tinker.training import LoraShape
 from looprl.tinker.wire import (
@@ -236,17 +235,7 @@ def build_app(service: Service) -> Any:
         body = await request.json()
         n = int(body.get("num_samples", 1))
 
-        def work() -> bytes:
-            if body.get("sampling_session_id"):
-                sampler = service.sampler(body["sampling_session_id"])
-            else:
-                sampler_id = f"direct:{body.get('model_path') or body.get('base_model')}"
-                sampler = service.samplers.get(sampler_id) or service.new_sampler(
-                    sampler_id, body.get("base_model"), body.get("model_path")
-                )
-            return sample(sampler, body)
-
-        request_id = service.submit(work)
+        request_id = service.submit_sample(body)
         return {
             "request_id": request_id,
             "sample_sequence_ids": [f"{request_id}:{i}" for i in range(n)],

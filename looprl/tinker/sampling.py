@@ -92,8 +92,20 @@ def prompt_scores(
     return scores.numpy(), (top_ids, top_lps)
 
 
-def sample(sampler: Sampler, request: dict[str, Any]) -> bytes:
-    """An `asample` request's `SampleResponse`, serialized."""
+@dataclass
+class Asked:
+    """One `asample` request, read and checked."""
+
+    prompt: list[int]
+    n: int
+    stop_ids: tuple[int, ...]
+    settings: SamplingParams
+    k_sample: int
+    k_prompt: int
+    prompt_logprobs: bool
+
+
+def read_request(sampler: Sampler, request: dict[str, Any]) -> Asked:
     prompt = model_input_tokens(request.get("prompt", {}).get("chunks", []))
     if not prompt:
         raise RequestError("prompt: the model input holds no tokens")
@@ -105,50 +117,87 @@ def sample(sampler: Sampler, request: dict[str, Any]) -> bytes:
     if max(prompt) >= vocab or min(prompt) < 0:
         raise RequestError(f"prompt: token ids must lie in [0, {vocab}) for this model")
     stop_ids, stop_strings = stop_settings(params.get("stop"), sampler.tokenizer)
-    top_k = int(params.get("top_k", -1))
     settings = SamplingParams(
         temperature=float(params.get("temperature", 1.0)),
         top_p=float(params.get("top_p", 1.0)),
-        top_k=max(top_k, 0),
+        top_k=max(int(params.get("top_k", -1)), 0),
         max_new_tokens=int(params.get("max_tokens") or DEFAULT_MAX_TOKENS),
         seed=params.get("seed"),
         stop=stop_strings,
     )
-    k_sample = int(request.get("topk_sample_logprobs") or 0)
+    return Asked(
+        prompt=prompt,
+        n=n,
+        stop_ids=tuple(stop_ids),
+        settings=settings,
+        k_sample=int(request.get("topk_sample_logprobs") or 0),
+        k_prompt=int(request.get("topk_prompt_logprobs") or 0),
+        prompt_logprobs=bool(request.get("prompt_logprobs")),
+    )
+
+
+def sample_batch(sampler: Sampler, requests: list[dict[str, Any]]) -> list[bytes | Exception]:
+    """Several `asample` requests on one sampler, each one's `SampleResponse` serialized
+    (or the error that refuses it). The requests' samples run as one running batch of the
+    engine (one per distinct set of stop token ids); each sample draws from its own random
+    stream (its request's seed and its index), so batching changes no sample."""
+    asked: list[Asked | Exception] = []
+    for request in requests:
+        try:
+            asked.append(read_request(sampler, request))
+        except RequestError as err:
+            asked.append(err)
+    served = [a for a in asked if isinstance(a, Asked)]
+    completions: dict[int, list[Any]] = {}
     with sampler.weights() as model:
-        engine = HFEngine(
-            model,
-            sampler.tokenizer,
-            stop_token_ids=stop_ids,
-            batch_size=max(n, 1),
-            jump_forward=False,
-            cascade_attention=False,
-            weight_first_linear=False,
-            packed_linear=False,
-        )
-        requests = [
-            GenerationRequest(prompt_ids=list(prompt), top_logprobs=k_sample, stream=i)
-            for i in range(n)
-        ]
-        completions = engine.generate(requests, settings)
-        k_prompt = int(request.get("topk_prompt_logprobs") or 0)
-        want_prompt = bool(request.get("prompt_logprobs")) or k_prompt > 0
-        scores, top = prompt_scores(model, prompt, k_prompt) if want_prompt else (None, None)
-    sequences = []
-    for completion in completions:
-        top_ids = top_lps = None
-        if k_sample and completion.top_logprobs:
-            top_ids = np.array([[t for t, _ in row] for row in completion.top_logprobs])
-            top_lps = np.array([[lp for _, lp in row] for row in completion.top_logprobs])
-        sequences.append(
-            Sequence(
-                tokens=completion.ids,
-                logprobs=completion.logprobs,
-                stopped=completion.finish_reason == "stop",
-                top_ids=top_ids,
-                top_logprobs=top_lps,
+        for stop_ids in dict.fromkeys(a.stop_ids for a in served):
+            group = [a for a in served if a.stop_ids == stop_ids]
+            engine = HFEngine(
+                model,
+                sampler.tokenizer,
+                stop_token_ids=list(stop_ids),
+                batch_size=sum(a.n for a in group),
+                jump_forward=False,
+                cascade_attention=False,
+                weight_first_linear=False,
+                packed_linear=False,
             )
-        )
-    return encode_sample_response(
-        sequences, scores if request.get("prompt_logprobs") else None, top
+            rows = [
+                GenerationRequest(
+                    prompt_ids=list(a.prompt),
+                    top_logprobs=a.k_sample,
+                    stream=i,
+                    sampling=a.settings,
+                )
+                for a in group
+                for i in range(a.n)
+            ]
+            done = iter(engine.generate(rows, group[0].settings))
+            for a in group:
+                completions[id(a)] = [next(done) for _ in range(a.n)]
+        out: list[bytes | Exception] = []
+        for a in asked:
+            if isinstance(a, Exception):
+                out.append(a)
+                continue
+            want = a.prompt_logprobs or a.k_prompt > 0
+            scores, top = prompt_scores(model, a.prompt, a.k_prompt) if want else (None, None)
+            sequences = [as_sequence(c, a.k_sample) for c in completions[id(a)]]
+            out.append(
+                encode_sample_response(sequences, scores if a.prompt_logprobs else None, top)
+            )
+    return out
+
+
+def as_sequence(completion: Any, k_sample: int) -> Sequence:
+    top_ids = top_lps = None
+    if k_sample and completion.top_logprobs:
+        top_ids = np.array([[t for t, _ in row] for row in completion.top_logprobs])
+        top_lps = np.array([[lp for _, lp in row] for row in completion.top_logprobs])
+    return Sequence(
+        tokens=completion.ids,
+        logprobs=completion.logprobs,
+        stopped=completion.finish_reason == "stop",
+        top_ids=top_ids,
+        top_logprobs=top_lps,
     )

@@ -26,7 +26,7 @@ import torch
 
 from looprl.errors import LoopRLError, ModelError, RequestError
 from looprl.model.load import ALIASES, load_causal_lm, load_tokenizer
-from looprl.tinker.sampling import Sampler
+from looprl.tinker.sampling import Sampler, sample_batch
 from looprl.tinker.training import LoraShape, TrainedModel
 
 log = logging.getLogger("looprl.tinker")
@@ -72,6 +72,8 @@ class Service:
         self.tokenizers: dict[str, Any] = {}
         self.sessions: dict[str, dict[str, Any]] = {}
         self.runs: dict[str, float] = {}  # training run (model) id → last request time
+        # asample requests waiting, by sampler: the worker runs all of a sampler's at once
+        self.inbox: dict[str, list[tuple[dict[str, Any], concurrent.futures.Future]]] = {}
 
     # ---- futures and ordering -----------------------------------------------------------
 
@@ -100,6 +102,44 @@ class Service:
                 gate.waiting_since = time.monotonic()
                 threading.Timer(GAP_TIMEOUT_S, self._skip_gap, (model_id,)).start()
         return request_id
+
+    def submit_sample(self, body: dict[str, Any]) -> str:
+        """Queue an `asample` request. The worker takes every request waiting for the same
+        sampler when it gets to the first, and samples them as one batch: a recipe's
+        concurrent one-sample requests share the engine's forward passes."""
+        request_id = uuid.uuid4().hex
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.results[request_id] = future
+        key = body.get("sampling_session_id") or (
+            f"direct:{body.get('model_path') or body.get('base_model')}"
+        )
+        with self.lock:
+            self.inbox.setdefault(key, []).append((body, future))
+        self.worker.submit(self._sample_waiting, key)
+        return request_id
+
+    def _sample_waiting(self, key: str) -> None:
+        with self.lock:
+            waiting = self.inbox.pop(key, [])
+        if not waiting:  # an earlier turn took them
+            return
+        outcome = self.run(lambda: self._sample_all(key, [body for body, _ in waiting]))
+        for i, (_, future) in enumerate(waiting):
+            if outcome.error is not None:
+                future.set_result(outcome)
+                continue
+            answer = outcome.body[i]
+            future.set_result(self.run(lambda a=answer: _raise_or(a)))
+
+    def _sample_all(self, key: str, bodies: list[dict[str, Any]]) -> list[bytes | Exception]:
+        if key.startswith("direct:"):
+            first = bodies[0]
+            sampler = self.samplers.get(key) or self.new_sampler(
+                key, first.get("base_model"), first.get("model_path")
+            )
+        else:
+            sampler = self.sampler(key)
+        return sample_batch(sampler, bodies)
 
     def _release(self, gate: SeqGate) -> None:
         while gate.next_seq in gate.pending:
@@ -276,3 +316,9 @@ class Service:
             tokenizer=self.tokenizer(base_model),
         )
         return self.samplers[sampler_id]
+
+
+def _raise_or(answer: bytes | Exception) -> bytes:
+    if isinstance(answer, Exception):
+        raise answer
+    return answer
