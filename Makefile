@@ -81,7 +81,8 @@ $(TK_STAMP):
 	$(TK_VENV)/bin/pip install --upgrade pip
 	$(TK_VENV)/bin/pip install $(TORCH)
 	$(TK_VENV)/bin/pip install tinker==0.38.0 "transformers>=5.20" datasets chz blobfile \
-		pyrage termcolor aiohttp tiktoken tqdm safetensors pillow rich cloudpickle anyio $(TORCH)
+		pyrage termcolor aiohttp tiktoken tqdm safetensors pillow rich cloudpickle anyio \
+		sympy pylatexenc math-verify $(TORCH)
 	$(TK_VENV)/bin/pip install --no-deps tinker-cookbook==0.6.1
 	touch $(TK_STAMP)
 

@@ -273,3 +273,12 @@ def test_refusals_are_one_clear_error(service_client, training, tokens):
         service_client.create_lora_training_client(base_model="no-such-model", rank=4).result(
             timeout=60
         )
+
+
+def test_a_result_slower_than_a_poll_comes_on_a_later_poll(training, tokens, monkeypatch):
+    """A poll that waits longer than its limit answers try_again; the work goes on and the
+    SDK's next poll gets the result."""
+    import looprl.tinker.app
+
+    monkeypatch.setattr(looprl.tinker.app, "POLL_WAIT_S", 0.001)
+    assert len(logprobs_of(training, tokens)) == len(tokens) - 1

@@ -250,10 +250,11 @@ def build_app(service: Service) -> Any:
         future = service.results.get(request_id)
         if future is None:
             return JSONResponse({"error": f"unknown request_id {request_id!r}", "category": "user"})
-        try:
-            result = await asyncio.wait_for(asyncio.wrap_future(future), POLL_WAIT_S)
-        except TimeoutError:
+        # asyncio.wait, not wait_for: a poll that times out must not cancel the work
+        done, _ = await asyncio.wait([asyncio.wrap_future(future)], timeout=POLL_WAIT_S)
+        if not done:
             return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+        result = future.result()
         if result.error is not None:
             return {"error": result.error, "category": result.category}
         if isinstance(result.body, bytes):
