@@ -70,6 +70,10 @@ def datum(tokens: list[int], **inputs: list[float]) -> types.Datum:
     return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=fields)
 
 
+def base_client(service_client):
+    return service_client.create_lora_training_client(base_model=MODEL, rank=4).result()
+
+
 def logprobs_of(training, tokens: list[int]) -> np.ndarray:
     n = len(tokens) - 1
     out = training.forward([datum(tokens, weights=[0.0] * n)], "cross_entropy").result()
@@ -282,3 +286,29 @@ def test_a_result_slower_than_a_poll_comes_on_a_later_poll(training, tokens, mon
 
     monkeypatch.setattr(looprl.tinker.app, "POLL_WAIT_S", 0.001)
     assert len(logprobs_of(training, tokens)) == len(tokens) - 1
+
+
+def test_a_run_folder_trains_on_from_its_trained_model(service_client, tmp_path, tokens):
+    """base_model = a looprl run folder: its newest checkpoint's model, LoRA merged."""
+    from looprl.config import load_config
+    from looprl.loop.checkpoint import save_weights
+    from looprl.loop.policy import load_policy
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("model:\n  name: tiny-random\n")
+    policy = load_policy(load_config(run / "config.yaml", ["model.device=cpu"]))
+    with torch.no_grad():  # a trained adapter: B away from its zero start
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    save_weights(run / "checkpoints" / "step_000001", policy.model, {"step": 1})
+    with torch.no_grad():
+        logits = policy.model(input_ids=torch.tensor([tokens[:-1]])).logits[0]
+    trained = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    client = service_client.create_lora_training_client(base_model=str(run), rank=4).result()
+    served = logprobs_of(client, tokens)
+    assert np.allclose(served, trained.numpy(), atol=1e-4)
+    assert not np.allclose(served, logprobs_of(base_client(service_client), tokens), atol=1e-3)
+    text = "Tic-tac-toe: X takes the centre, O a corner."
+    assert client.get_tokenizer().encode(text) == tokens  # the exported folder's tokenizer

@@ -11,6 +11,7 @@ an error the SDK raises as `RequestFailedError`) waits in `results` for the clie
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import json
 import logging
 import threading
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from looprl.errors import LoopRLError, ModelError, RequestError
+from looprl.loop.checkpoint import export_model
 from looprl.model.load import ALIASES, load_causal_lm, load_tokenizer
 from looprl.tinker.sampling import Sampler, sample_batch
 from looprl.tinker.training import LoraShape, TrainedModel
@@ -184,24 +186,36 @@ class Service:
 
     # ---- models -------------------------------------------------------------------------
 
-    def check_name(self, name: str) -> None:
-        if name in ALIASES or Path(name).expanduser().is_dir():
-            return
+    def source(self, name: str) -> str:
+        """What loads for `base_model` `name`: an alias or a model folder as is; a looprl
+        run folder (its config.yaml and checkpoints/) as its newest checkpoint's model,
+        LoRA merged, exported once into the store (`looprl export`'s folder)."""
+        folder = Path(name).expanduser()
+        if name in ALIASES or (folder.is_dir() and not (folder / "config.yaml").exists()):
+            return name
+        if folder.is_dir() and (folder / "checkpoints").is_dir():
+            key = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
+            out = self.store / "exported" / f"{folder.name}-{key}"
+            if not (out / "config.json").exists():
+                export_model(folder, out)
+            return str(out)
+        if folder.is_dir():
+            raise RequestError(f"run folder {name!r} has no checkpoint to train from yet")
         raise RequestError(
             f"unknown model {name!r}: this server loads looprl's aliases "
-            f"({', '.join(ALIASES)}) and local model folders; pass one as base_model"
+            f"({', '.join(ALIASES)}), local model folders and looprl run folders; pass one "
+            "as base_model"
         )
 
     def tokenizer(self, name: str) -> Any:
         if name not in self.tokenizers:
-            self.check_name(name)
-            self.tokenizers[name] = load_tokenizer(name)
+            self.tokenizers[name] = load_tokenizer(self.source(name))
         return self.tokenizers[name]
 
     def tokenizer_id(self, name: str) -> str:
         """A local folder `AutoTokenizer.from_pretrained` loads: the model's folder if it
         holds a tokenizer, else a copy saved in the store."""
-        folder = Path(name).expanduser()
+        folder = Path(self.source(name)).expanduser()
         if folder.is_dir() and any(folder.glob("tokenizer*")):
             return str(folder.resolve())
         out = self.store / "tokenizers" / name.replace("/", "_")
@@ -211,8 +225,7 @@ class Service:
 
     def load_base(self, name: str) -> Any:
         """A fresh copy of `name`'s weights (each training client adapts its own)."""
-        self.check_name(name)
-        model = load_causal_lm(name, self.dtype)
+        model = load_causal_lm(self.source(name), self.dtype)
         model.requires_grad_(False)
         return model
 
