@@ -312,3 +312,25 @@ def test_a_run_folder_trains_on_from_its_trained_model(service_client, tmp_path,
     assert not np.allclose(served, logprobs_of(base_client(service_client), tokens), atol=1e-3)
     text = "Tic-tac-toe: X takes the centre, O a corner."
     assert client.get_tokenizer().encode(text) == tokens  # the exported folder's tokenizer
+
+
+def test_a_models_requests_run_in_seq_id_order(tmp_path, monkeypatch):
+    """Requests of one model run in seq_id order whatever order they arrive in; one that
+    never comes holds the queue only GAP_TIMEOUT_S."""
+    import looprl.tinker.service
+
+    monkeypatch.setattr(looprl.tinker.service, "GAP_TIMEOUT_S", 0.3)
+    service = Service(tmp_path, torch.float32, [MODEL])
+    ran: list[int] = []
+
+    def job(seq: int):
+        return lambda: ran.append(seq) or {}
+
+    ids = [service.submit(job(seq), "m", seq) for seq in (3, 1, 2, 5)]
+    for request_id in ids[:3]:
+        assert service.results[request_id].result(timeout=5).error is None
+    assert ran == [1, 2, 3]
+    time.sleep(0.05)
+    assert ran == [1, 2, 3]  # 5 waits for 4
+    assert service.results[ids[3]].result(timeout=5).error is None
+    assert ran == [1, 2, 3, 5]

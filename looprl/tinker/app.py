@@ -93,7 +93,8 @@ def build_app(service: Service) -> Any:
     async def create_model(request: Request) -> dict:
         body = await request.json()
         model_id = f"{body['session_id']}:train:{body['model_seq_id']}"
-        lora = LoraShape(**(body.get("lora_config") or {"rank": 32}))
+        asked = body.get("lora_config") or {"rank": 32}
+        lora = LoraShape(**{k: v for k, v in asked.items() if k in LoraShape.__dataclass_fields__})
         optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
         base_model = body["base_model"]
 
