@@ -80,6 +80,7 @@ def build_app(service: Service) -> Any:
     @app.post(f"{api}/sessions/{{session_id}}/finish")
     async def finish(session_id: str) -> dict:
         service.sessions.pop(session_id, None)
+        await on_worker(lambda: service.forget(session_id))
         return {}
 
     @app.get(f"{api}/get_server_capabilities")

@@ -11,6 +11,7 @@ an error the SDK raises as `RequestFailedError`) waits in `results` for the clie
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import hashlib
 import json
 import logging
@@ -28,6 +29,7 @@ import torch
 from looprl.errors import LoopRLError, ModelError, RequestError
 from looprl.loop.checkpoint import export_model
 from looprl.model.load import ALIASES, load_causal_lm, load_tokenizer
+from looprl.model.memory import release_free_memory
 from looprl.tinker.sampling import Sampler, sample_batch
 from looprl.tinker.training import LoraShape, TrainedModel
 
@@ -250,6 +252,19 @@ class Service:
             )
         self.runs[model_id] = time.time()
         return self.models[model_id]
+
+    def forget(self, session_id: str) -> None:
+        """A finished session's training clients and samplers leave memory (their saved
+        states stay in the store)."""
+        prefix = f"{session_id}:"
+        for table in (self.models, self.samplers):
+            for key in [k for k in table if k.startswith(prefix)]:
+                del table[key]
+        self.snapshots = {
+            path: kept for path, kept in self.snapshots.items() if not kept[0].startswith(prefix)
+        }
+        gc.collect()
+        release_free_memory()
 
     # ---- checkpoints --------------------------------------------------------------------
 

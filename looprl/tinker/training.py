@@ -21,9 +21,10 @@ from looprl.loop.optim import make_optimizer
 from looprl.loop.policy import add_lora
 from looprl.tinker.wire import Datum, ForwardBackward
 
-# the tokens one forward pass holds (rows × longest row): the logits of a micro-batch are
-# rows × length × vocabulary floats
-TOKEN_BUDGET = 4096
+# the tokens one forward pass holds (rows × longest row), each micro-batch's gradients taken
+# before the next one runs: its logits (rows × length × vocabulary floats, 200 MB for
+# SmolLM2 in float32) and activations are what the server's memory peaks with
+TOKEN_BUDGET = 1024
 # the ratio thresholds when a request sets none: PPO's documented ε = 0.2
 CLIP_LOW, CLIP_HIGH = 0.8, 1.2
 POLICY_INPUTS = ("target_tokens", "logprobs", "advantages")
