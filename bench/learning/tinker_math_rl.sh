@@ -9,20 +9,22 @@ STEPS=${1:-25}
 OUT=$(realpath -m "${2:-runs/tinker_math_rl}")
 PORT=${PORT:-8123}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-MODEL=$("$ROOT/.venv/bin/python" -c "from looprl.model.load import resolve; print(resolve('smollm2-135m')[0])")
+VENV=${VENV:-$ROOT/.venv}            # looprl's environment (make setup)
+TK_VENV=${TK_VENV:-$ROOT/.venv-tinker}  # the cookbook's (make setup-tinker)
+MODEL=$("$VENV/bin/python" -c "from looprl.model.load import resolve; print(resolve('smollm2-135m')[0])")
 mkdir -p "$OUT"
-"$ROOT/.venv/bin/looprl" serve-tinker "$MODEL" --port "$PORT" --store "$OUT/store" \
+"$VENV/bin/python" -m looprl serve-tinker "$MODEL" --port "$PORT" --store "$OUT/store" \
   > "$OUT/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER' EXIT
 until curl -s -o /dev/null "http://127.0.0.1:$PORT/api/v1/healthz"; do sleep 1; done
 export TINKER_BASE_URL=http://127.0.0.1:$PORT TINKER_API_KEY=tml-local TINKER_TELEMETRY=0
-"$ROOT/.venv-tinker/bin/python" -m tinker_cookbook.recipes.math_rl.train \
+"$TK_VENV/bin/python" -m tinker_cookbook.recipes.math_rl.train \
   env=arithmetic model_name="$MODEL" renderer_name=qwen3_instruct \
   loss_fn=importance_sampling group_size=4 groups_per_batch=8 learning_rate=3e-4 \
   lora_rank=16 max_steps="$STEPS" eval_every=0 save_every=0 \
   log_path="$OUT/recipe" behavior_if_log_dir_exists=delete > "$OUT/recipe.log" 2>&1
-"$ROOT/.venv/bin/python" - "$OUT/recipe/metrics.jsonl" <<'PY'
+"$VENV/bin/python" - "$OUT/recipe/metrics.jsonl" <<'PY'
 import json, sys
 rows = [r for r in map(json.loads, open(sys.argv[1])) if "env/all/reward/total" in r]
 print("step  reward  correct  format  step_s")
