@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
 
-.PHONY: setup setup-gemma setup-vllm setup-verifiers demo test test-fast durations lint format clean bench
+.PHONY: setup setup-gemma setup-vllm setup-verifiers setup-tinker demo test test-fast durations lint format clean bench
 
 setup: $(STAMP)
 
@@ -67,6 +67,24 @@ $(VF_STAMP):
 	$(VF_VENV)/bin/pip install --upgrade pip
 	$(VF_VENV)/bin/pip install verifiers==0.4.0
 	touch $(VF_STAMP)
+
+# tinker-cookbook's recipes, in their own environment: the cookbook 0.6.1 pins
+# tml-renderers>=0.4.1, which no index here holds and no recipe of docs/tinker.md imports,
+# so it goes in without its pins, beside the packages it does import.
+TK_VENV   := .venv-tinker
+TK_STAMP  := $(TK_VENV)/.installed
+
+setup-tinker: $(TK_STAMP)
+
+$(TK_STAMP):
+	test -x $(TK_VENV)/bin/python || $(PY) -m venv $(TK_VENV)
+	$(TK_VENV)/bin/pip install --upgrade pip
+	$(TK_VENV)/bin/pip install $(TORCH)
+	$(TK_VENV)/bin/pip install tinker==0.38.0 "transformers>=5.20" datasets chz blobfile \
+		pyrage termcolor aiohttp tiktoken tqdm safetensors pillow rich cloudpickle anyio \
+		sympy pylatexenc math-verify $(TORCH)
+	$(TK_VENV)/bin/pip install --no-deps tinker-cookbook==0.6.1
+	touch $(TK_STAMP)
 
 demo: setup
 	$(BIN)/looprl run examples/demo.yaml --out runs/demo --force

@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("report", "openai"),
     ("agents",),
     ("loop",),
-    ("apps", "plan"),
+    ("apps", "plan", "tinker"),
     ("cli",),
     ("__main__",),
 ]

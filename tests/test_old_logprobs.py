@@ -16,9 +16,9 @@ from looprl.engine.hf import HFEngine
 from looprl.envs.builtin.tictactoe import TicTacToeMove, positions, winning_moves
 from looprl.forward.score import decoder_and_head
 from looprl.loop.groups import Group
+from looprl.loop.offpolicy import has_dropout, samples_policy_exactly
 from looprl.loop.policy import Policy, load_policy
 from looprl.loop.rollout import run_episodes
-from looprl.loop.offpolicy import has_dropout, samples_policy_exactly
 from looprl.loop.update import UpdateState, update_policy
 from looprl.types import Task
 

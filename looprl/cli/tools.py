@@ -1,5 +1,6 @@
-"""`looprl serve`, `play` and `plan`: a model (or a run's) served over an OpenAI-compatible
-API or played against, and a run's memory predicted before it starts."""
+"""`looprl serve`, `serve-tinker`, `play` and `plan`: a model (or a run's) served over an
+OpenAI-compatible API or Tinker's training API, or played against, and a run's memory
+predicted before it starts."""
 
 from __future__ import annotations
 
@@ -67,6 +68,33 @@ def serve(
         default_variant=variant,
         max_tokens_limit=max_tokens_limit,
     )
+
+
+@app.command("serve-tinker")
+@guarded
+def serve_tinker(
+    models: Annotated[
+        list[str] | None,
+        typer.Argument(help="Models listed as served (aliases or folders); any is loadable."),
+    ] = None,
+    host: Annotated[
+        str, typer.Option(help="Address to bind; 0.0.0.0 opens it to your network.")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port.")] = 8000,
+    store: Annotated[
+        Path, typer.Option(help="Folder of the saved states, sampler weights and tokenizers.")
+    ] = Path("tinker-store"),
+    dtype: Annotated[str, typer.Option(help="Weight dtype: float32 or bfloat16.")] = "float32",
+) -> None:
+    """Serve Tinker's training API: the tinker SDK and cookbook recipes train through looprl."""
+    from looprl.tinker.app import run_tinker_server
+
+    if dtype not in ("float32", "bfloat16"):
+        fail(f"--dtype {dtype}: use float32 or bfloat16")
+    served = models or ["smollm2-135m"]
+    console.print(f"Tinker API on http://{host}:{port} serving {', '.join(served)}")
+    console.print(f"TINKER_BASE_URL=http://{host}:{port} TINKER_API_KEY=tml-local", highlight=False)
+    run_tinker_server(store, served, host=host, port=port, dtype=dtype)
 
 
 @app.command()
