@@ -172,7 +172,7 @@ BAD_SETS = [
     (["=4"], ["section.field=value"]),
     (["seed=3", "seed.x=1"], ["'seed' is not a section"]),
     (["model.lora.rank=0"], ["model.lora.rank = 0", "LoRA rank"]),
-    (["algo.eps_low=1.5"], ["algo.eps_low = 1.5", "less than 1"]),
+    (["algo.eps_low=1.5"], ["algo.eps_low = 1.5", "less than or equal to 1"]),
     (["train.stepz=3"], ["train.stepz", "did you mean 'steps'"]),
     (["logging.tensorboard=maybe"], ["logging.tensorboard = 'maybe'", "bool"]),
 ]

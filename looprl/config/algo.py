@@ -62,9 +62,8 @@ class AlgoExperimental(Section):
 class AlgoConfig(Section):
     name: Literal["gspo", "gspo_token", "gspo_turn", "grpo", "dr_grpo", "cispo", "opd"] = Field(
         "gspo",
-        description="Policy loss: gspo, gspo_token, gspo_turn (one ratio per assistant "
-        "turn), grpo (clip-higher), dr_grpo, cispo (clipped detached weight x logp), opd "
-        "(on-policy distillation from algo.teacher).",
+        description="Policy loss: gspo, gspo_token, gspo_turn (a ratio per turn), grpo, "
+        "dr_grpo, cispo (clipped weight x logp), opd (distillation from algo.teacher).",
     )
     eps_low: float | None = Field(
         None, ge=0, le=1, description="Lower clip range; unset = the algorithm's default."
