@@ -344,3 +344,15 @@ def test_envs_show_and_check_take_a_run_config(runner):
     assert "looprl envs check dataset" in checked.stdout and "FAIL" not in checked.stdout
     bare = runner.invoke(app, ["envs", "show"])
     assert bare.exit_code == 2 and "give a run config with --config" in bare.stderr
+
+
+def test_the_shipments_example_runs_from_any_folder(runner, tmp_path, monkeypatch):
+    # its data paths are relative to its own folder; the SKU is matched exactly
+    monkeypatch.chdir(tmp_path)
+    config = str(BOOKINGS.parent / "shipments" / "run.yaml")
+    shown = runner.invoke(app, ["envs", "show", "--config", config])
+    assert shown.exit_code == 0, shown.output
+    assert "create_shipment" in shown.stdout and "sku: exact" in shown.stdout
+    checked = runner.invoke(app, ["envs", "check", "--config", config, "--tasks", "16"])
+    assert checked.exit_code == 0, checked.output
+    assert "FAIL" not in checked.stdout
