@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+from serving_helpers import wait_until
 
 from looprl.apps.inference import ChatModel
 from looprl.apps.loading import load_chat_model
@@ -41,15 +42,6 @@ def app(model):
 def url(app) -> Iterator[str]:
     with serving(app) as base:
         yield base
-
-
-def wait_until(condition, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def long_request(client, out: dict, max_tokens: int = 300, model: str = "tiny-random") -> None:

@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 
 import openai
 import pytest
+from serving_helpers import wait_until
 
 from looprl.apps.loading import load_chat_model
 from looprl.apps.serve import create_app, serving
@@ -43,15 +44,6 @@ def app():
 def url(app) -> Iterator[str]:
     with serving(app) as base:
         yield base
-
-
-def wait_until(condition, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def body_for(endpoint: str) -> dict:

@@ -4,7 +4,7 @@
   (then no old-logprob pass is needed, loop/update.py);
 - `gap_stats`: the engine-vs-trainer token-parity check (`rollout/logprob_gap`,
   `rollout/mismatch_kl`);
-- `set_corrections`, `correction_counts`, `corrected`: `algo.is_correction`, the
+- `set_corrections`, `corrected`: `algo.is_correction`, the
   importance-sampling correction of each episode's tokens (algo/corrections.py) as the
   update applies it: weights on the gradient, and masked tokens out of both the loss and
   its normaliser.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from looprl.algo import Correction, correct, correction_stats, k3_kl, masked_counts, weight_gradient
+from looprl.algo import Correction, correct, correction_stats, k3_kl, weight_gradient
 from looprl.config import AlgoConfig
 from looprl.engine.hf import HFEngine
 from looprl.loop.batches import Scored
@@ -49,11 +49,6 @@ def set_corrections(batch: list[Scored], algo: AlgoConfig, dist: Dist) -> dict[s
         "is_truncated_frac": truncated / count if count else 0.0,
         "is_weight_mean": weight / kept if kept else 1.0,
     }
-
-
-def correction_counts(minibatch: list[Scored]) -> tuple[int, int]:
-    """(sequences, tokens) the corrections' masks take out of this rank's minibatch."""
-    return masked_counts([s.correction for s in minibatch])
 
 
 def corrected(

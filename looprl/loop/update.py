@@ -29,6 +29,7 @@ from looprl.algo import (
     LOSSES,
     Advantage,
     Normalizer,
+    masked_counts,
     moves,
     opd_loss,
     scoring_temperature,
@@ -41,7 +42,6 @@ from looprl.loop.batches import Scored, UpdateState, minibatches, retry_on_oom, 
 from looprl.loop.dist import Dist
 from looprl.loop.offpolicy import (
     corrected,
-    correction_counts,
     gap_stats,
     samples_policy_exactly,
     set_corrections,
@@ -228,7 +228,7 @@ def old_logprobs(
 def minibatch_normalizer(minibatch: list[Scored], max_tokens: int, dist: Dist) -> Normalizer:
     """The whole minibatch's counts, over all ranks: each loss divides by its own
     (algo/losses.py)."""
-    masked_sequences, masked_tokens = correction_counts(minibatch)  # out of the loss
+    masked_sequences, masked_tokens = masked_counts([s.correction for s in minibatch])
     sequences, tokens = dist.all_reduce(
         [
             len(minibatch) - masked_sequences,
