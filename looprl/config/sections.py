@@ -218,6 +218,16 @@ class TrainConfig(Section):
     health_patience: int = Field(
         3, ge=1, description="Steps in a row that equal groups or a flat loss take to fail."
     )
+    shard: Literal["none", "fsdp"] = Field(
+        "none",
+        description="Under torchrun: none = every rank holds the whole model; fsdp = weights, "
+        "gradients and optimizer state split over the ranks (FSDP2).",
+    )
+    offload: bool = Field(
+        False,
+        description="With train.shard=fsdp on CUDA: keep the sharded weights, gradients and "
+        "optimizer state in CPU memory between uses.",
+    )
     replay: str | None = Field(
         None,
         description="A run folder whose saved rollouts (logging.save_rollouts) the steps "
