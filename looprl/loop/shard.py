@@ -88,8 +88,10 @@ def shard_policy(model: Any, train: TrainConfig, device: torch.device, dist: Dis
             f"on {device.type} already: set train.offload=false"
         )
     if dist.world == 1:
-        print("note: train.shard=fsdp on one process: nothing to split, the model stays whole",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "note: train.shard=fsdp on one process: nothing to split, the model stays whole",
+            file=sys.stderr,
+        )
         return False
     options: dict[str, Any] = {}
     if device.type == "cuda":
@@ -107,6 +109,7 @@ def shard_policy(model: Any, train: TrainConfig, device: torch.device, dist: Dis
     # the root's first forward makes it the root: before any submodule runs on its own
     with torch.no_grad():
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))
+    model.reshard()  # the root stays whole after a forward: the optimizer must see its shards
     return True
 
 
