@@ -172,7 +172,7 @@ class Scorer:
         """Each episode's logprobs at its generated tokens, in order (no grad)."""
         values: list[torch.Tensor] = []
         with torch.no_grad():
-            keys = scoring_keys([s.episode for s in samples])
+            keys = scoring_keys([s.episode for s in samples], is_sharded(self.policy.model))
             for indices in micro_batches(*keys, budget):
                 chunk = [samples[i] for i in indices]
                 logp_BK, mask_BK = self.logprobs(chunk, model)
@@ -255,7 +255,7 @@ def minibatch_gradient(
     acc = {"loss": 0.0, "units": 0.0, "clipped": 0.0, "kl": 0.0, "distill_kl": 0.0,
            "ratio_max": 1.0, "tokens": 0, "checks": []}  # fmt: skip
     model = scorer.policy.model
-    keys = scoring_keys([s.episode for s in active])
+    keys = scoring_keys([s.episode for s in active], is_sharded(model))
     chunks = [[active[i] for i in indices] for indices in micro_batches(*keys, budget)]
     for chunk in synced_passes(model, chunks, scorer.dist):  # sharded: padded (shard.py)
         if chunk is None:
