@@ -5,8 +5,10 @@ micro-batches. Rank 0 writes the first gradient, the losses and norms and the we
 after the updates; every rank writes the bytes its parameters, gradients and optimizer
 state hold (the tensors' local shards, as allocated).
 
-    python tests/shard_worker.py OUT lora|full          # one process
-    torchrun --nproc_per_node 2 tests/shard_worker.py OUT lora|full
+    python tests/shard_worker.py OUT MODE          # one process
+    torchrun --nproc_per_node 2 tests/shard_worker.py OUT MODE
+
+MODE: lora or full, with -checkpointed for model.gradient_checkpointing.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from looprl.loop.optim import make_optimizer
 from looprl.loop.policy import load_policy
 from looprl.loop.shard import start_replicas
 from looprl.loop.update import update_policy
+from looprl.model.memory import CHECKPOINTED
 from looprl.types import Episode, Task
 
 TASKS, GROUP = 4, 2
@@ -75,7 +78,11 @@ def main(out: Path, mode: str) -> None:
     dist = ranks.start()
     cfg = config_from_dict(
         {
-            "model": {"name": "tiny-random", "lora": {"enabled": mode == "lora", "rank": 4}},
+            "model": {
+                "name": "tiny-random",
+                "lora": {"enabled": mode.startswith("lora"), "rank": 4},
+                "gradient_checkpointing": mode.endswith("-checkpointed"),
+            },
             "algo": {"num_minibatches": 2},
             "train": {"micro_batch_tokens": 64, "shard": "fsdp", "lr": 1e-3},
         }
@@ -119,6 +126,7 @@ def main(out: Path, mode: str) -> None:
         "grads": seen["grad_bytes"],
         "optimizer": local_bytes(states),
         "idle_passes": idle[0],
+        "checkpointed": sum(hasattr(m, CHECKPOINTED) for m in policy.model.modules()),
     }
     weights = trainable_state(policy.model)
     (out / f"memory_{dist.rank}.json").write_text(json.dumps(memory))

@@ -14,6 +14,7 @@ import re
 import shutil
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -62,8 +63,10 @@ def run_worker(out: Path, mode: str, processes: int) -> tuple[dict, list[dict]]:
     return torch.load(out / "result.pt"), memory
 
 
-@pytest.mark.parametrize("mode", ["lora", "full"])
+@pytest.mark.parametrize("mode", ["lora-checkpointed", "full"])
 def test_two_sharded_processes_update_like_one(tmp_path, mode):
+    """LoRA with gradient checkpointing (each layer recomputed under FSDP2's hooks), and
+    a full fine-tune (the root's embeddings and norm trained too)."""
     whole, (one,) = run_worker(tmp_path / "one", mode, 1)
     sharded, ranks = run_worker(tmp_path / "two", mode, 2)
     for a, b in zip(whole["stats"], sharded["stats"]):
@@ -82,6 +85,8 @@ def test_two_sharded_processes_update_like_one(tmp_path, mode):
         assert all(r[part] <= 0.51 * one[part] for r in ranks), part
     # the ranks' episodes differ in length: different micro-batch counts, padded
     assert one["idle_passes"] == 0 and ranks[1]["idle_passes"] > ranks[0]["idle_passes"]
+    checkpointed = mode.endswith("-checkpointed")
+    assert all(bool(r["checkpointed"]) == checkpointed for r in [one, *ranks])
 
 
 def test_sharded_checkpoints_resume_at_another_world_size(tmp_path):
@@ -130,7 +135,7 @@ def test_a_failing_sharded_rank_stops_the_job(tmp_path):
         (["train.optimizer=adamw_8bit"], "train.optimizer=adamw_8bit"),
         (["rollout.engine=vllm"], "rollout.engine=vllm"),
         (["sft.enabled=true"], "sft.enabled"),
-        (["model.gradient_checkpointing=true"], "model.gradient_checkpointing"),
+        (["algo.kl_coef=0.1", "algo.kl_reference=start"], "algo.kl_reference=start"),
     ],
 )
 def test_what_sharding_does_not_support_is_refused_at_load(sets, names):
@@ -169,3 +174,31 @@ def test_one_process_keeps_the_model_whole_and_layers_are_found():
     assert decoder_layers(model) is model.model.layers
     assert not shard_policy(model, cfg.train, torch.device("cpu"), Dist())
     assert not any(hasattr(p, "to_local") for p in model.parameters())
+
+
+def test_the_plan_of_one_sharded_rank():
+    """One rank of 2: the weights, adapters and optimizer state halve; a rollout phase
+    holds the whole weights once more; the update holds the root and two layers whole
+    and the whole-sequence logits; a run that does not fit is told to shard."""
+    from test_plan import hand_shape, hand_work
+
+    from looprl.plan.devices import device
+    from looprl.plan.fit import full_plan
+    from looprl.plan.sharding import plan_for
+
+    cfg = load_config(None, ["model.lora.enabled=false", "train.shard=fsdp"])
+    shape, work, cpu = hand_shape(), hand_work(), device("cpu-24g")
+    one, rank = plan_for(cfg, shape, work, cpu, 1), plan_for(cfg, shape, work, cpu, 2)
+    for key in ("weights", "optimizer state"):
+        assert rank.persistent.components[key] == one.persistent.components[key] / 2
+    rollout = {p.name: p for p in rank.phases}["rollout"]
+    assert rollout.components["whole weights"] == shape.params * 4
+    update = {p.name: p for p in rank.phases}["update"]
+    assert update.components["root weights whole"] == shape.embedding_params * 4
+    assert update.components["layers in flight"] == 2 * (shape.params - 100_000) / 2 * 4
+    assert update.components["gradients"] == shape.params * 4  # whole until reduced
+    big = replace(shape, params=2_000_000_000, embedding_params=100_000_000)
+    whole = full_plan(load_config(None, ["model.lora.enabled=false"]), big, work, cpu)
+    assert not whole["fits"]
+    sharding = [item for item in whole["advice"] if item["set"].startswith("train.shard=fsdp")]
+    assert sharding and sharding[0]["peak_bytes"] < whole["peak_bytes"]

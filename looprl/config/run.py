@@ -140,11 +140,6 @@ def check_sharding(cfg: Config) -> None:
             cfg.algo.kl_coef > 0 and cfg.algo.kl_reference == "start",
             "the start's weights are swapped in whole; use algo.kl_reference=base",
         ),
-        "model.gradient_checkpointing": (
-            cfg.model.gradient_checkpointing,
-            "its recomputation is not checked against FSDP2's hooks yet; set "
-            "model.gradient_checkpointing=false",
-        ),
     }
     for field, (hit, why) in refused.items():
         if hit:
