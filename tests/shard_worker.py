@@ -8,7 +8,8 @@ state hold (the tensors' local shards, as allocated).
     python tests/shard_worker.py OUT MODE          # one process
     torchrun --nproc_per_node 2 tests/shard_worker.py OUT MODE
 
-MODE: lora or full, with -checkpointed for model.gradient_checkpointing.
+MODE: lora or full, with -checkpointed for model.gradient_checkpointing and -every for
+train.shard_grad_sync=every.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from looprl.config import config_from_dict
 from looprl.loop import dist as ranks
-from looprl.loop import update
+from looprl.loop import shard
 from looprl.loop.batches import UpdateState
 from looprl.loop.checkpoint import trainable_state, whole
 from looprl.loop.groups import Group
@@ -64,13 +65,13 @@ def local_bytes(tensors: list[torch.Tensor]) -> int:
 def count_idle_passes() -> list[int]:
     """The update's passes of weight zero on this rank, counted as they run."""
     count = [0]
-    real = update.idle_pass
+    real = shard.idle_pass
 
     def counted(*args: object) -> None:
         count[0] += 1
         real(*args)
 
-    update.idle_pass = counted
+    shard.idle_pass = counted
     return count
 
 
@@ -84,7 +85,12 @@ def main(out: Path, mode: str) -> None:
                 "gradient_checkpointing": mode.endswith("-checkpointed"),
             },
             "algo": {"num_minibatches": 2},
-            "train": {"micro_batch_tokens": 64, "shard": "fsdp", "lr": 1e-3},
+            "train": {
+                "micro_batch_tokens": 64,
+                "shard": "fsdp",
+                "shard_grad_sync": "every" if "-every" in mode else "last",
+                "lr": 1e-3,
+            },
         }
     )
     torch.manual_seed(0)

@@ -63,10 +63,11 @@ def run_worker(out: Path, mode: str, processes: int) -> tuple[dict, list[dict]]:
     return torch.load(out / "result.pt"), memory
 
 
-@pytest.mark.parametrize("mode", ["lora-checkpointed", "full"])
+@pytest.mark.parametrize("mode", ["lora-checkpointed", "full-every"])
 def test_two_sharded_processes_update_like_one(tmp_path, mode):
-    """LoRA with gradient checkpointing (each layer recomputed under FSDP2's hooks), and
-    a full fine-tune (the root's embeddings and norm trained too)."""
+    """LoRA with gradient checkpointing (each layer recomputed under FSDP2's hooks), the
+    gradients reduced after the last micro-batch; and a full fine-tune (the root's
+    embeddings and norm trained too), reduced after every micro-batch."""
     whole, (one,) = run_worker(tmp_path / "one", mode, 1)
     sharded, ranks = run_worker(tmp_path / "two", mode, 2)
     for a, b in zip(whole["stats"], sharded["stats"]):
@@ -178,8 +179,9 @@ def test_one_process_keeps_the_model_whole_and_layers_are_found():
 
 def test_the_plan_of_one_sharded_rank():
     """One rank of 2: the weights, adapters and optimizer state halve; a rollout phase
-    holds the whole weights once more; the update holds the root and two layers whole
-    and the whole-sequence logits; a run that does not fit is told to shard."""
+    holds the whole weights once more; the update holds the root and two layers whole,
+    the whole-sequence logits, and the gradients whole when they accumulate over several
+    micro-batches; a run that does not fit is told to shard."""
     from test_plan import hand_shape, hand_work
 
     from looprl.plan.devices import device
@@ -196,7 +198,17 @@ def test_the_plan_of_one_sharded_rank():
     update = {p.name: p for p in rank.phases}["update"]
     assert update.components["root weights whole"] == shape.embedding_params * 4
     assert update.components["layers in flight"] == 2 * (shape.params - 100_000) / 2 * 4
-    assert update.components["gradients"] == shape.params * 4  # whole until reduced
+    assert update.components["gradients"] == shape.params * 4 / 2  # one micro-batch
+    several = load_config(
+        None, ["model.lora.enabled=false", "train.shard=fsdp", "train.micro_batch_tokens=64"]
+    )
+    update = {p.name: p for p in plan_for(several, shape, work, cpu, 2).phases}["update"]
+    assert update.components["gradients"] == shape.params * 4  # whole until the last
+    every = several.model_copy(
+        update={"train": several.train.model_copy(update={"shard_grad_sync": "every"})}
+    )
+    update = {p.name: p for p in plan_for(every, shape, work, cpu, 2).phases}["update"]
+    assert update.components["gradients"] == shape.params * 4 / 2
     big = replace(shape, params=2_000_000_000, embedding_params=100_000_000)
     whole = full_plan(load_config(None, ["model.lora.enabled=false"]), big, work, cpu)
     assert not whole["fits"]

@@ -223,6 +223,11 @@ class TrainConfig(Section):
         description="Under torchrun: none = every rank holds the whole model; fsdp = weights, "
         "gradients and optimizer state split over the ranks (FSDP2).",
     )
+    shard_grad_sync: Literal["last", "every"] = Field(
+        "last",
+        description="With train.shard=fsdp: reduce gradients after a rank's last micro-batch "
+        "(less traffic, whole gradients meanwhile) or after each (they stay 1/N).",
+    )
     offload: bool = Field(
         False,
         description="With train.shard=fsdp on CUDA: keep the sharded weights, gradients and "

@@ -142,18 +142,24 @@ def full_weights(model: Any) -> Iterator[None]:
             module.reshard()
 
 
-def synced_passes(model: Any, items: Sequence[T], dist: Dist) -> Iterator[T | None]:
-    """`items` (this rank's micro-batches), then None (a pass of weight zero:
-    `idle_pass`) until every rank has made as many passes as the rank with the most;
-    gradients are reduced over the ranks on the last pass only. Unsharded: `items`."""
+def synced_passes(
+    model: Any, items: Sequence[T], dist: Dist, device: torch.device, every: bool = False
+) -> Iterator[T]:
+    """`items` (this rank's micro-batches, for the caller's forward and backward), then
+    passes of weight zero (`idle_pass`, run here) until every rank has made as many
+    passes as the rank with the most; gradients are reduced over the ranks on the last
+    pass only, or with `every` (train.shard_grad_sync=every) on each. Unsharded: `items`."""
     if not is_sharded(model):
         yield from items
         return
     count = int(dist.all_reduce([len(items)], op="max")[0])
     try:
         for index in range(count):
-            model.set_requires_gradient_sync(index == count - 1)
-            yield items[index] if index < len(items) else None
+            model.set_requires_gradient_sync(every or index == count - 1)
+            if index < len(items):
+                yield items[index]
+            else:
+                idle_pass(model, device)
     finally:
         model.set_requires_gradient_sync(True)
 

@@ -48,7 +48,7 @@ from looprl.loop.offpolicy import (
 )
 from looprl.loop.policy import Policy
 from looprl.loop.reference import reference_weights
-from looprl.loop.shard import full_weights, gradient_norm, idle_pass, is_sharded, synced_passes
+from looprl.loop.shard import full_weights, gradient_norm, is_sharded, synced_passes
 from looprl.model.memory import release_free_memory
 
 if TYPE_CHECKING:
@@ -95,7 +95,7 @@ def update_policy(
     batch = [Scored(e, a) for group in groups for e, a in group.learners(views)]
     if not dist.all_reduce([len(batch)])[0]:
         return out
-    scorer = Scorer(policy, algo, state, optimizer, dist)
+    scorer = Scorer(policy, algo, state, optimizer, dist, train.shard_grad_sync == "every")
     load = RouterLoad(policy.model)  # MoE models: tokens per expert in the first full pass
     with full_weights(policy.model):  # no-grad passes, each rank its own count (shard.py)
         reuse, checks = old_logprobs(scorer, batch, group_size, fresh, load, dist)
@@ -152,6 +152,7 @@ class Scorer:
     state: UpdateState
     optimizer: torch.optim.Optimizer
     dist: Dist = field(default_factory=Dist)
+    sync_every: bool = False  # train.shard_grad_sync=every (loop/shard.py)
 
     def logprobs(self, chunk: list[Scored], model: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One micro-batch's logprobs and loss mask, [B, K], under the policy (or `model`,
@@ -257,10 +258,8 @@ def minibatch_gradient(
     model = scorer.policy.model
     keys = scoring_keys([s.episode for s in active], is_sharded(model))
     chunks = [[active[i] for i in indices] for indices in micro_batches(*keys, budget)]
-    for chunk in synced_passes(model, chunks, scorer.dist):  # sharded: padded (shard.py)
-        if chunk is None:
-            idle_pass(model, scorer.policy.device)
-            continue
+    device = scorer.policy.device  # sharded: every rank as many passes (loop/shard.py)
+    for chunk in synced_passes(model, chunks, scorer.dist, device, scorer.sync_every):
         logp_BK, mask_BK = scorer.logprobs(chunk)
         if gap:
             acc["checks"] += [

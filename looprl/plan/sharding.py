@@ -6,8 +6,10 @@ one-process plan of the same run.
   the rank's shards; the rank plays 1/N of the episodes.
 - The update: FSDP2 keeps the root's weights (embeddings, head, final norm) whole through
   the forward and backward, and two decoder layers whole at a time (the one computing
-  and the next one's all-gather); the gradients accumulate whole between the reductions
-  (`set_requires_gradient_sync` on the last micro-batch) and only then shrink to 1/N;
+  and the next one's all-gather); over several micro-batches the gradients accumulate
+  whole between the reductions (`set_requires_gradient_sync` on the last one) and only
+  then shrink to 1/N (one micro-batch, or `train.shard_grad_sync: every`: 1/N, each
+  layer's reduced as its backward ends);
   a micro-batch is one call of the whole model (no shared prompt pass: the token budget
   counts each episode's prompt), whose logits are a [tokens, vocab] float32 tensor, with
   its log-softmax and its gradient.
@@ -58,7 +60,7 @@ def sharded(
     phases = []
     for phase in plan.phases:
         if phase.name == "update":
-            phases.append(_update(phase, cfg, shape, work, device, b))
+            phases.append(_update(phase, cfg, shape, work, b, world))
             continue
         share = Phase(phase.name, dict(phase.components), dict(phase.notes))
         for key in ("KV cache", "logits", "prefill"):  # 1/N of the episodes, up to a batch
@@ -70,7 +72,7 @@ def sharded(
 
 
 def _update(
-    phase: Phase, cfg: Config, shape: ModelShape, work: Workload, device: Device, b: int
+    phase: Phase, cfg: Config, shape: ModelShape, work: Workload, b: int, world: int
 ) -> Phase:
     out = Phase("update", dict(phase.components), dict(phase.notes))
     per_layer = (shape.params - shape.embedding_params) / max(shape.layers, 1)
@@ -78,9 +80,10 @@ def _update(
     out.add("layers in flight", LAYERS_IN_FLIGHT * per_layer * b, "two decoder layers gathered")
     _, tokens, _ = _micro_batch(cfg, work)
     groups = -(-cfg.rollout.tasks_per_step // cfg.algo.num_minibatches)
+    mine = -(-groups // world)  # this rank's groups of a minibatch
     length = work.prompt_tokens + work.response_tokens  # each episode's prompt its own
-    _, whole_tokens, _ = _split(
-        groups, cfg.rollout.group_size, cfg.train.micro_batch_tokens, 0, 0, length
+    rows, whole_tokens, _ = _split(
+        mine, cfg.rollout.group_size, cfg.train.micro_batch_tokens, 0, 0, length
     )
     scale = whole_tokens / max(tokens, 1)
     for key in ("activations", "backward temporaries", "freed blocks kept"):
@@ -88,5 +91,11 @@ def _update(
             out.add(key, out.components[key] * scale, out.notes.get(key, ""))
     logits = whole_tokens * shape.vocab * 4 * LOGIT_COPIES
     out.add("logits", logits, f"{whole_tokens:,} positions × {shape.vocab:,}, whole sequences")
-    out.notes["gradients"] = "whole until the last micro-batch's reduction"
+    every = cfg.train.shard_grad_sync == "every"
+    if every or rows >= mine * cfg.rollout.group_size:  # reduced layer by layer, each pass
+        grads = out.components["gradients"]
+        why = "train.shard_grad_sync=every" if every else "one micro-batch"
+        out.add("gradients", grads / world, f"1/{world}: {why}, reduced as each pass ends")
+    else:
+        out.notes["gradients"] = "whole until the last micro-batch's reduction"
     return out
