@@ -102,15 +102,20 @@ def advice(
 def sharding_advice(
     cfg: Config, shape: ModelShape, work: Workload, device: Device, world: int
 ) -> list[dict]:
-    """train.shard=fsdp over `world` processes (2 when planned for one), then on a GPU its
-    offload, each planned again at that world size."""
+    """train.shard=fsdp over `world` processes (2 when planned for one); once sharded, the
+    gradients reduced after every micro-batch and, on a GPU, the offload; each planned
+    again at that world size."""
     options: list[tuple[str, Config, int]] = []
     if cfg.train.shard == "none":
         over = max(world, 2)
         sharded = _with(cfg, "train", shard="fsdp")
         options.append((f"train.shard=fsdp (torchrun, {over} processes)", sharded, over))
-    elif device.kind == "cuda" and not cfg.train.offload:
-        options.append(("train.offload=true", _with(cfg, "train", offload=True), world))
+    else:
+        if cfg.train.shard_grad_sync == "last":
+            every = _with(cfg, "train", shard_grad_sync="every")
+            options.append(("train.shard_grad_sync=every", every, world))
+        if device.kind == "cuda" and not cfg.train.offload:
+            options.append(("train.offload=true", _with(cfg, "train", offload=True), world))
     out = []
     for change, changed, size in options:
         peak = _peak(changed, shape, work, device, size)
