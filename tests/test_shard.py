@@ -214,3 +214,22 @@ def test_the_plan_of_one_sharded_rank():
     assert not whole["fits"]
     sharding = [item for item in whole["advice"] if item["set"].startswith("train.shard=fsdp")]
     assert sharding and sharding[0]["peak_bytes"] < whole["peak_bytes"]
+
+
+def test_plan_command_for_one_sharded_rank():
+    from typer.testing import CliRunner
+
+    from looprl.cli import app
+
+    runner = CliRunner(env={"COLUMNS": "250", "NO_COLOR": "1"})
+    base = ["plan", "--set", "model.name=tiny-random", "--set", "model.lora.enabled=false"]
+    one = json.loads(runner.invoke(app, [*base, "--json"]).output)
+    res = runner.invoke(app, [*base, "--world-size", "2", "--shard", "fsdp", "--json"])
+    assert res.exit_code == 0, res.output
+    rank = json.loads(res.output)
+    assert (rank["world_size"], rank["shard"]) == (2, "fsdp")
+    assert rank["persistent"]["weights"] == one["persistent"]["weights"] / 2
+    shown = runner.invoke(app, [*base, "--world-size", "2", "--shard", "fsdp"])
+    assert "one rank of 2, sharded" in shown.output and "whole weights" in shown.output
+    bad = runner.invoke(app, [*base, "--shard", "zero3"])
+    assert bad.exit_code != 0 and "train.shard" in bad.output

@@ -15,9 +15,10 @@ of them. Two kinds of phase keep that true:
   then need no collective, so a rank plays and scores its own share at its own pace.
 - A minibatch's gradient runs `synced_passes`: every rank as many micro-batches as the
   rank with the most, padded with passes of weight zero (one token, loss x 0), and the
-  gradients reduced on the last one only (`set_requires_gradient_sync`). The reduction
-  sums (divide factor 1): each rank's loss is already divided by the whole minibatch's
-  normaliser (loop/update.py), as the unsharded path's explicit all-reduce assumes.
+  gradients reduced on the last one only (`set_requires_gradient_sync`; on each with
+  `train.shard_grad_sync: every`). The reduction sums (divide factor 1): each rank's
+  loss is already divided by the whole minibatch's normaliser (loop/update.py), as the
+  unsharded path's explicit all-reduce assumes.
 
 With one process there is nothing to split: `train.shard: fsdp` is accepted and the
 model stays whole, so one config resumes at any world size (checkpoints hold whole
