@@ -37,7 +37,7 @@ from looprl.loop.shard import decoder_layers, shard_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "tests" / "shard_worker.py")
-SHARDED = ["train.shard=fsdp", "model.lora.enabled=true"]
+SHARDED = ["train.shard=fsdp", "model.lora.enabled=true", "eval.greedy=false"]
 
 
 def run_worker(out: Path, mode: str, processes: int) -> tuple[dict, list[dict]]:
@@ -105,7 +105,7 @@ def test_sharded_checkpoints_resume_at_another_world_size(tmp_path):
     again_one, again_two = tmp_path / "again_one", tmp_path / "again_two"
     shutil.copytree(on_one, again_one)
     shutil.copytree(on_one, again_two)
-    one_process(again_one, "model.lora.enabled=true", "train.steps=4", resume=True)
+    one_process(again_one, *SHARDED[1:], "train.steps=4", resume=True)
     one_node(again_two, *SHARDED, "train.steps=4", resume=True)
     assert_same_step(again_one, again_two, 4)
 
