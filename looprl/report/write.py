@@ -20,6 +20,7 @@ from typing import Any
 
 from looprl.config import Config, load_config
 from looprl.errors import ConfigError
+from looprl.report.also import also_blocks, also_warnings
 from looprl.report.comparisons import member_blocks, reference_blocks
 from looprl.report.curve import PLOT as CURVE_PLOT
 from looprl.report.curve import curve_blocks
@@ -153,7 +154,7 @@ def write_report(
         blocks += [
             ("h1", f"looprl run: {cfg.env.name} · {cfg.model.name} · {cfg.algo.name}"),
             ("p", _headline(cfg, wall_s, wall_label, peak_rss)),
-            *[("warn", text) for text in run_warnings(rows, evals)],
+            *[("warn", text) for text in run_warnings(rows, evals) + also_warnings(run_dir)],
             *_flags(baseline, final, greedy),
             ("h2", "Before / after"),
             (
@@ -168,6 +169,7 @@ def write_report(
             *_greedy_blocks(*greedy, _load_eval(run_dir / "eval" / "after_sft_greedy.json")),
             *reference_blocks(cfg.eval.references, baseline, final, _summary_rows, _paired_text),
             *member_blocks(baseline, final),
+            *also_blocks(run_dir),  # eval.also: did anything else change?
         ]
         png = plot_before_after(
             before,
