@@ -62,7 +62,7 @@ from looprl.loop.run_state import (
 from looprl.loop.snapshot import start_snapshots
 from looprl.loop.sources import group_source
 from looprl.loop.step import Trainer, save_checkpoint, say_health, write_report
-from looprl.loop.teacher import check_teacher, load_teacher
+from looprl.loop.teacher import check_teacher, evaluate_teacher, load_teacher
 from looprl.loop.trackers import check_trackers
 from looprl.report import write as report_files
 from looprl.report.also import also_warnings
@@ -178,7 +178,8 @@ def train(
 
 def baseline_evals(held_out: HeldOut, also: AlsoEvals, greedy: bool) -> tuple[dict, dict | None]:
     """The evals before any training: the held-out one (and its greedy twin), then
-    eval.also's; each one a resumed run has already is read back, not played again."""
+    eval.also's, then the teacher's when the run distills; each one a resumed run has
+    already is read back, not played again."""
     baseline = held_out.read(held_out.run_dir, "baseline")
     if baseline is None:
         baseline = held_out.run("baseline")
@@ -187,6 +188,7 @@ def baseline_evals(held_out: HeldOut, also: AlsoEvals, greedy: bool) -> tuple[di
         held_out.progress.note(f"{DONE} baseline eval: kept from {kept}")
     baseline_greedy = held_out.kept_or_run("baseline", greedy=True) if greedy else None
     also.run("baseline")
+    evaluate_teacher(held_out)  # a distilling run: the teacher's own reward, once
     return baseline, baseline_greedy
 
 

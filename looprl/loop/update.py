@@ -48,6 +48,7 @@ from looprl.loop.offpolicy import (
 )
 from looprl.loop.policy import Policy
 from looprl.loop.reference import reference_weights
+from looprl.loop.teacher_server import ServerTeacher
 from looprl.model.memory import release_free_memory
 
 if TYPE_CHECKING:
@@ -177,7 +178,10 @@ class Scorer:
         return values
 
     def all_values(self, samples: list[Scored], model: Any = None) -> list[torch.Tensor]:
-        """`masked_values` under the out-of-memory retry."""
+        """`masked_values` under the out-of-memory retry; a teacher's server scores them
+        itself (loop/teacher_server.py)."""
+        if isinstance(model, ServerTeacher):
+            return model.masked_values([s.episode for s in samples])
         return retry_on_oom(
             lambda budget: self.masked_values(samples, budget, model), self.state, self.optimizer
         )

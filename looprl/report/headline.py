@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from looprl.report.also import read_also
+from looprl.report.comparisons import load_eval
 from looprl.report.rl_stage import rl_stage, rl_stage_line
 from looprl.report.stats import Paired, member_results, paired_stats, reward_with_ci
 
@@ -53,6 +54,11 @@ def headline(
                 f"{reward_with_ci(after)}{change}"
             )
     lines += _also_lines(report.parent)
+    teacher = load_eval(report.parent / "eval" / "teacher.json")  # a distilling run's
+    if teacher is not None:
+        paired = paired_stats(teacher, final)
+        change = "" if isinstance(paired, str) else f", trained − teacher {_short(paired)}"
+        lines.append(f"teacher {teacher.get('model')}: {reward_with_ci(teacher)}{change}")
     for ref in references or []:
         paired = paired_stats(ref, final)
         change = "" if isinstance(paired, str) else f", trained − reference {_short(paired)}"
