@@ -107,6 +107,7 @@ def test_a_served_teacher_gives_the_local_teachers_distill_kl(teacher, url, tmp_
         kept = json.loads((out / "eval" / "teacher.json").read_text())
         final = json.loads((out / "eval" / "final.json").read_text())
         assert kept["n"] == 4 and kept["task_ids"] == final["task_ids"], name
+        assert kept["model"] == (str(teacher) if name == "local" else "tiny-teacher")
         paired = paired_stats(kept, final)
         assert not isinstance(paired, str)
         report = (out / "report.md").read_text()

@@ -15,7 +15,7 @@ from typing import Any
 
 from looprl.config import Config, config_from_dict, load_config
 from looprl.envs import capabilities, make_env
-from looprl.errors import ConfigError
+from looprl.errors import ConfigError, EndpointError
 from looprl.loop.checkpoint import list_checkpoints, load_weights
 from looprl.loop.dist import main_only
 from looprl.loop.evaluate import HeldOut, evaluate
@@ -113,8 +113,16 @@ def evaluate_teacher(held_out: HeldOut) -> dict | None:
             progress.note(f"teacher eval skipped: a server teacher is not played on {what}")
             return None
         out = run_dir / "eval" / "teacher.json"
-        return main_only(run_remote_eval)(cfg, teacher.url, teacher.model, out, progress=progress)
+        try:
+            return main_only(run_remote_eval)(
+                cfg, teacher.url, teacher.model, out, progress=progress
+            )
+        except EndpointError as err:  # its report row only: the distillation needs no chat
+            progress.note(f"teacher eval failed, the report has no teacher row: {err}")
+            return None
     engine = make_engine(cfg, teacher, policy.tokenizer, policy.renderer)
     own = Policy(teacher, policy.tokenizer, policy.renderer, engine, policy.device)
-    play = player(cfg, own, probe)
-    return evaluate(own, play, held_out.tasks, cfg, run_dir, "teacher", progress)
+    named = cfg.model.model_copy(update={"name": str(cfg.algo.teacher)})  # its EvalResult's
+    as_teacher = cfg.model_copy(update={"model": named})
+    play = player(as_teacher, own, probe)
+    return evaluate(own, play, held_out.tasks, as_teacher, run_dir, "teacher", progress)
