@@ -123,6 +123,20 @@ def test_a_fall_whose_interval_excludes_zero_is_warned_on(tmp_path):
     assert [row[0] for row in also_rows(tmp_path)] == ["fell", "same"]
 
 
+def test_an_entry_whose_replies_would_be_cut_is_refused_before_anything_is_written(tmp_path):
+    """Its episodes share rollout.max_new_tokens with the run's: extraction's records need
+    more than 48 tokens."""
+    out = tmp_path / "run"
+    result = CliRunner().invoke(
+        app,
+        ["run", *TINY, "--set", "rollout.max_new_tokens=48",
+         "--set", "eval.also=[{name: extraction, label: records}]", "--out", str(out)],
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "eval.also[0] (records): rollout.max_new_tokens=48 is below" in result.output
+    assert not out.exists()
+
+
 def test_an_unknown_env_name_is_refused_at_load_with_a_suggestion(tmp_path):
     result = CliRunner().invoke(
         app,

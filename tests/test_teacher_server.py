@@ -32,14 +32,20 @@ TINY = ["--set", "model.name=tiny-random", "--set", "rollout.tasks_per_step=2",
         "--set", "algo.name=opd"]  # fmt: skip
 
 
-def _save_teacher(out: Path, extra_tokens: list[str] | None = None) -> Path:
+def _save_teacher(
+    out: Path, extra_tokens: list[str] | None = None, context: int | None = None
+) -> Path:
     """A tiny random llama (not the student's weights) with the SmolLM2 tokenizer, or
-    with `extra_tokens` added to it (another tokenizer)."""
+    with `extra_tokens` added to it (another tokenizer); `context`: the most tokens the
+    server reads (shorter than an episode: every scoring request is refused)."""
     tokenizer = load_tokenizer("tiny-random")
     if extra_tokens:
         tokenizer.add_tokens(extra_tokens)
     out.mkdir(parents=True)
-    build_tiny("llama", tokenizer, seed=3).save_pretrained(out, safe_serialization=True)
+    model = build_tiny("llama", tokenizer, seed=3)
+    if context is not None:
+        model.config.max_position_embeddings = context
+    model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
 
@@ -125,6 +131,22 @@ def test_a_server_with_another_tokenizer_is_refused_before_anything_is_written(t
         assert "tokenizes otherwise than the student" in result.output
         assert "scores the same texts as other token ids" in result.output
     assert not (tmp_path / "run").exists()
+
+
+def test_a_failing_request_stops_the_run_checkpointed_with_the_resume_command(tmp_path):
+    """The server answers the probe but refuses every episode (its context is shorter):
+    the step stops before any weight moved, the state after step 0 checkpointed, with an
+    error naming the URL and the command that continues the run."""
+    short = _save_teacher(tmp_path / "short", context=64)
+    out = tmp_path / "run"
+    for served in _serve(short):
+        result = _run(out, "--set", f"algo.teacher={served}")
+    assert result.exit_code == 2, result.output
+    assert f"algo.teacher: {served}/completions answered HTTP 400" in result.output
+    assert f"looprl run --out {out} --resume" in result.output
+    assert (out / "eval" / "baseline.json").is_file()
+    assert (out / "checkpoints" / "step_000000").is_dir()
+    assert not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text()
 
 
 def test_an_unreachable_server_and_a_missing_model_are_clear_errors(url, tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from looprl.config import AlsoEval, Config, EnvConfig
 from looprl.envs import make_env
@@ -24,6 +25,7 @@ from looprl.loop.dist import main_only
 from looprl.loop.evaluate import check_some_scored, play_eval
 from looprl.loop.play import Player, player
 from looprl.loop.policy import Policy
+from looprl.loop.preflight import check_reply_room
 from looprl.loop.progress import DONE, Progress
 from looprl.types import Task
 
@@ -53,6 +55,17 @@ def check_also(cfg: Config) -> None:
             raise ConfigError(f"{where}: {err}") from None
         if not tasks:
             raise ConfigError(f"{where}: environment {entry.name!r} has no eval tasks")
+
+
+def check_also_room(cfg: Config, renderer: Any) -> None:
+    """Each eval.also env's demonstrated replies fit `rollout.max_new_tokens`, which its
+    episodes share with the run's (loop/preflight.py `check_reply_room`): a ConfigError
+    naming the entry, once the tokenizer is there and still before anything is written."""
+    for i, entry in enumerate(cfg.eval.also):
+        try:
+            check_reply_room(also_config(cfg, entry), make_env(entry.name, entry.args), renderer)
+        except ConfigError as err:
+            raise ConfigError(f"eval.also[{i}] ({entry.key}): {err}") from None
 
 
 @dataclass

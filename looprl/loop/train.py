@@ -35,7 +35,7 @@ from looprl.envs.data.judge import cache_verdicts_in
 from looprl.errors import ConfigError, LoopRLError
 from looprl.loop import dist as ranks
 from looprl.loop import log, preflight, sft
-from looprl.loop.also import AlsoEvals, check_also
+from looprl.loop.also import AlsoEvals, check_also, check_also_room
 from looprl.loop.batches import UpdateState
 from looprl.loop.curve import EvalCurve
 from looprl.loop.decisions import grammar_cache
@@ -113,6 +113,7 @@ def train(
     policy = load_model(cfg, progress)
     policy.teacher = load_teacher(cfg, progress)  # algo.teacher (on-policy distillation)
     preflight.check_reply_room(cfg, probe, policy.renderer)  # still nothing written
+    check_also_room(cfg, policy.renderer)  # eval.also's envs too
     dist.broadcast_parameters(policy.trainable_parameters())  # the replicas start equal
     # tictactoe-game's `snapshot` opponent: frozen copies of the model (loop/snapshot.py)
     snapshot = start_snapshots(policy, capabilities(probe).snapshot_opponent)
