@@ -127,7 +127,7 @@ class AlgoConfig(Section):
     teacher: str | None = Field(
         None,
         description="On-policy distillation's teacher: a model alias, a folder, a run folder, "
-        "or a server http://HOST:PORT/v1[#MODEL]; the student's tokenizer.",
+        "or a server http://HOST:PORT/v1 (#MODEL: its model); the student's tokenizer.",
     )
     distill_coef: float = Field(
         0.0,
