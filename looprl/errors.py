@@ -32,3 +32,8 @@ class RequestError(LoopRLError):
 
 class EngineError(LoopRLError):
     """A rollout engine that cannot serve: not installed, not starting, or gone."""
+
+
+class EndpointError(LoopRLError):
+    """An OpenAI-compatible endpoint (a reference model's, a teacher's server) that could
+    not be reached or refused a request."""

@@ -265,6 +265,49 @@ def test_overlapped_rollouts_on_the_vllm_server(model_dir, server, tmp_path):
 
 
 @needs_vllm
+def test_a_vllm_served_teacher_gives_the_local_teachers_distill_kl(model_dir, tmp_path):
+    """vLLM's OpenAI server as on-policy distillation's teacher (`algo.teacher: URL#NAME`,
+    echoed completions): the same train/distill_kl as the same model loaded locally, on the
+    same episodes of a tiny-random student. A server of its own, without LoRA (vLLM CPU's
+    LoRA kernel fails now and then with several prompts in flight)."""
+    from looprl.engine.vllm_server import SERVED_NAME, LaunchSpec, VLLMServer
+
+    # the tool-call parser: the teacher's report row plays the env's forced calls by chat
+    spec = LaunchSpec(
+        python=str(VLLM_PYTHON), model_dir=model_dir, dtype="float32", max_model_len=2048,
+        eager=True, kv_cache_gb=0.5,
+        extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+    )  # fmt: skip
+    (tmp_path / "teacher-server").mkdir()
+    teacher = VLLMServer.start(spec, tmp_path / "teacher-server")
+    opd = ["--set", "model.name=tiny-random", "--set", "algo.name=opd",
+           "--set", "rollout.tasks_per_step=2", "--set", "rollout.group_size=2",
+           "--set", "eval.tasks=2", "--set", "eval.greedy=false", "--set", "train.steps=1",
+           "--set", "logging.trackers=[]"]  # fmt: skip
+    try:
+        runs = {
+            "local": str(model_dir),
+            "served": f"{teacher.url}/v1#{SERVED_NAME}",
+        }
+        rows = {}
+        for name, spec_ in runs.items():
+            out = tmp_path / name
+            res = looprl("run", *opd, "--set", f"algo.teacher={spec_}", "--out", out)
+            assert res.returncode == 0, res.stderr[-3000:]
+            rows[name] = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    finally:
+        teacher.close()
+    local, served = rows["local"], rows["served"]
+    assert local["rollout/rewards_mean"] == served["rollout/rewards_mean"]
+    assert abs(local["train/distill_kl"]) > 1e-3
+    assert served["train/distill_kl"] == pytest.approx(local["train/distill_kl"], abs=1e-4)
+    for name in runs:  # the teacher's held-out row, played locally and through the server
+        kept = json.loads((tmp_path / name / "eval" / "teacher.json").read_text())
+        final = json.loads((tmp_path / name / "eval" / "final.json").read_text())
+        assert kept["n"] == final["n"] == 8 and kept["task_ids"] == final["task_ids"]
+
+
+@needs_vllm
 def test_a_dead_server_stops_the_run_with_a_checkpoint_and_resume(model_dir, server, tmp_path):
     """Runs last: it kills the module's server. The run stops with the state of its last
     whole step checkpointed and the resume command; `--resume` continues (here on the

@@ -58,7 +58,24 @@ def load_run_config(config: Path | None, overrides: list[str] | None) -> Config:
     sft = cfg.sft.model_copy(
         update={"env_args": with_found_files(cfg.env.name, cfg.sft.env_args, base)}
     )
-    return cfg.model_copy(update={"env": env, "sft": sft})
+    return cfg.model_copy(update={"env": env, "sft": sft, "eval": also_found(cfg, base)})
+
+
+def also_found(cfg: Config, base: Path | None) -> Any:
+    """eval.also's entries with their data files found (as env.args's), each name checked
+    now: an unknown one is a ConfigError with the registry's suggestion."""
+    from looprl.envs import env_class, with_found_files
+    from looprl.errors import ConfigError, EnvError
+
+    entries = []
+    for i, entry in enumerate(cfg.eval.also):
+        try:
+            env_class(entry.name)
+        except EnvError as err:
+            raise ConfigError(f"eval.also[{i}].name: {err}") from None
+        args = with_found_files(entry.name, entry.args, base)
+        entries.append(entry.model_copy(update={"args": args}))
+    return cfg.eval.model_copy(update={"also": entries})
 
 
 def fail(message: str, code: int = 2) -> None:

@@ -18,6 +18,7 @@ from looprl.config.load import (
 )
 from looprl.config.run import Config
 from looprl.config.sections import (
+    AlsoEval,
     EnvConfig,
     EvalConfig,
     LoggingConfig,
@@ -32,6 +33,7 @@ __all__ = [
     "DEFAULT_CLIP",
     "AlgoConfig",
     "AlgoExperimental",
+    "AlsoEval",
     "Config",
     "CurriculumConfig",
     "EnvConfig",

@@ -126,8 +126,8 @@ class AlgoConfig(Section):
     )
     teacher: str | None = Field(
         None,
-        description="On-policy distillation's teacher: a model alias, a local folder or a "
-        "run folder (its newest checkpoint); same tokenizer as the student.",
+        description="On-policy distillation's teacher: a model alias, a folder, a run folder, "
+        "or a server http://HOST:PORT/v1 (#MODEL: its model); the student's tokenizer.",
     )
     distill_coef: float = Field(
         0.0,

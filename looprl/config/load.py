@@ -7,7 +7,7 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -100,8 +100,12 @@ def _model_at(loc: tuple) -> tuple[type[BaseModel] | None, str | None]:
     """The section model that owns the field at `loc`, and the field's name."""
     model: type[BaseModel] = Config
     for part in loc[:-1]:
+        if isinstance(part, int):
+            continue  # an item of a list of sections (eval.also): its section's fields
         field = model.model_fields.get(str(part))
         ann = getattr(field, "annotation", None) if field else None
+        if get_origin(ann) is list:
+            ann = get_args(ann)[0]
         if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
             return None, None
         model = ann

@@ -81,6 +81,14 @@ def check_rules(cfg: Config) -> None:
             "entropy bonus needs each episode's sampling logprobs, and an expert episode "
             "was not sampled; set one of them to 0"
         )
+    served = str(cfg.algo.teacher or "").startswith(("http://", "https://"))
+    if served and cfg.rollout.temperature not in (0.0, 1.0):
+        raise ValueError(
+            f"algo.teacher={cfg.algo.teacher} is a server, which scores the student's tokens at "
+            f"temperature 1, and rollout.temperature={cfg.rollout.temperature} samples them at "
+            "another (a local teacher scores at the sampling temperature): set "
+            "rollout.temperature=1, or load the teacher locally (a model or a folder)"
+        )
     eight_bit = cfg.train.optimizer == "adamw_8bit"
     if eight_bit and importlib.util.find_spec("bitsandbytes") is None:
         raise ValueError(

@@ -240,6 +240,31 @@ class TrainConfig(Section):
     )
 
 
+class AlsoEval(Section):
+    """One more held-out eval on another env, before and after (`eval.also`)."""
+
+    name: str = Field(
+        description="Environment name (see `looprl envs`) of this extra held-out eval."
+    )
+    args: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments passed to that environment."
+    )
+    tasks: int = Field(
+        8, ge=1, description="Its held-out tasks (drawn with eval.seed), × eval.samples_per_task."
+    )
+    label: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="Its key in the report and under RUN/eval/also/ (letters, digits, _.-); "
+        "unset = the name, ':' and '/' as '_'.",
+    )
+
+    @property
+    def key(self) -> str:
+        """The report's key and the folder name under eval/also/ and samples/also/."""
+        return self.label or self.name.replace(":", "_").replace("/", "_")
+
+
 class EvalConfig(Section):
     tasks: int = Field(64, ge=1, description="Held-out tasks for baseline and final eval.")
     temperature: float = Field(
@@ -277,6 +302,24 @@ class EvalConfig(Section):
         description="With eval.every: the curve's tasks, the held-out eval's first; unset = "
         "all eval.tasks (the evals before and after are then its first and last points).",
     )
+
+    also: list[AlsoEval] = Field(
+        default_factory=list,
+        description="Other envs evaluated before and after on fixed seeds, [{name, args, tasks, "
+        "label}]: did training change anything else? (report section).",
+    )
+
+    @field_validator("also")
+    @classmethod
+    def _unique_keys(cls, also: list[AlsoEval]) -> list[AlsoEval]:
+        keys = [entry.key for entry in also]
+        repeated = sorted({key for key in keys if keys.count(key) > 1})
+        if repeated:
+            raise ValueError(
+                f"each eval.also entry needs its own key; repeated: {', '.join(repeated)} "
+                "(give the entries different labels)"
+            )
+        return also
 
     @property
     def greedy_runs(self) -> bool:

@@ -5,6 +5,7 @@ the `looprl.envs` entry-point group. The package `looprl.envs` re-exports it."""
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -77,9 +78,12 @@ def env_class(name: str) -> type:
         return _adapter(prefix).bind(target)
     if ":" in name:
         return _import_class(name)
-    known = ", ".join(sorted(set(builtins) | set(plugins)))
+    names = sorted(set(builtins) | set(plugins))
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
     raise EnvError(
-        f"unknown environment {name!r}; known: {known} (or 'package.module:Class' for your own)"
+        f"unknown environment {name!r}; {hint}known: {', '.join(names)} (or "
+        "'package.module:Class' for your own)"
     )
 
 

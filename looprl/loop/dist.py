@@ -76,8 +76,9 @@ class Dist:
 
         Each rank's loss is already divided by the global normaliser (the counts of the
         whole minibatch over all ranks), so the sum is the one-process gradient. A rank
-        with nothing to back-propagate contributes zeros."""
-        if self.world == 1 or not params:
+        with nothing to back-propagate contributes zeros. Sharded parameters (DTensors,
+        train.shard=fsdp): FSDP2 has reduced their gradients already, nothing to do."""
+        if self.world == 1 or not params or hasattr(params[0], "full_tensor"):
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1).float() for g in grads])

@@ -65,6 +65,7 @@ EVAL_TITLES = {
     "baseline_greedy": "greedy baseline eval",
     "final_greedy": "greedy final eval",
     "after_sft_greedy": "greedy eval after SFT",
+    "teacher": "teacher eval (algo.teacher)",
 }
 GREEDY_SUFFIX = "_greedy"  # eval/NAME_greedy.json: the same tasks at T = 0, one episode each
 

@@ -27,17 +27,13 @@ from looprl.chat.parsers import validate_arguments
 from looprl.config import Config
 from looprl.envs import Environment, capabilities, make_env, solved_outcomes
 from looprl.envs.common import check_reward, lowest_reward
-from looprl.errors import ConfigError, LoopRLError
+from looprl.errors import ConfigError, EndpointError
 from looprl.loop.evaluate import check_some_scored, episodes_path, eval_result
 from looprl.loop.log import episode_record
 from looprl.loop.progress import Progress
 from looprl.loop.rollout import mark_env_error
 from looprl.seeds import turn_seed
 from looprl.types import TRUNCATED, Episode, Message, Task, ToolCall
-
-
-class EndpointError(LoopRLError):
-    """The endpoint could not be reached or refused a request (after the client's retries)."""
 
 
 def run_remote_eval(

@@ -143,9 +143,7 @@ def full_weights(model: Any) -> Iterator[None]:
             module.reshard()
 
 
-def synced_passes(
-    model: Any, items: Sequence[T], dist: Dist, device: torch.device, every: bool = False
-) -> Iterator[T]:
+def synced_passes(model: Any, items: Sequence[T], dist: Dist, every: bool = False) -> Iterator[T]:
     """`items` (this rank's micro-batches, for the caller's forward and backward), then
     passes of weight zero (`idle_pass`, run here) until every rank has made as many
     passes as the rank with the most; gradients are reduced over the ranks on the last
@@ -160,19 +158,21 @@ def synced_passes(
             if index < len(items):
                 yield items[index]
             else:
-                idle_pass(model, device)
+                idle_pass(model)
     finally:
         model.set_requires_gradient_sync(True)
 
 
-def idle_pass(model: Any, device: torch.device) -> None:
+def idle_pass(model: Any) -> None:
     """A forward and backward pass of weight zero on one token: the collectives of a
     micro-batch this rank does not have, and a zero gradient."""
+    device = next(model.parameters()).device
     logits = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device)).logits
     (logits.float().sum() * 0.0).backward()
 
 
-def gradient_norm(norm: torch.Tensor) -> torch.Tensor:
-    """`clip_grad_norm_`'s total norm as a plain tensor: over sharded gradients it is a
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """`clip_grad_norm_`, its total norm as a plain tensor: over sharded gradients it is a
     DTensor whose value is already the norm of the whole gradient."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

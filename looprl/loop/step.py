@@ -19,7 +19,7 @@ import torch
 
 from looprl.config import Config
 from looprl.envs import Environment
-from looprl.errors import EngineError, LoopRLError
+from looprl.errors import EndpointError, EngineError, LoopRLError
 from looprl.loop import checkpoint as checkpoints
 from looprl.loop import log
 from looprl.loop.decisions import decision_metrics
@@ -82,20 +82,23 @@ class Trainer:
             main_only(save_rollouts)(self.run_dir, step, played.groups)
         errors = self.count_env_errors(played.episodes, step)
         t1 = time.time()
-        stats = update_policy(
-            self.policy,
-            self.optimizer,
-            self.dist.share(played.groups),
-            cfg.algo,
-            cfg.train,
-            views=self.levers.loss_on_views,
-            group_size=cfg.rollout.group_size,
-            max_tokens=cfg.rollout.max_new_tokens * self.probe.max_turns,
-            seed=minibatch_seed(cfg.seed, step),
-            state=self.state.update,
-            dist=self.dist,
-            fresh=self.source.fresh,  # sampled just now, by these weights
-        )
+        try:
+            stats = update_policy(
+                self.policy,
+                self.optimizer,
+                self.dist.share(played.groups),
+                cfg.algo,
+                cfg.train,
+                views=self.levers.loss_on_views,
+                group_size=cfg.rollout.group_size,
+                max_tokens=cfg.rollout.max_new_tokens * self.probe.max_turns,
+                seed=minibatch_seed(cfg.seed, step),
+                state=self.state.update,
+                dist=self.dist,
+                fresh=self.source.fresh,  # sampled just now, by these weights
+            )
+        except EndpointError as err:  # algo.teacher's server, asked before any weight moved
+            raise self.stopped(step, err, "the teacher's server") from None
         train_s = time.time() - t1
         self.source.publish(step)  # for the step that samples from these weights
         if stats["skipped"]:
@@ -142,15 +145,20 @@ class Trainer:
         try:
             played, self.state.curriculum = self.source.groups(step, self.state.curriculum)
         except EngineError as err:
-            self.checkpoint(step - 1)
-            self.close()
-            self.logger.close()
-            raise EngineError(
-                f"{err}\nthe run stopped at step {step}; the state after step {step - 1} is "
-                f"checkpointed. Once the engine is back, continue with\n"
-                f"  looprl run --out {self.run_dir} --resume"
-            ) from None
+            raise self.stopped(step, err, "the engine") from None
         return played
+
+    def stopped(self, step: int, err: LoopRLError, what: str) -> LoopRLError:
+        """A service the step needs (`what`) failed before any weight moved: the state
+        after the previous step is checkpointed, and the error says how to continue."""
+        self.checkpoint(step - 1)
+        self.close()
+        self.logger.close()
+        return type(err)(
+            f"{err}\nthe run stopped at step {step}; the state after step {step - 1} is "
+            f"checkpointed. Once {what} is back, continue with\n"
+            f"  looprl run --out {self.run_dir} --resume"
+        )
 
     def count_env_errors(self, episodes: list[Episode], step: int) -> int:
         """Environment bugs are counted against `env.error_budget`, never trained on; past

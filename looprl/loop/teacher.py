@@ -1,7 +1,7 @@
 """On-policy distillation's teacher (`algo.teacher`): a model alias, a local folder, or a
 run folder (its base model with its newest checkpoint), loaded frozen beside the student
-on the student's device and dtype. The update scores the student's own episodes with it
-(loop/update.py, algo/distill.py).
+on the student's device and dtype; or a server's URL (loop/teacher_server.py). The update
+scores the student's own episodes with it (loop/update.py, algo/distill.py).
 
 The teacher must share the student's tokenizer: distillation compares the log-probs the
 two give the *same token ids*. `check_teacher` compares the vocabularies before anything
@@ -14,10 +14,16 @@ from pathlib import Path
 from typing import Any
 
 from looprl.config import Config, config_from_dict, load_config
-from looprl.errors import ConfigError
+from looprl.envs import capabilities, make_env
+from looprl.errors import ConfigError, EndpointError
 from looprl.loop.checkpoint import list_checkpoints, load_weights
-from looprl.loop.policy import load_policy
-from looprl.loop.progress import Progress
+from looprl.loop.dist import main_only
+from looprl.loop.evaluate import HeldOut, evaluate
+from looprl.loop.play import player
+from looprl.loop.policy import Policy, load_policy, make_engine
+from looprl.loop.progress import DONE, Progress
+from looprl.loop.remote import run_remote_eval
+from looprl.loop.teacher_server import ServerTeacher, is_server
 from looprl.model.load import load_tokenizer
 
 
@@ -38,8 +44,9 @@ def teacher_config(cfg: Config) -> tuple[Config, Path | None]:
 
 
 def check_teacher(cfg: Config) -> None:
-    """Refuse a teacher whose tokenizer is not the student's (module doc)."""
-    if not cfg.algo.teacher:
+    """Refuse a teacher whose tokenizer is not the student's (module doc); a server's is
+    probed once it is connected (loop/teacher_server.py)."""
+    if not cfg.algo.teacher or is_server(cfg.algo.teacher):
         return
     teacher_cfg, _ = teacher_config(cfg)
     student = load_tokenizer(cfg.model.name, cfg.model.trust_remote_code)
@@ -58,9 +65,16 @@ def check_teacher(cfg: Config) -> None:
 
 
 def load_teacher(cfg: Config, progress: Progress) -> Any:
-    """The teacher's model, frozen and in eval mode (None without `algo.teacher`)."""
+    """The teacher's model, frozen and in eval mode, or its server, connected and its
+    tokenizer probed (None without `algo.teacher`)."""
     if not cfg.algo.teacher:
         return None
+    if is_server(cfg.algo.teacher):
+        with progress.phase("connect to the teacher's server") as phase:
+            student = load_tokenizer(cfg.model.name, cfg.model.trust_remote_code)
+            server = ServerTeacher.connect(cfg.algo.teacher, student)
+            phase.done(f"{server.model} at {server.url}, the student's tokenizer")
+        return server
     teacher_cfg, checkpoint = teacher_config(cfg)
     with progress.phase("load teacher") as phase:
         policy = load_policy(teacher_cfg)
@@ -74,3 +88,41 @@ def load_teacher(cfg: Config, progress: Progress) -> Any:
         where = f" + {checkpoint.name}" if checkpoint is not None else ""
         phase.done(f"{teacher_cfg.model.name}{where} on {policy.device}")
     return model
+
+
+def evaluate_teacher(held_out: HeldOut) -> dict | None:
+    """The teacher's own reward on the run's held-out episodes, once (a resumed run reads
+    eval/teacher.json back): the report's reference row, paired with the trained model.
+    A local teacher plays them as the student does (the same tasks, sampling seeds, chat
+    template and engine settings); a server teacher through its chat API, as `looprl eval
+    --endpoint` plays a reference (loop/remote.py: text, not token ids)."""
+    cfg, policy, run_dir = held_out.cfg, held_out.policy, held_out.run_dir
+    progress = held_out.progress
+    teacher = policy.teacher
+    if teacher is None:
+        return None
+    kept = held_out.read(run_dir, "teacher")
+    if kept is not None:
+        progress.note(f"{DONE} teacher eval: kept from {run_dir / 'eval' / 'teacher.json'}")
+        return kept
+    probe = make_env(cfg.env.name, cfg.env.args)
+    if isinstance(teacher, ServerTeacher):
+        caps = capabilities(probe)
+        if caps.agent or caps.group_judge:
+            what = "an agent environment" if caps.agent else "a judge with mode: group"
+            progress.note(f"teacher eval skipped: a server teacher is not played on {what}")
+            return None
+        out = run_dir / "eval" / "teacher.json"
+        try:
+            return main_only(run_remote_eval)(
+                cfg, teacher.url, teacher.model, out, progress=progress
+            )
+        except EndpointError as err:  # its report row only: the distillation needs no chat
+            progress.note(f"teacher eval failed, the report has no teacher row: {err}")
+            return None
+    engine = make_engine(cfg, teacher, policy.tokenizer, policy.renderer)
+    own = Policy(teacher, policy.tokenizer, policy.renderer, engine, policy.device)
+    named = cfg.model.model_copy(update={"name": str(cfg.algo.teacher)})  # its EvalResult's
+    as_teacher = cfg.model_copy(update={"model": named})
+    play = player(as_teacher, own, probe)
+    return evaluate(own, play, held_out.tasks, as_teacher, run_dir, "teacher", progress)

@@ -35,6 +35,7 @@ from looprl.envs.data.judge import cache_verdicts_in
 from looprl.errors import ConfigError, LoopRLError
 from looprl.loop import dist as ranks
 from looprl.loop import log, preflight, sft
+from looprl.loop.also import AlsoEvals, check_also, check_also_room
 from looprl.loop.batches import UpdateState
 from looprl.loop.curve import EvalCurve
 from looprl.loop.decisions import grammar_cache
@@ -62,9 +63,10 @@ from looprl.loop.shard import start_replicas
 from looprl.loop.snapshot import start_snapshots
 from looprl.loop.sources import group_source
 from looprl.loop.step import Trainer, save_checkpoint, say_health, write_report
-from looprl.loop.teacher import check_teacher, load_teacher
+from looprl.loop.teacher import check_teacher, evaluate_teacher, load_teacher
 from looprl.loop.trackers import check_trackers
 from looprl.report import write as report_files
+from looprl.report.also import also_warnings
 from looprl.report.comparisons import load_references
 from looprl.report.health import run_warnings
 from looprl.seeds import sft_tasks_seed
@@ -112,6 +114,7 @@ def train(
     policy = load_model(cfg, progress)
     policy.teacher = load_teacher(cfg, progress)  # algo.teacher (on-policy distillation)
     preflight.check_reply_room(cfg, probe, policy.renderer)  # still nothing written
+    check_also_room(cfg, policy.renderer)  # eval.also's envs too
     start_replicas(policy.model, cfg.train, policy.device, dist)  # equal, then sharded
     # tictactoe-game's `snapshot` opponent: frozen copies of the model (loop/snapshot.py)
     snapshot = start_snapshots(policy, capabilities(probe).snapshot_opponent)
@@ -121,12 +124,8 @@ def train(
     greedy = cfg.eval.greedy_runs  # each eval also at T = 0 (eval.greedy)
 
     # ---- baseline: fixed held-out tasks and sampling seed, reused by every later eval
-    baseline = held_out.read(run_dir, "baseline")
-    if baseline is None:
-        baseline = held_out.run("baseline")
-    else:
-        progress.note(f"{DONE} baseline eval: kept from {run_dir / 'eval' / 'baseline.json'}")
-    baseline_greedy = held_out.kept_or_run("baseline", greedy=True) if greedy else None
+    also = AlsoEvals.of(cfg, policy, run_dir, progress)  # eval.also: other envs, same seeds
+    baseline, baseline_greedy = baseline_evals(held_out, also, greedy)
 
     # ---- optional SFT warm start on the env's demonstrations, then its own eval
     after_sft = held_out.read(run_dir, "after_sft") if cfg.sft.enabled else None
@@ -150,6 +149,7 @@ def train(
     # ---- retest on exactly the same tasks and seeds, then report
     final = held_out.run("final")
     final_greedy = held_out.run("final", greedy=True) if greedy else None
+    also.run("final")
     if curve is not None:
         curve.point(cfg.train.steps, final if curve.full else None)
         best = curve.best()
@@ -163,7 +163,7 @@ def train(
         phase.done(f"{report.name}, {report.with_suffix('.html').name}, plots/")
     trainer.logger.close(report_dir=run_dir)
     evals = {"baseline eval": baseline, "final eval": final}
-    warned = run_warnings(report_files.read_metrics(run_dir), evals)
+    warned = run_warnings(report_files.read_metrics(run_dir), evals) + also_warnings(run_dir)
     if hasattr(policy.engine, "close"):  # a vLLM server looprl started stops here
         policy.engine.close()
     return {
@@ -176,6 +176,22 @@ def train(
         "warnings": warned,
         "references": [r for _, r in load_references(cfg.eval.references) if r],
     }
+
+
+def baseline_evals(held_out: HeldOut, also: AlsoEvals, greedy: bool) -> tuple[dict, dict | None]:
+    """The evals before any training: the held-out one (and its greedy twin), then
+    eval.also's, then the teacher's when the run distills; each one a resumed run has
+    already is read back, not played again."""
+    baseline = held_out.read(held_out.run_dir, "baseline")
+    if baseline is None:
+        baseline = held_out.run("baseline")
+    else:
+        kept = held_out.run_dir / "eval" / "baseline.json"
+        held_out.progress.note(f"{DONE} baseline eval: kept from {kept}")
+    baseline_greedy = held_out.kept_or_run("baseline", greedy=True) if greedy else None
+    also.run("baseline")
+    evaluate_teacher(held_out)  # a distilling run: the teacher's own reward, once
+    return baseline, baseline_greedy
 
 
 def run_steps(trainer: Trainer, start: int, curve: EvalCurve | None, progress: Progress) -> None:
@@ -241,6 +257,7 @@ def check_run(cfg: Config, out: Path, dist: Dist, force: bool, resume: bool) -> 
             "copy of the policy; choose another opponent or set train.shard=none"
         )
     check_teacher(cfg)  # algo.teacher: the student's tokenizer
+    check_also(cfg)  # eval.also: each env made, one held-out task drawn
     return probe, sft_env
 
 

@@ -48,7 +48,8 @@ from looprl.loop.offpolicy import (
 )
 from looprl.loop.policy import Policy
 from looprl.loop.reference import reference_weights
-from looprl.loop.shard import full_weights, gradient_norm, is_sharded, synced_passes
+from looprl.loop.shard import clip_gradients, full_weights, is_sharded, synced_passes
+from looprl.loop.teacher_server import ServerTeacher
 from looprl.model.memory import release_free_memory
 
 if TYPE_CHECKING:
@@ -181,7 +182,10 @@ class Scorer:
         return values
 
     def all_values(self, samples: list[Scored], model: Any = None) -> list[torch.Tensor]:
-        """`masked_values` under the out-of-memory retry."""
+        """`masked_values` under the out-of-memory retry; a teacher's server scores them
+        itself (loop/teacher_server.py)."""
+        if isinstance(model, ServerTeacher):
+            return model.masked_values([s.episode for s in samples])
         return retry_on_oom(
             lambda budget: self.masked_values(samples, budget, model), self.state, self.optimizer
         )
@@ -258,8 +262,7 @@ def minibatch_gradient(
     model = scorer.policy.model
     keys = scoring_keys([s.episode for s in active], is_sharded(model))
     chunks = [[active[i] for i in indices] for indices in micro_batches(*keys, budget)]
-    device = scorer.policy.device  # sharded: every rank as many passes (loop/shard.py)
-    for chunk in synced_passes(model, chunks, scorer.dist, device, scorer.sync_every):
+    for chunk in synced_passes(model, chunks, scorer.dist, scorer.sync_every):  # shard.py
         logp_BK, mask_BK = scorer.logprobs(chunk)
         if gap:
             acc["checks"] += [
@@ -349,8 +352,7 @@ def optimizer_step(
     whole minibatch's, `out` counts the step. Returns the gradient norm, or None when
     nothing was applied: no token to learn from, or a NaN/inf loss or gradient (the step
     is skipped, weights and optimizer state untouched)."""
-    if not is_sharded(policy.model):  # sharded: reduced by FSDP2 already (shard.py)
-        dist.sum_gradients(policy.trainable_parameters())
+    dist.sum_gradients(policy.trainable_parameters())  # sharded: FSDP2 reduced them
     keys = ("loss", "units", "clipped", "kl", "distill_kl", "tokens")
     acc.update(zip(keys, dist.all_reduce([acc[k] for k in keys])))
     acc["ratio_max"] = dist.all_reduce([acc["ratio_max"]], op="max")[0]
@@ -358,8 +360,7 @@ def optimizer_step(
         return None  # every advantage was 0: nothing to learn from this minibatch
     out["tokens"] += int(acc["tokens"])
     out["ratio_max"] = max(out["ratio_max"], acc["ratio_max"])
-    params = policy.trainable_parameters()
-    norm = gradient_norm(torch.nn.utils.clip_grad_norm_(params, train.max_grad_norm))
+    norm = clip_gradients(policy.trainable_parameters(), train.max_grad_norm)
     if not (np.isfinite(acc["loss"]) and torch.isfinite(norm)):
         optimizer.zero_grad(set_to_none=True)  # skip: weights and optimizer untouched
         out["skipped"] += 1

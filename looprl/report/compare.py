@@ -24,7 +24,7 @@ from typing import Any
 from looprl.errors import ConfigError
 from looprl.report.compare_failures import compare_failures
 from looprl.report.compare_plots import plot_blocks
-from looprl.report.compare_read import PAIRED_EVALS, Run, load_run, name_runs
+from looprl.report.compare_read import Run, load_run, name_runs, paired_evals
 from looprl.report.plots import finite, render_html, render_markdown
 from looprl.report.stats import Paired, paired_stats, reward_with_ci
 
@@ -109,7 +109,7 @@ def paired_rows(runs: list[Run]) -> list[list[str]]:
     mean [CI] and its paired difference to the first run over the same episodes."""
     first = runs[0]
     rows = []
-    for key, label in PAIRED_EVALS:
+    for key, label in paired_evals(runs):
         if not any(key in run.evals for run in runs):
             continue
         reference = first.evals.get(key)

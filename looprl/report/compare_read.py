@@ -12,6 +12,7 @@ import yaml
 
 from looprl.config import Config, load_config
 from looprl.errors import ConfigError
+from looprl.report.also import read_also
 from looprl.report.comparisons import load_eval
 from looprl.report.curve import read_curve
 from looprl.report.write import read_metrics
@@ -33,7 +34,7 @@ class Run:
     name: str
     cfg: Config
     settings: dict[str, Any]  # config.yaml as dotted keys, for the differences
-    evals: dict[str, dict]  # name under eval/ (without .json) → EvalResult
+    evals: dict[str, dict]  # name under eval/ (without .json) → EvalResult; eval.also's too
     rows: list[dict[str, Any]]  # metrics.jsonl
     curve: list[dict[str, Any]]  # eval/curve.jsonl (eval.every), [] without one
 
@@ -61,6 +62,9 @@ def load_run(path: Path) -> Run:
                 f"(a stopped run can be finished with `looprl run {path}/config.yaml "
                 f"--out {path} --resume`)"
             )
+    for name in ("baseline", "final"):  # eval.also: other envs, also/KEY/NAME
+        for key, result in read_also(path, name).items():
+            evals[f"also/{key}/{name}"] = result
     settings = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8")) or {}
     return Run(
         path=path,
@@ -71,6 +75,13 @@ def load_run(path: Path) -> Run:
         rows=read_metrics(path),
         curve=read_curve(path),
     )
+
+
+def paired_evals(runs: list[Run]) -> list[tuple[str, str]]:
+    """PAIRED_EVALS, then each eval.also entry's baseline and final that a run has."""
+    also = sorted({key for run in runs for key in run.evals if key.startswith("also/")})
+    labels = [(key, f"{key.split('/')[1]} (eval.also), {key.split('/')[2]}") for key in also]
+    return [*PAIRED_EVALS, *labels]
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

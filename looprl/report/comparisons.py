@@ -1,4 +1,5 @@
-"""The report's comparisons beyond before/after: reference models (`eval.references`,
+"""The report's comparisons beyond before/after: on-policy distillation's teacher
+(`algo.teacher`, RUN/eval/teacher.json) and reference models (`eval.references`,
 EvalResults of `looprl eval --endpoint`) paired against the trained model, and each member
 of a mixture (`env.mix`) before and after. `write.py` places the blocks; the table and
 paired-difference wording are its own, passed in."""
@@ -57,6 +58,37 @@ def reference_blocks(
         text = paired_text(paired).replace("after − before", f"trained − {reference_name(ref)}")
         blocks.append(("p", text))
     return blocks
+
+
+def teacher_blocks(
+    run_dir: Path,
+    teacher: str | None,
+    baseline: dict,
+    final: dict,
+    summary_rows: Any,
+    paired_text: Any,
+) -> list[tuple]:
+    """The teacher's own reward on the same held-out episodes (a distilling run's
+    eval/teacher.json) beside before and after, paired against the trained model."""
+    result = load_eval(run_dir / "eval" / "teacher.json")
+    if result is None:
+        return []
+    paired = paired_stats(result, final)
+    text = paired_text(paired).replace("after − before", "trained − teacher")
+    return [
+        ("h2", f"Teacher ({teacher})"),
+        (
+            "p",
+            "On-policy distillation's teacher (`algo.teacher`) on the same held-out episodes, "
+            "evaluated once: how far the trained student is from it.",
+        ),
+        (
+            "table",
+            ["metric", "before", "after", "teacher"],
+            summary_rows([baseline, final, result]),
+        ),
+        ("p", text),
+    ]
 
 
 def member_blocks(baseline: dict, final: dict) -> list[tuple]:

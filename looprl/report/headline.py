@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from looprl.report.also import read_also
+from looprl.report.comparisons import load_eval
 from looprl.report.rl_stage import rl_stage, rl_stage_line
 from looprl.report.stats import Paired, member_results, paired_stats, reward_with_ci
 
@@ -51,11 +53,30 @@ def headline(
                 f"  {label}: {reward_with_ci(before.get(label, {}))} → "
                 f"{reward_with_ci(after)}{change}"
             )
+    lines += _also_lines(report.parent)
+    teacher = load_eval(report.parent / "eval" / "teacher.json")  # a distilling run's
+    if teacher is not None:
+        paired = paired_stats(teacher, final)
+        change = "" if isinstance(paired, str) else f", trained − teacher {_short(paired)}"
+        lines.append(f"teacher {teacher.get('model')}: {reward_with_ci(teacher)}{change}")
     for ref in references or []:
         paired = paired_stats(ref, final)
         change = "" if isinstance(paired, str) else f", trained − reference {_short(paired)}"
         lines.append(f"reference {ref.get('model')}: {reward_with_ci(ref)}{change}")
     return [*lines, f"report: {report}, {report.with_suffix('.html')}"]
+
+
+def _also_lines(run_dir: Path) -> list[str]:
+    """eval.also: each other env's reward before → after, paired (report/also.py)."""
+    before, lines = read_also(run_dir, "baseline"), []
+    for key, after in read_also(run_dir, "final").items():
+        paired = paired_stats(before[key], after) if key in before else "no baseline"
+        change = "" if isinstance(paired, str) else f", paired {_short(paired)}"
+        lines.append(
+            f"also {key}, {after.get('n', '?')} episodes: "
+            f"{reward_with_ci(before.get(key, {}))} → {reward_with_ci(after)}{change}"
+        )
+    return lines
 
 
 def _difference(paired: Paired | str) -> str:

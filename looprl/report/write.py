@@ -20,7 +20,8 @@ from typing import Any
 
 from looprl.config import Config, load_config
 from looprl.errors import ConfigError
-from looprl.report.comparisons import member_blocks, reference_blocks
+from looprl.report.also import also_blocks, also_warnings
+from looprl.report.comparisons import member_blocks, reference_blocks, teacher_blocks
 from looprl.report.curve import PLOT as CURVE_PLOT
 from looprl.report.curve import curve_blocks
 from looprl.report.failures_page import failure_section
@@ -153,7 +154,7 @@ def write_report(
         blocks += [
             ("h1", f"looprl run: {cfg.env.name} · {cfg.model.name} · {cfg.algo.name}"),
             ("p", _headline(cfg, wall_s, wall_label, peak_rss)),
-            *[("warn", text) for text in run_warnings(rows, evals)],
+            *[("warn", text) for text in run_warnings(rows, evals) + also_warnings(run_dir)],
             *_flags(baseline, final, greedy),
             ("h2", "Before / after"),
             (
@@ -166,8 +167,12 @@ def write_report(
             *rl_stage_blocks(mid, final),  # with an SFT warm start: the RL steps' own effect
             *[("p", text) for text in [solved_text(baseline, final)] if text],
             *_greedy_blocks(*greedy, _load_eval(run_dir / "eval" / "after_sft_greedy.json")),
+            *teacher_blocks(
+                run_dir, cfg.algo.teacher, baseline, final, _summary_rows, _paired_text
+            ),
             *reference_blocks(cfg.eval.references, baseline, final, _summary_rows, _paired_text),
             *member_blocks(baseline, final),
+            *also_blocks(run_dir),  # eval.also: did anything else change?
         ]
         png = plot_before_after(
             before,
