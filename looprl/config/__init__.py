@@ -1,9 +1,10 @@
 """Typed configuration: every knob of a run, with its default and a one-line description.
 
-Defaults live in `sections.py` and nowhere else. A run's config is built from (lowest to
-highest priority) these defaults, an optional YAML file, and repeated `--set a.b=value`
-overrides (`load.py`). Every validation error is turned into a `ConfigError` that names
-the field, the bad value and what is allowed.
+Defaults live in `sections.py`, `train.py` (the `train` section) and `algo.py`, and
+nowhere else. A run's config is built from (lowest to highest priority) these defaults,
+an optional YAML file, and repeated `--set a.b=value` overrides (`load.py`). Every
+validation error is turned into a `ConfigError` that names the field, the bad value and
+what is allowed.
 """
 
 from looprl.config.algo import DEFAULT_CLIP, AlgoConfig, AlgoExperimental, CurriculumConfig
@@ -26,8 +27,8 @@ from looprl.config.sections import (
     ModelConfig,
     RolloutConfig,
     SFTConfig,
-    TrainConfig,
 )
+from looprl.config.train import TrainConfig
 
 __all__ = [
     "DEFAULT_CLIP",

@@ -21,8 +21,8 @@ from looprl.config.sections import (
     ModelConfig,
     RolloutConfig,
     SFTConfig,
-    TrainConfig,
 )
+from looprl.config.train import TrainConfig
 
 
 class Config(Section):
