@@ -8,8 +8,9 @@ state hold (the tensors' local shards, as allocated).
     python tests/shard_worker.py OUT MODE          # one process
     torchrun --nproc_per_node 2 tests/shard_worker.py OUT MODE
 
-MODE: lora or full, with -checkpointed for model.gradient_checkpointing and -every for
-train.shard_grad_sync=every.
+MODE: lora or full, with -checkpointed for model.gradient_checkpointing, -every for
+train.shard_grad_sync=every and -kl for a KL term to the base model (LoRA: the adapters
+switched off for the reference pass).
 """
 
 from __future__ import annotations
@@ -82,9 +83,9 @@ def main(out: Path, mode: str) -> None:
             "model": {
                 "name": "tiny-random",
                 "lora": {"enabled": mode.startswith("lora"), "rank": 4},
-                "gradient_checkpointing": mode.endswith("-checkpointed"),
+                "gradient_checkpointing": "-checkpointed" in mode,
             },
-            "algo": {"num_minibatches": 2},
+            "algo": {"num_minibatches": 2, "kl_coef": 0.1 if "-kl" in mode else 0.0},
             "train": {
                 "micro_batch_tokens": 64,
                 "shard": "fsdp",
