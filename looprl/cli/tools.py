@@ -156,11 +156,18 @@ def plan(
         str, typer.Option(help="dgx-spark, h200, h100-80g, a100-80g, rtx-4090, cpu-24g, ...")
     ] = "cpu-24g",
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    world_size: Annotated[
+        int, typer.Option(min=1, help="Processes under torchrun: the plan is one rank's.")
+    ] = 1,
+    shard: Annotated[
+        str | None, typer.Option(help="none or fsdp: train.shard for this plan.")
+    ] = None,
 ) -> None:
     """Predict a run's peak memory from configs alone (no weights) and say if it fits."""
     from looprl.plan.show import make_plan, tables
 
-    result = make_plan(load_run_config(config, set_), device)
+    sets = [*(set_ or []), *([f"train.shard={shard}"] if shard is not None else [])]
+    result = make_plan(load_run_config(config, sets), device, world_size)
     if as_json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
         return

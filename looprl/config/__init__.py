@@ -8,6 +8,7 @@ the field, the bad value and what is allowed.
 
 from looprl.config.algo import DEFAULT_CLIP, AlgoConfig, AlgoExperimental, CurriculumConfig
 from looprl.config.base import Section
+from looprl.config.evaluation import AlsoEval, EvalConfig
 from looprl.config.load import (
     config_from_dict,
     describe_fields,
@@ -18,9 +19,7 @@ from looprl.config.load import (
 )
 from looprl.config.run import Config
 from looprl.config.sections import (
-    AlsoEval,
     EnvConfig,
-    EvalConfig,
     LoggingConfig,
     LoraConfig,
     ModelConfig,

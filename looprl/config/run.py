@@ -14,9 +14,9 @@ from pydantic import Field, model_validator
 
 from looprl.config.algo import AlgoConfig, CurriculumConfig
 from looprl.config.base import Section
+from looprl.config.evaluation import EvalConfig
 from looprl.config.sections import (
     EnvConfig,
-    EvalConfig,
     LoggingConfig,
     ModelConfig,
     RolloutConfig,
@@ -108,3 +108,47 @@ def check_rules(cfg: Config) -> None:
             "weights on the server, a LoRA adapter of its own: set model.lora.enabled=true "
             "(full fine-tuning has one set), or rollout.max_staleness=0"
         )
+    check_sharding(cfg)
+
+
+def check_sharding(cfg: Config) -> None:
+    """train.shard=fsdp: the parts of a run that need whole weights on every rank, or a
+    tensor layout FSDP2's shards do not have, are refused here (docs/training.md)."""
+    if cfg.train.shard == "none":
+        if cfg.train.offload:
+            raise ValueError(
+                "train.offload=true moves FSDP2's shards to CPU memory, and train.shard=none "
+                "has none: set train.shard=fsdp as well (or train.offload=false)"
+            )
+        return
+    refused = {
+        "train.optimizer=adamw_8bit": (
+            cfg.train.optimizer == "adamw_8bit",
+            "bitsandbytes quantises whole tensors in blocks, not FSDP2's shards; use "
+            "train.optimizer=adamw",
+        ),
+        "rollout.engine=vllm": (
+            cfg.rollout.engine == "vllm",
+            "the weight push to the server reads whole tensors; use rollout.engine=hf",
+        ),
+        "rollout.max_staleness > 0": (
+            cfg.rollout.max_staleness > 0,
+            "the rollout thread samples from a whole second copy; set rollout.max_staleness=0",
+        ),
+        "rollout.sampler_dtype": (
+            cfg.rollout.sampler_dtype != "model",
+            "the sampler copy is a whole second model; set rollout.sampler_dtype=model",
+        ),
+        "sft.enabled": (
+            cfg.sft.enabled,
+            "the warm start runs outside the sharded update; warm-start with train.shard=none "
+            "and resume, or set sft.enabled=false",
+        ),
+        "algo.kl_reference=start": (
+            cfg.algo.kl_coef > 0 and cfg.algo.kl_reference == "start",
+            "the start's weights are swapped in whole; use algo.kl_reference=base",
+        ),
+    }
+    for field, (hit, why) in refused.items():
+        if hit:
+            raise ValueError(f"train.shard=fsdp cannot be combined with {field}: {why}")

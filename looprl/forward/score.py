@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from looprl.algo import head_logprobs, token_logprobs
 from looprl.forward import cascade
@@ -123,7 +124,8 @@ def sequence_logprobs(
     Returns logp_BS (with grad if enabled; 0 off the mask) and mask_BS (bool); callers
     use only the masked entries, in order.
     """
-    if _cache_dropped(model) or not fast_paths(base_model(model).config).trainer_prefix:
+    whole = _cache_dropped(model) or is_sharded(model)
+    if whole or not fast_paths(base_model(model).config).trainer_prefix:
         return _whole_sequence_logprobs(model, sequences, masks, pad_id, device, temperature)
     starts = [prompt_length(m) for m in masks]
     prefill = shared_prefill(
@@ -237,6 +239,13 @@ def _right_padded(
     return ids.to(device), attention.to(device), mask.to(device)
 
 
+def is_sharded(model: Any) -> bool:
+    """An FSDP2 module (train.shard=fsdp): every forward of it is one collective per unit,
+    so a micro-batch is one call of the whole model (whole sequences, no shared prefill,
+    whose number of calls depends on the prompts)."""
+    return isinstance(model, FSDPModule)
+
+
 def _cache_dropped(model: Any) -> bool:
     """transformers drops the KV cache of a model training under gradient checkpointing."""
     base = base_model(model)
@@ -250,7 +259,10 @@ def _cache_dropped(model: Any) -> bool:
 def decoder_and_head(model: Any) -> tuple[Any, Any] | None:
     """The model's body (returning its final hidden states) and output projection, if
     its logits are exactly `head(hidden)`: checked once per model on a short input, so a
-    model that scales or soft-caps its logits keeps the plain path."""
+    model that scales or soft-caps its logits keeps the plain path. A sharded model keeps
+    it too: FSDP2 gathers the root's weights only when the root module itself is called."""
+    if is_sharded(model):
+        return None
     base = base_model(model)
     verdict = getattr(base, "_looprl_split_head", None)
     if verdict is None:

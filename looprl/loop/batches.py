@@ -90,14 +90,16 @@ def minibatches(
 
 
 def scoring_keys(
-    episodes: Sequence[Episode],
+    episodes: Sequence[Episode], whole: bool = False
 ) -> tuple[list[list[int]], list[int], list[float]]:
     """What forward/score.py's `micro_batches` splits episodes on: their token ids, prompt
     lengths and scoring temperatures (greedy episodes are scored at 1, as those sampled at
-    1, so they share a micro-batch). `micro_batches(*scoring_keys(episodes), budget)`."""
+    1, so they share a micro-batch). `micro_batches(*scoring_keys(episodes), budget)`.
+    `whole`: the passes run whole sequences (a sharded model, loop/shard.py), so no
+    prompt is counted once for several episodes."""
     return (
         [e.token_ids for e in episodes],
-        [prompt_length(e.loss_mask) for e in episodes],
+        [0 if whole else prompt_length(e.loss_mask) for e in episodes],
         [scoring_temperature(e.temperature) for e in episodes],
     )
 

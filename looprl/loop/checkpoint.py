@@ -18,6 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from looprl.forward.score import is_sharded
+from looprl.loop import dist as ranks
 
 PREFIX = "step_"
 
@@ -41,12 +45,37 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor whole, on the CPU: a sharded one (DTensor, train.shard=fsdp) gathered from
+    every rank, so every rank must call this for it in the same order."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
+    return tensor.detach().contiguous().cpu()
+
+
 def trainable_state(model: Any) -> dict[str, torch.Tensor]:
-    return {
-        name: p.detach().contiguous().cpu()
-        for name, p in model.named_parameters()
-        if p.requires_grad
+    """The trainable weights, whole (sharded ones gathered: every rank calls it)."""
+    return {name: whole(p) for name, p in model.named_parameters() if p.requires_grad}
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """`optimizer.state_dict()` with whole tensors (sharded ones gathered: every rank calls
+    it): the same file at any number of processes, sharded or not."""
+    state = optimizer.state_dict()  # its per-parameter dicts are the optimizer's own
+    state["state"] = {
+        index: {k: whole(v) if isinstance(v, DTensor) else v for k, v in values.items()}
+        for index, values in state["state"].items()
     }
+    return state
+
+
+def _place(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A whole tensor laid out as `like`: its device and dtype, and its shard where `like`
+    is sharded (each rank keeps its own part of the whole it read; no collective)."""
+    tensor = tensor.to(like.device, like.dtype)
+    if isinstance(like, DTensor):
+        return distribute_tensor(tensor, like.device_mesh, like.placements, src_data_rank=None)
+    return tensor
 
 
 def save_checkpoint(
@@ -57,20 +86,28 @@ def save_checkpoint(
     scheduler: Any,
     extra: dict[str, Any],
     keep: int,
-) -> Path:
+) -> Path | None:
+    """Every rank calls it (a sharded model's weights and optimizer state are gathered
+    whole); rank 0 writes and returns the folder, the others None."""
+    main = ranks.current().is_main
+    if not (main or is_sharded(model)):
+        return None
+    state = {
+        "optimizer": optimizer_state(optimizer),
+        "scheduler": scheduler.state_dict(),
+        "rng": rng_state(),
+    }
+    weights = trainable_state(model)
+    if not main:
+        return None
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"):  # left by a writer that was killed mid-write
         shutil.rmtree(stale, ignore_errors=True)
     final = root / f"{PREFIX}{step:06d}"
-    state = {
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "rng": rng_state(),
-    }
-    save_weights(
+    write_weights(
         final,
-        model,
+        weights,
         {"step": step, **extra},
         also=lambda folder: torch.save(state, folder / "state.pt"),
     )
@@ -79,17 +116,30 @@ def save_checkpoint(
     return final
 
 
-def save_weights(
-    folder: Path, model: Any, meta: dict[str, Any], also: Callable[[Path], None] | None = None
+def save_weights(folder: Path, model: Any, meta: dict[str, Any]) -> Path | None:
+    """The model's trainable weights and `meta` (`write_weights`). Every rank calls it (a
+    sharded model's weights are gathered whole); rank 0 writes and returns the folder.
+    Weights alone are not resumable, but load wherever a checkpoint does (eval, chat,
+    serve, export)."""
+    if not (ranks.current().is_main or is_sharded(model)):
+        return None
+    weights = trainable_state(model)
+    return write_weights(folder, weights, meta) if ranks.current().is_main else None
+
+
+def write_weights(
+    folder: Path,
+    weights: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    also: Callable[[Path], None] | None = None,
 ) -> Path:
-    """The model's trainable weights and `meta` (and what `also` writes beside them: a
-    checkpoint's optimizer state), written into a temporary folder renamed to `folder`:
-    whole or not at all over what `folder` held. Weights alone are not resumable, but
-    load wherever a checkpoint does (eval, chat, serve, export)."""
+    """`weights` and `meta` (and what `also` writes beside them: a checkpoint's optimizer
+    state), written into a temporary folder renamed to `folder`: whole or not at all over
+    what `folder` held."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
     try:
-        save_file(trainable_state(model), str(tmp / "trainable.safetensors"))
+        save_file(weights, str(tmp / "trainable.safetensors"))
         if also is not None:
             also(tmp)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
@@ -121,13 +171,21 @@ def load_weights(model: Any, checkpoint: Path) -> dict[str, Any]:
         raise ValueError(f"checkpoint {checkpoint} does not fit this model: {missing[:3]} ...")
     with torch.no_grad():
         for name, tensor in state.items():
-            params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+            params[name].copy_(_place(tensor, params[name]))
     return json.loads((checkpoint / "meta.json").read_text())
 
 
 def load_training_state(checkpoint: Path, optimizer: Any, scheduler: Any) -> None:
+    """The optimizer's whole state, each rank keeping its shard of it where the weights are
+    sharded; the schedule; the random states."""
     state = torch.load(checkpoint / "state.pt", weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            values = optimizer.state.get(param, {})
+            for key, value in values.items():
+                if isinstance(param, DTensor) and getattr(value, "shape", None) == param.shape:
+                    values[key] = _place(value, param)
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
 

@@ -106,7 +106,7 @@ class EvalCurve:
         if row["reward_mean"] > best:
             cfg = self.held_out.cfg
             meta = {"step": step, "reward_mean": row["reward_mean"], "model": cfg.model.name}
-            main_only(save_weights)(self.best_dir, self.held_out.policy.model, meta)
+            save_weights(self.best_dir, self.held_out.policy.model, meta)  # rank 0 writes
 
     def best(self) -> dict[str, Any] | None:
         """The best point so far (the earliest of equals)."""

@@ -12,6 +12,8 @@ before clipping and the optimizer step, not by DistributedDataParallel hooks: a 
 runs as many micro-batches as its own episodes need (a token budget, the A = 0 episodes
 skipped), so ranks run different numbers of backward passes, and DDP's per-backward
 reduction with `no_sync` would wait for a backward that never comes on another rank.
+With `train.shard: fsdp` the weights are split over the ranks instead and FSDP2 reduces
+the gradients (loop/shard.py, which pads the ranks' micro-batch counts for that reason).
 """
 
 from __future__ import annotations

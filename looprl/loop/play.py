@@ -13,6 +13,7 @@ from looprl.engine import SamplingParams, Thinking
 from looprl.envs import Environment, env_factory, group_scorer
 from looprl.loop.policy import Policy
 from looprl.loop.rollout import run_episodes
+from looprl.loop.shard import full_weights
 from looprl.types import Episode, Task
 
 
@@ -46,22 +47,25 @@ def player(cfg: Config, policy: Policy, probe: Environment) -> Player:
         "max_turns": probe.max_turns,
         "max_episode_tokens": cfg.rollout.max_episode_tokens,
     }
+    score_groups = None
     if is_agent_env(probe):
-        return partial(run_agents, **common)
-    opened = cfg.rollout.think == "tagged" and policy.renderer.opens_thinking
-    thinking = Thinking(cfg.rollout.think, cfg.rollout.think_max_tokens, opened)
-    play = partial(run_episodes, **common, thinking=thinking)
-    score_groups = group_scorer(probe)
-    if not callable(score_groups):
-        return play
+        play: Player = partial(run_agents, **common)
+    else:
+        opened = cfg.rollout.think == "tagged" and policy.renderer.opens_thinking
+        thinking = Thinking(cfg.rollout.think, cfg.rollout.think_max_tokens, opened)
+        play = partial(run_episodes, **common, thinking=thinking)
+        score_groups = group_scorer(probe)
 
-    def play_and_score_groups(tasks: list[Task], **kwargs: Any) -> list[Episode]:
-        """A group judge's scores come once the groups are played (the dataset env)."""
-        episodes = play(tasks, **kwargs)
-        score_groups(episodes)
+    def play_whole(tasks: list[Task], **kwargs: Any) -> list[Episode]:
+        """The rollout phase on whole weights (train.shard=fsdp: gathered once, loop/shard.py);
+        a group judge's scores come once the groups are played (the dataset env)."""
+        with full_weights(policy.model):
+            episodes = play(tasks, **kwargs)
+        if callable(score_groups):
+            score_groups(episodes)
         return episodes
 
-    return play_and_score_groups
+    return play_whole
 
 
 def distinct_tasks(tasks: list) -> list:

@@ -46,7 +46,7 @@ from looprl.types import ENV_ERROR, PARSE_FAILURES, TRUNCATED, Episode
 # episodes (loop/dist.py); rank 0 alone writes the run folder. These writers do nothing
 # on the other ranks, so the loop reads the same for one process or many.
 UNSCORABLE = (*PARSE_FAILURES, TRUNCATED)  # outcomes that say nothing of the task itself
-save_checkpoint = main_only(checkpoints.save_checkpoint)
+save_checkpoint = checkpoints.save_checkpoint  # every rank: shards are gathered, rank 0 writes
 write_samples = main_only(log.write_samples)
 write_report = main_only(report_files.write_report)
 

@@ -59,6 +59,7 @@ from looprl.loop.run_state import (
     resume_state,
     seed_everything,
 )
+from looprl.loop.shard import start_replicas
 from looprl.loop.snapshot import start_snapshots
 from looprl.loop.sources import group_source
 from looprl.loop.step import Trainer, save_checkpoint, say_health, write_report
@@ -114,7 +115,7 @@ def train(
     policy.teacher = load_teacher(cfg, progress)  # algo.teacher (on-policy distillation)
     preflight.check_reply_room(cfg, probe, policy.renderer)  # still nothing written
     check_also_room(cfg, policy.renderer)  # eval.also's envs too
-    dist.broadcast_parameters(policy.trainable_parameters())  # the replicas start equal
+    start_replicas(policy.model, cfg.train, policy.device, dist)  # equal, then sharded
     # tictactoe-game's `snapshot` opponent: frozen copies of the model (loop/snapshot.py)
     snapshot = start_snapshots(policy, capabilities(probe).snapshot_opponent)
     run_dir = open_run_dir(cfg, out, dist, force, resume)
@@ -250,6 +251,11 @@ def check_run(cfg: Config, out: Path, dist: Dist, force: bool, resume: bool) -> 
     preflight.check_env(cfg, probe)  # one task of each split played without the model
     check_replay(cfg)  # train.replay: its saved rollouts fit this run
     check_overlap(cfg, probe, dist.world)  # rollout.max_staleness ≥ 1
+    if cfg.train.shard == "fsdp" and capabilities(probe).snapshot_opponent:
+        raise ConfigError(
+            "train.shard=fsdp cannot be combined with the snapshot opponent: it plays a whole "
+            "copy of the policy; choose another opponent or set train.shard=none"
+        )
     check_teacher(cfg)  # algo.teacher: the student's tokenizer
     check_also(cfg)  # eval.also: each env made, one held-out task drawn
     return probe, sft_env

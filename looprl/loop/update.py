@@ -19,7 +19,7 @@ memory halves the micro-batch token budget and retries the same minibatch.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,14 +40,10 @@ from looprl.forward.routing import RouterLoad, router_metrics
 from looprl.forward.score import micro_batches, sequence_logprobs
 from looprl.loop.batches import Scored, UpdateState, minibatches, retry_on_oom, scoring_keys
 from looprl.loop.dist import Dist
-from looprl.loop.offpolicy import (
-    corrected,
-    gap_stats,
-    samples_policy_exactly,
-    set_corrections,
-)
+from looprl.loop.offpolicy import corrected, gap_stats, samples_policy_exactly, set_corrections
 from looprl.loop.policy import Policy
 from looprl.loop.reference import reference_weights
+from looprl.loop.shard import full_weights, gradient_norm, is_sharded, synced_passes
 from looprl.loop.teacher_server import ServerTeacher
 from looprl.model.memory import release_free_memory
 
@@ -95,9 +91,10 @@ def update_policy(
     batch = [Scored(e, a) for group in groups for e, a in group.learners(views)]
     if not dist.all_reduce([len(batch)])[0]:
         return out
-    scorer = Scorer(policy, algo, state, optimizer)
+    scorer = Scorer(policy, algo, state, optimizer, dist, train.shard_grad_sync == "every")
     load = RouterLoad(policy.model)  # MoE models: tokens per expert in the first full pass
-    reuse, checks = old_logprobs(scorer, batch, group_size, fresh, load, dist)
+    with full_weights(policy.model):  # no-grad passes, each rank its own count (shard.py)
+        reuse, checks = old_logprobs(scorer, batch, group_size, fresh, load, dist)
     out.update(set_corrections(batch, algo, dist))
     taken: list[dict[str, float]] = []  # the minibatches whose optimizer step was taken
     with load if reuse else nullcontext():
@@ -150,6 +147,8 @@ class Scorer:
     algo: AlgoConfig
     state: UpdateState
     optimizer: torch.optim.Optimizer
+    dist: Dist = field(default_factory=Dist)
+    sync_every: bool = False  # train.shard_grad_sync=every (loop/shard.py)
 
     def logprobs(self, chunk: list[Scored], model: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One micro-batch's logprobs and loss mask, [B, K], under the policy (or `model`,
@@ -170,7 +169,7 @@ class Scorer:
         """Each episode's logprobs at its generated tokens, in order (no grad)."""
         values: list[torch.Tensor] = []
         with torch.no_grad():
-            keys = scoring_keys([s.episode for s in samples])
+            keys = scoring_keys([s.episode for s in samples], is_sharded(self.policy.model))
             for indices in micro_batches(*keys, budget):
                 chunk = [samples[i] for i in indices]
                 logp_BK, mask_BK = self.logprobs(chunk, model)
@@ -255,8 +254,11 @@ def minibatch_gradient(
     optimizer.zero_grad(set_to_none=True)
     acc = {"loss": 0.0, "units": 0.0, "clipped": 0.0, "kl": 0.0, "distill_kl": 0.0,
            "ratio_max": 1.0, "tokens": 0, "checks": []}  # fmt: skip
-    for indices in micro_batches(*scoring_keys([s.episode for s in active]), budget):
-        chunk = [active[i] for i in indices]
+    model = scorer.policy.model
+    keys = scoring_keys([s.episode for s in active], is_sharded(model))
+    chunks = [[active[i] for i in indices] for indices in micro_batches(*keys, budget)]
+    device = scorer.policy.device  # sharded: every rank as many passes (loop/shard.py)
+    for chunk in synced_passes(model, chunks, scorer.dist, device, scorer.sync_every):
         logp_BK, mask_BK = scorer.logprobs(chunk)
         if gap:
             acc["checks"] += [
@@ -346,7 +348,8 @@ def optimizer_step(
     whole minibatch's, `out` counts the step. Returns the gradient norm, or None when
     nothing was applied: no token to learn from, or a NaN/inf loss or gradient (the step
     is skipped, weights and optimizer state untouched)."""
-    dist.sum_gradients(policy.trainable_parameters())
+    if not is_sharded(policy.model):  # sharded: reduced by FSDP2 already (shard.py)
+        dist.sum_gradients(policy.trainable_parameters())
     keys = ("loss", "units", "clipped", "kl", "distill_kl", "tokens")
     acc.update(zip(keys, dist.all_reduce([acc[k] for k in keys])))
     acc["ratio_max"] = dist.all_reduce([acc["ratio_max"]], op="max")[0]
@@ -354,7 +357,8 @@ def optimizer_step(
         return None  # every advantage was 0: nothing to learn from this minibatch
     out["tokens"] += int(acc["tokens"])
     out["ratio_max"] = max(out["ratio_max"], acc["ratio_max"])
-    norm = torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), train.max_grad_norm)
+    params = policy.trainable_parameters()
+    norm = gradient_norm(torch.nn.utils.clip_grad_norm_(params, train.max_grad_norm))
     if not (np.isfinite(acc["loss"]) and torch.isfinite(norm)):
         optimizer.zero_grad(set_to_none=True)  # skip: weights and optimizer untouched
         out["skipped"] += 1

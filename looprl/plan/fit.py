@@ -9,13 +9,14 @@ from typing import Any
 from looprl.config import Config
 from looprl.loop.batches import MIN_MICRO_BATCH_TOKENS
 from looprl.plan.devices import DEVICES, Device
-from looprl.plan.memory import Plan, dtype_name, plan_memory, summary
+from looprl.plan.memory import Plan, dtype_name, summary
 from looprl.plan.shape import ModelShape
+from looprl.plan.sharding import plan_for
 from looprl.plan.workload import Workload
 
 
-def _peak(cfg: Config, shape: ModelShape, work: Workload, device: Device) -> float:
-    return plan_memory(cfg, shape, work, device).peak()[1]
+def _peak(cfg: Config, shape: ModelShape, work: Workload, device: Device, world: int = 1) -> float:
+    return plan_for(cfg, shape, work, device, world).peak()[1]
 
 
 def _with(cfg: Config, section: str, **values: Any) -> Config:
@@ -34,7 +35,9 @@ def largest(fits: Callable[[int], bool], low: int, high: int) -> int | None:
     return low
 
 
-def largest_settings(cfg: Config, shape: ModelShape, work: Workload, device: Device) -> dict:
+def largest_settings(
+    cfg: Config, shape: ModelShape, work: Workload, device: Device, world: int = 1
+) -> dict:
     """The largest `rollout.batch_size` and `train.micro_batch_tokens` that fit, each with
     the other left as configured. Each search stops where a larger value no longer changes
     the plan (every episode in one batch, a whole minibatch in one micro-batch)."""
@@ -47,11 +50,12 @@ def largest_settings(cfg: Config, shape: ModelShape, work: Workload, device: Dev
     tokens = minibatch * (work.prompt_tokens + work.response_tokens)
 
     def batch_fits(n: int) -> bool:
-        return _peak(_with(cfg, "rollout", batch_size=n), shape, work, device) <= device.usable
+        changed = _with(cfg, "rollout", batch_size=n)
+        return _peak(changed, shape, work, device, world) <= device.usable
 
     def micro_fits(n: int) -> bool:
         changed = _with(cfg, "train", micro_batch_tokens=n)
-        return _peak(changed, shape, work, device) <= device.usable
+        return _peak(changed, shape, work, device, world) <= device.usable
 
     batch_top = episodes
     micro_top = max(tokens, MIN_MICRO_BATCH_TOKENS)
@@ -64,9 +68,13 @@ def largest_settings(cfg: Config, shape: ModelShape, work: Workload, device: Dev
     }
 
 
-def advice(cfg: Config, shape: ModelShape, work: Workload, device: Device) -> list[dict]:
-    """Changes that lower the peak, each planned again: LoRA, 8-bit AdamW, gradient
-    checkpointing, bfloat16 weights, smaller batches."""
+def advice(
+    cfg: Config, shape: ModelShape, work: Workload, device: Device, world: int = 1
+) -> list[dict]:
+    """Changes that lower the peak, each planned again: sharding over the processes (at
+    least 2) and, on a GPU, its offload; LoRA, 8-bit AdamW, gradient checkpointing,
+    bfloat16 weights, smaller batches."""
+    out = sharding_advice(cfg, shape, work, device, world)
     options: list[tuple[str, Config]] = []
     if not cfg.model.lora.enabled:
         lora = cfg.model.lora.model_copy(update={"enabled": True})
@@ -85,16 +93,42 @@ def advice(cfg: Config, shape: ModelShape, work: Workload, device: Device) -> li
         options.append(
             ("train.micro_batch_tokens=512", _with(cfg, "train", micro_batch_tokens=512))
         )
-    out = []
     for change, changed in options:
-        peak = _peak(changed, shape, work, device)
+        peak = _peak(changed, shape, work, device, world)
         out.append({"set": change, "peak_bytes": peak, "fits": peak <= device.usable})
     return sorted(out, key=lambda item: item["peak_bytes"])
 
 
-def full_plan(cfg: Config, shape: ModelShape, work: Workload, device: Device) -> dict:
-    """Everything `looprl plan` prints, as one JSON-ready dict."""
-    plan: Plan = plan_memory(cfg, shape, work, device)
+def sharding_advice(
+    cfg: Config, shape: ModelShape, work: Workload, device: Device, world: int
+) -> list[dict]:
+    """train.shard=fsdp over `world` processes (2 when planned for one); once sharded, the
+    gradients reduced after every micro-batch and, on a GPU, the offload; each planned
+    again at that world size."""
+    options: list[tuple[str, Config, int]] = []
+    if cfg.train.shard == "none":
+        over = max(world, 2)
+        sharded = _with(cfg, "train", shard="fsdp")
+        options.append((f"train.shard=fsdp (torchrun, {over} processes)", sharded, over))
+    else:
+        if cfg.train.shard_grad_sync == "last":
+            every = _with(cfg, "train", shard_grad_sync="every")
+            options.append(("train.shard_grad_sync=every", every, world))
+        if device.kind == "cuda" and not cfg.train.offload:
+            options.append(("train.offload=true", _with(cfg, "train", offload=True), world))
+    out = []
+    for change, changed, size in options:
+        peak = _peak(changed, shape, work, device, size)
+        out.append({"set": change, "peak_bytes": peak, "fits": peak <= device.usable})
+    return out
+
+
+def full_plan(
+    cfg: Config, shape: ModelShape, work: Workload, device: Device, world: int = 1
+) -> dict:
+    """Everything `looprl plan` prints, as one JSON-ready dict: one rank's plan over
+    `world` processes."""
+    plan: Plan = plan_for(cfg, shape, work, device, world)
     result = summary(plan)
     peak = result["peak_bytes"]
     result.update(
@@ -109,13 +143,15 @@ def full_plan(cfg: Config, shape: ModelShape, work: Workload, device: Device) ->
             "about": device.about,
         },
         fits=peak <= device.usable,
-        largest=largest_settings(cfg, shape, work, device),
-        advice=[] if peak <= device.usable else advice(cfg, shape, work, device),
-        devices={name: _verdict(cfg, shape, work, other) for name, other in DEVICES.items()},
+        world_size=world,
+        shard=cfg.train.shard if world > 1 else "none",
+        largest=largest_settings(cfg, shape, work, device, world),
+        advice=[] if peak <= device.usable else advice(cfg, shape, work, device, world),
+        devices={n: _verdict(cfg, shape, work, d, world) for n, d in DEVICES.items()},
     )
     return result
 
 
-def _verdict(cfg: Config, shape: ModelShape, work: Workload, device: Device) -> dict:
-    peak = _peak(cfg, shape, work, device)
+def _verdict(cfg: Config, shape: ModelShape, work: Workload, device: Device, world: int) -> dict:
+    peak = _peak(cfg, shape, work, device, world)
     return {"peak_bytes": peak, "fits": peak <= device.usable}

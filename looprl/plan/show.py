@@ -14,12 +14,13 @@ from looprl.plan.shape import model_shape
 from looprl.plan.workload import probe_workload
 
 
-def make_plan(cfg: Config, device_name: str) -> dict[str, Any]:
-    """Plan `cfg` for the named device, from configs, the env and the tokenizer alone."""
+def make_plan(cfg: Config, device_name: str, world: int = 1) -> dict[str, Any]:
+    """Plan `cfg` for the named device, one rank of `world` processes, from configs, the
+    env and the tokenizer alone."""
     target = device(device_name)
     shape = model_shape(cfg)
     work = probe_workload(cfg, shape.vocab)
-    return full_plan(cfg, shape, work, target)
+    return full_plan(cfg, shape, work, target, world)
 
 
 def gb(value: float) -> str:
@@ -32,6 +33,9 @@ def tables(result: dict[str, Any]) -> list[Any]:
     active = f", {model['active_params'] / 1e9:.2f}B active" if model["expert_params"] else ""
     size = f"{model['params'] / 1e9:.3f}B params{active}"
     title = f"{model['name']} ({size}) on {dev['name']}: {dev['about']}"
+    if result["world_size"] > 1:
+        how = "sharded (train.shard=fsdp)" if result["shard"] == "fsdp" else "whole on each"
+        title += f"; one rank of {result['world_size']}, {how}"
     table = Table("phase", "component", "GB", "how", title=title, title_justify="left")
     notes = result["notes"]
     for key, value in result["persistent"].items():

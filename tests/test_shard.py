@@ -1,0 +1,235 @@
+"""train.shard=fsdp: two sharded processes (torchrun, gloo, FSDP2) against one whole
+process on the same episodes: the first gradient, the losses and the weights after three
+updates agree, while each rank holds half the parameters, gradients and optimizer state
+(the tensors' local shards, measured); the ranks run different numbers of micro-batches
+and still meet in every collective. A sharded run's checkpoint resumes on one process and
+a one-process checkpoint on two sharded processes; a rank that fails stops the job; the
+combinations sharding does not support are refused at config load.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from test_distributed import (
+    TORCHRUN,
+    assert_same_step,
+    free_port,
+    launch,
+    metrics,
+    one_node,
+    one_process,
+    run_args,
+)
+
+from looprl.config import load_config
+from looprl.errors import ConfigError
+from looprl.loop.dist import Dist
+from looprl.loop.shard import decoder_layers, shard_policy
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = str(ROOT / "tests" / "shard_worker.py")
+SHARDED = ["train.shard=fsdp", "model.lora.enabled=true"]
+
+
+def run_worker(out: Path, mode: str, processes: int) -> tuple[dict, list[dict]]:
+    out.mkdir(parents=True)
+    cmd = [sys.executable, WORKER, str(out), mode]
+    if processes > 1:
+        cmd = [
+            *TORCHRUN,
+            "--nproc_per_node",
+            str(processes),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            WORKER,
+            str(out),
+            mode,
+        ]
+    proc = launch(cmd)
+    output, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, output[-4000:]
+    memory = [json.loads((out / f"memory_{r}.json").read_text()) for r in range(processes)]
+    return torch.load(out / "result.pt"), memory
+
+
+@pytest.mark.parametrize("mode", ["lora-checkpointed", "full-every"])
+def test_two_sharded_processes_update_like_one(tmp_path, mode):
+    """LoRA with gradient checkpointing (each layer recomputed under FSDP2's hooks), the
+    gradients reduced after the last micro-batch; and a full fine-tune (the root's
+    embeddings and norm trained too), reduced after every micro-batch."""
+    whole, (one,) = run_worker(tmp_path / "one", mode, 1)
+    sharded, ranks = run_worker(tmp_path / "two", mode, 2)
+    for a, b in zip(whole["stats"], sharded["stats"]):
+        assert a["updated"] == b["updated"] == 2
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    assert whole["grads"].keys() == sharded["grads"].keys()
+    for name, grad in whole["grads"].items():
+        assert torch.allclose(sharded["grads"][name], grad, atol=1e-5, rtol=0), name
+    assert any(g.abs().max() > 1e-3 for g in whole["grads"].values())  # a real gradient
+    for name, weight in whole["weights"].items():
+        assert torch.allclose(sharded["weights"][name], weight, atol=1e-4, rtol=0), name
+    # each rank holds half of what one process holds, and together all of it
+    for part in ("params", "trainable", "grads", "optimizer"):
+        assert sum(r[part] for r in ranks) == one[part], part
+        assert all(r[part] <= 0.51 * one[part] for r in ranks), part
+    # the ranks' episodes differ in length: different micro-batch counts, padded
+    assert one["idle_passes"] == 0 and ranks[1]["idle_passes"] > ranks[0]["idle_passes"]
+    checkpointed = mode.endswith("-checkpointed")
+    assert all(bool(r["checkpointed"]) == checkpointed for r in [one, *ranks])
+
+
+def test_sharded_checkpoints_resume_at_another_world_size(tmp_path):
+    """2 sharded -> 1 and -> 2 sharded give the same third step; then 1 -> 2 sharded and
+    1 -> 1 the same fourth."""
+    sharded = tmp_path / "sharded"
+    one_node(sharded, *SHARDED)
+    on_one, on_two = tmp_path / "on_one", tmp_path / "on_two"
+    shutil.copytree(sharded, on_one)
+    shutil.copytree(sharded, on_two)
+    one_process(on_one, *SHARDED, "train.steps=3", resume=True)  # one process: whole
+    one_node(on_two, *SHARDED, "train.steps=3", resume=True)
+    assert [m["step"] for m in metrics(on_one)] == [1, 2, 3]
+    assert_same_step(on_one, on_two, 3)
+    again_one, again_two = tmp_path / "again_one", tmp_path / "again_two"
+    shutil.copytree(on_one, again_one)
+    shutil.copytree(on_one, again_two)
+    one_process(again_one, "model.lora.enabled=true", "train.steps=4", resume=True)
+    one_node(again_two, *SHARDED, "train.steps=4", resume=True)
+    assert_same_step(again_one, again_two, 4)
+
+
+def test_a_failing_sharded_rank_stops_the_job(tmp_path):
+    cmd = [
+        *TORCHRUN,
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        *run_args(tmp_path / "run", *SHARDED),
+    ]
+    proc = launch(cmd, LOOPRL_TEST_FAIL_RANK="1")
+    output, _ = proc.communicate(timeout=240)
+    ended = time.time()
+    assert proc.returncode != 0
+    match = re.search(r"rank 1 fails on purpose at ([0-9.]+)", output)
+    assert match, output[-4000:]
+    assert ended - float(match.group(1)) < 60  # not a hang until a timeout
+
+
+@pytest.mark.parametrize(
+    ("sets", "names"),
+    [
+        (["train.optimizer=adamw_8bit"], "train.optimizer=adamw_8bit"),
+        (["rollout.engine=vllm"], "rollout.engine=vllm"),
+        (["sft.enabled=true"], "sft.enabled"),
+        (["algo.kl_coef=0.1", "algo.kl_reference=start"], "algo.kl_reference=start"),
+    ],
+)
+def test_what_sharding_does_not_support_is_refused_at_load(sets, names):
+    if "adamw_8bit" in sets[0]:
+        pytest.importorskip("bitsandbytes")
+    with pytest.raises(ConfigError, match=re.escape(names)):
+        load_config(None, ["train.shard=fsdp", *sets])
+
+
+def tiny_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    return LlamaForCausalLM(config)
+
+
+def test_offload_needs_sharding_and_a_gpu():
+    with pytest.raises(ConfigError, match="train.shard=fsdp as well"):
+        load_config(None, ["train.offload=true"])
+    cfg = load_config(None, ["train.shard=fsdp", "train.offload=true"])
+    model = tiny_llama()
+    with pytest.raises(ConfigError, match="train.offload=false"):
+        shard_policy(model, cfg.train, torch.device("cpu"), Dist(rank=0, world=2))
+
+
+def test_one_process_keeps_the_model_whole_and_layers_are_found():
+    cfg = load_config(None, ["train.shard=fsdp"])
+    model = tiny_llama()
+    assert decoder_layers(model) is model.model.layers
+    assert not shard_policy(model, cfg.train, torch.device("cpu"), Dist())
+    assert not any(hasattr(p, "to_local") for p in model.parameters())
+
+
+def test_the_plan_of_one_sharded_rank():
+    """One rank of 2: the weights, adapters and optimizer state halve; a rollout phase
+    holds the whole weights once more; the update holds the root and two layers whole,
+    the whole-sequence logits, and the gradients whole when they accumulate over several
+    micro-batches; a run that does not fit is told to shard."""
+    from test_plan import hand_shape, hand_work
+
+    from looprl.plan.devices import device
+    from looprl.plan.fit import full_plan
+    from looprl.plan.sharding import plan_for
+
+    cfg = load_config(None, ["model.lora.enabled=false", "train.shard=fsdp"])
+    shape, work, cpu = hand_shape(), hand_work(), device("cpu-24g")
+    one, rank = plan_for(cfg, shape, work, cpu, 1), plan_for(cfg, shape, work, cpu, 2)
+    for key in ("weights", "optimizer state"):
+        assert rank.persistent.components[key] == one.persistent.components[key] / 2
+    rollout = {p.name: p for p in rank.phases}["rollout"]
+    assert rollout.components["whole weights"] == shape.params * 4
+    update = {p.name: p for p in rank.phases}["update"]
+    assert update.components["root weights whole"] == shape.embedding_params * 4
+    assert update.components["layers in flight"] == 2 * (shape.params - 100_000) / 2 * 4
+    assert update.components["gradients"] == shape.params * 4 / 2  # one micro-batch
+    several = load_config(
+        None, ["model.lora.enabled=false", "train.shard=fsdp", "train.micro_batch_tokens=64"]
+    )
+    update = {p.name: p for p in plan_for(several, shape, work, cpu, 2).phases}["update"]
+    assert update.components["gradients"] == shape.params * 4  # whole until the last
+    every = several.model_copy(
+        update={"train": several.train.model_copy(update={"shard_grad_sync": "every"})}
+    )
+    update = {p.name: p for p in plan_for(every, shape, work, cpu, 2).phases}["update"]
+    assert update.components["gradients"] == shape.params * 4 / 2
+    big = replace(shape, params=2_000_000_000, embedding_params=100_000_000)
+    whole = full_plan(load_config(None, ["model.lora.enabled=false"]), big, work, cpu)
+    assert not whole["fits"]
+    sharding = [item for item in whole["advice"] if item["set"].startswith("train.shard=fsdp")]
+    assert sharding and sharding[0]["peak_bytes"] < whole["peak_bytes"]
+
+
+def test_plan_command_for_one_sharded_rank():
+    from typer.testing import CliRunner
+
+    from looprl.cli import app
+
+    runner = CliRunner(env={"COLUMNS": "250", "NO_COLOR": "1"})
+    base = ["plan", "--set", "model.name=tiny-random", "--set", "model.lora.enabled=false"]
+    one = json.loads(runner.invoke(app, [*base, "--json"]).output)
+    res = runner.invoke(app, [*base, "--world-size", "2", "--shard", "fsdp", "--json"])
+    assert res.exit_code == 0, res.output
+    rank = json.loads(res.output)
+    assert (rank["world_size"], rank["shard"]) == (2, "fsdp")
+    assert rank["persistent"]["weights"] == one["persistent"]["weights"] / 2
+    shown = runner.invoke(app, [*base, "--world-size", "2", "--shard", "fsdp"])
+    assert "one rank of 2, sharded" in shown.output and "whole weights" in shown.output
+    bad = runner.invoke(app, [*base, "--shard", "zero3"])
+    assert bad.exit_code != 0 and "train.shard" in bad.output
