@@ -2,7 +2,7 @@
 engine exactly as a plain full forward would, the trainer scores the engine's tokens
 within LOGPROB_BOUND, LoRA adapts the right weights, the export merges them losslessly,
 and a `looprl run` step runs end to end on the exotic ones (bailing_hybrid, an MoE,
-gemma3)."""
+gemma3, phi3's fused projections)."""
 
 from __future__ import annotations
 
@@ -25,10 +25,14 @@ from looprl.model.tiny import TINY_ARCHITECTURES, build_tiny, perturb_adapters, 
 
 ARCHS = list(TINY_ARCHITECTURES)
 MOE = {"qwen3_moe", "mixtral", "olmoe", "bailing_hybrid"}
-PLAIN_CACHE = {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "olmoe"}
+PLAIN_CACHE = {"llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral", "olmoe"}
 # engine vs trainer vs full forward, float32 on the CPU: the same sums in another order
 LOGPROB_BOUND = 1e-4
 DENSE_TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+# the attention's projections LoRA must adapt, where they are not Llama's q_proj and o_proj
+ATTENTION_TARGETS = {"phi3": {"qkv_proj", "o_proj"}}
+# a dense model's projections, where they are not Llama's (fused q/k/v and gate/up)
+FUSED_TARGETS = {"phi3": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}}
 
 
 @pytest.fixture(scope="module")
@@ -132,13 +136,13 @@ def test_lora_targets_and_trainer_logprobs(arch, tokenizer, renderer, requests):
     model = lora_model(arch, tokenizer)
     names = adapted(model)
     leaves = {name.rsplit(".", 1)[-1] for name in names}
-    assert {"q_proj", "o_proj"} <= leaves
+    assert ATTENTION_TARGETS.get(arch, {"q_proj", "o_proj"}) <= leaves
     routers = {name.split(".layers.")[-1].split(".", 1)[1] for name in router_modules(model)}
     if arch in MOE:
         assert "mlp.experts" in names  # the fused expert weights (PEFT target_parameters)
         assert not names & routers, names & routers
     else:
-        assert {leaf for leaf in leaves} >= DENSE_TARGETS
+        assert leaves >= FUSED_TARGETS.get(arch, DENSE_TARGETS)
         assert not routers
     engine = HFEngine(model, tokenizer, renderer.eos_ids)
     chosen = requests[:4]
@@ -228,7 +232,7 @@ ONE_STEP = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("arch", ["bailing_hybrid", "qwen3_moe", "gemma3"])
+@pytest.mark.parametrize("arch", ["bailing_hybrid", "qwen3_moe", "gemma3", "phi3"])
 def test_one_run_step_end_to_end(arch, runner, tmp_path):
     from looprl.cli import app
 
@@ -237,7 +241,7 @@ def test_one_run_step_end_to_end(arch, runner, tmp_path):
     res = runner.invoke(app, ["run", "--out", str(run), "--set", f"model.name={folder}", *ONE_STEP])
     assert res.exit_code == 0, res.output[-3000:]
     notice = "fast paths off for this model" in res.output
-    assert notice is (arch != "qwen3_moe")
+    assert notice is (arch not in PLAIN_CACHE)
     (row,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert abs(row["rollout/logprob_gap"]) < LOGPROB_BOUND
     router_keys = [key for key in row if key.startswith("train/router_")]

@@ -36,6 +36,7 @@ MATRIX = {
     "qwen2": "dense, full attention, q/k/v biases",
     "qwen3": "dense, full attention, q/k norms",
     "mistral": "dense, full attention (a sliding window turns the window paths off)",
+    "phi3": "dense, full attention, fused q/k/v and gate/up projections",
     "gemma3_text": "dense, sliding-window layers interleaved with global layers",
     "qwen3_moe": "MoE: top-k routed experts (fused expert weights)",
     "mixtral": "MoE: top-k routed experts (fused expert weights)",

@@ -21,6 +21,7 @@ TINY_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", dict(intermediate_size=128)),
     "qwen3": ("Qwen3Config", dict(intermediate_size=128, head_dim=16)),
     "mistral": ("MistralConfig", dict(intermediate_size=128, sliding_window=None)),
+    "phi3": ("Phi3Config", dict(intermediate_size=128)),
     "gemma3": (
         "Gemma3TextConfig",
         dict(
