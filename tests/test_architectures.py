@@ -24,8 +24,9 @@ from looprl.model.arch import MATRIX, fast_paths, router_modules
 from looprl.model.tiny import TINY_ARCHITECTURES, build_tiny, perturb_adapters, save_tiny
 
 ARCHS = list(TINY_ARCHITECTURES)
-MOE = {"qwen3_moe", "mixtral", "olmoe", "bailing_hybrid"}
+MOE = {"qwen3_moe", "mixtral", "olmoe", "glm4_moe", "bailing_hybrid"}
 PLAIN_CACHE = {"llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral", "olmoe"}
+PLAIN_CACHE |= {"glm4_moe"}
 # engine vs trainer vs full forward, float32 on the CPU: the same sums in another order
 LOGPROB_BOUND = 1e-4
 DENSE_TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
@@ -232,7 +233,7 @@ ONE_STEP = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("arch", ["bailing_hybrid", "qwen3_moe", "gemma3", "phi3"])
+@pytest.mark.parametrize("arch", ["bailing_hybrid", "qwen3_moe", "gemma3", "phi3", "glm4_moe"])
 def test_one_run_step_end_to_end(arch, runner, tmp_path):
     from looprl.cli import app
 

@@ -41,6 +41,7 @@ MATRIX = {
     "qwen3_moe": "MoE: top-k routed experts (fused expert weights)",
     "mixtral": "MoE: top-k routed experts (fused expert weights)",
     "olmoe": "MoE: top-k routed experts, q/k norms",
+    "glm4_moe": "MoE: sigmoid-routed experts + a shared expert, partial rotary, q/k norms",
     "bailing_hybrid": "MoE + hybrid: MLA full attention between KDA linear-attention layers",
 }
 

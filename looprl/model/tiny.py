@@ -14,7 +14,9 @@ from looprl.model.tiny_random import TINY_CONFIG
 # ones). Four layers, so that every kind of layer appears at least once: gemma3 has three
 # sliding-window layers (a window of 16 tokens, shorter than any env prompt) and one global
 # layer; bailing_hybrid alternates KDA linear attention and MLA full attention, with one
-# dense layer before the routed experts (8 experts in 2 groups, top-2 from 1 group).
+# dense layer before the routed experts (8 experts in 2 groups, top-2 from 1 group); glm4_moe
+# has one dense layer, then 8 sigmoid-routed experts and a shared expert (rotary on half of
+# each head, q/k norms, q/k/v biases).
 _MOE = dict(num_experts_per_tok=2)
 TINY_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", dict(intermediate_size=128)),
@@ -37,6 +39,19 @@ TINY_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "mixtral": ("MixtralConfig", dict(intermediate_size=64, num_local_experts=8, **_MOE)),
     "olmoe": ("OlmoeConfig", dict(intermediate_size=64, num_experts=8, **_MOE)),
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        dict(
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            first_k_dense_replace=1,
+            use_qk_norm=True,
+            attention_bias=True,
+            num_nextn_predict_layers=0,
+            **_MOE,
+        ),
+    ),
     "bailing_hybrid": (
         "BailingHybridConfig",
         dict(
