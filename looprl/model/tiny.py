@@ -16,7 +16,9 @@ from looprl.model.tiny_random import TINY_CONFIG
 # layer; bailing_hybrid alternates KDA linear attention and MLA full attention, with one
 # dense layer before the routed experts (8 experts in 2 groups, top-2 from 1 group); glm4_moe
 # has one dense layer, then 8 sigmoid-routed experts and a shared expert (rotary on half of
-# each head, q/k norms, q/k/v biases).
+# each head, q/k norms, q/k/v biases); deepseek_v3 has MLA attention (low-rank queries,
+# a compressed key/value latent; query/key heads of 8 + 8 rotary dims, value heads of 16) and
+# one dense layer before 8 experts in 2 groups (top-2 from 1 group) and a shared expert.
 _MOE = dict(num_experts_per_tok=2)
 TINY_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", dict(intermediate_size=128)),
@@ -48,6 +50,25 @@ TINY_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             first_k_dense_replace=1,
             use_qk_norm=True,
             attention_bias=True,
+            num_nextn_predict_layers=0,
+            **_MOE,
+        ),
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            num_key_value_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
             num_nextn_predict_layers=0,
             **_MOE,
         ),
