@@ -16,9 +16,10 @@ from looprl.model.tiny_random import TINY_CONFIG
 # layer; bailing_hybrid alternates KDA linear attention and MLA full attention, with one
 # dense layer before the routed experts (8 experts in 2 groups, top-2 from 1 group); glm4_moe
 # has one dense layer, then 8 sigmoid-routed experts and a shared expert (rotary on half of
-# each head, q/k norms, q/k/v biases); deepseek_v3 has MLA attention (low-rank queries,
-# a compressed key/value latent; query/key heads of 8 + 8 rotary dims, value heads of 16) and
-# one dense layer before 8 experts in 2 groups (top-2 from 1 group) and a shared expert.
+# each head, q/k norms, q/k/v biases); deepseek_v3 has MLA attention (low-rank queries, a
+# compressed key/value latent of 16; query/key heads of 8 + 8 rotary dims, value heads of
+# 12: narrower than the keys, as DeepSeek's) and one dense layer before 8 experts in 2
+# groups (top-2 from 1 group) and a shared expert.
 _MOE = dict(num_experts_per_tok=2)
 TINY_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", dict(intermediate_size=128)),
@@ -68,7 +69,7 @@ TINY_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             kv_lora_rank=16,
             qk_rope_head_dim=8,
             qk_nope_head_dim=8,
-            v_head_dim=16,
+            v_head_dim=12,
             num_nextn_predict_layers=0,
             **_MOE,
         ),
