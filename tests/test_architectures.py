@@ -1,8 +1,8 @@
 """The architecture matrix: each tiny model of `looprl.model.tiny` samples through the `hf`
 engine exactly as a plain full forward would, the trainer scores the engine's tokens
 within LOGPROB_BOUND, LoRA adapts the right weights, the export merges them losslessly,
-and a `looprl run` step runs end to end on the exotic ones (bailing_hybrid, an MoE,
-gemma3, phi3's fused projections)."""
+and a `looprl run` step runs end to end on the exotic ones (bailing_hybrid, MoEs, gemma3,
+phi3's fused projections, deepseek_v3's MLA, whose KV a session also keeps across turns)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ from looprl.model.tiny import TINY_ARCHITECTURES, build_tiny, perturb_adapters, 
 
 ARCHS = list(TINY_ARCHITECTURES)
 MOE = {"qwen3_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "bailing_hybrid"}
-PLAIN_CACHE = {"llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral", "olmoe"}
-PLAIN_CACHE |= {"glm4_moe", "deepseek_v3"}
+PLAIN_CACHE = set(ARCHS) - {"gemma3", "bailing_hybrid"}  # keys and values (MLA: its latent)
 # MLA: the cache holds a latent that attention expands, so no cascade level can hold it
 NO_CASCADE = {"deepseek_v3"}
 # engine vs trainer vs full forward, float32 on the CPU: the same sums in another order
