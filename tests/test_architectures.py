@@ -1,8 +1,8 @@
 """The architecture matrix: each tiny model of `looprl.model.tiny` samples through the `hf`
 engine exactly as a plain full forward would, the trainer scores the engine's tokens
 within LOGPROB_BOUND, LoRA adapts the right weights, the export merges them losslessly,
-and a `looprl run` step runs end to end on the exotic ones (bailing_hybrid, an MoE,
-gemma3)."""
+and a `looprl run` step runs end to end on the exotic ones (bailing_hybrid, MoEs, gemma3,
+phi3's fused projections, deepseek_v3's MLA, whose KV a session also keeps across turns)."""
 
 from __future__ import annotations
 
@@ -24,11 +24,20 @@ from looprl.model.arch import MATRIX, fast_paths, router_modules
 from looprl.model.tiny import TINY_ARCHITECTURES, build_tiny, perturb_adapters, save_tiny
 
 ARCHS = list(TINY_ARCHITECTURES)
-MOE = {"qwen3_moe", "mixtral", "olmoe", "bailing_hybrid"}
-PLAIN_CACHE = {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "olmoe"}
+MOE = {"qwen3_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "bailing_hybrid"}
+PLAIN_CACHE = set(ARCHS) - {"gemma3", "bailing_hybrid"}  # keys and values (MLA: its latent)
+# MLA: the cache holds a latent that attention expands, so no cascade level can hold it
+NO_CASCADE = {"deepseek_v3"}
 # engine vs trainer vs full forward, float32 on the CPU: the same sums in another order
 LOGPROB_BOUND = 1e-4
 DENSE_TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+# the attention's projections LoRA must adapt, where they are not Llama's q_proj and o_proj
+ATTENTION_TARGETS = {
+    "phi3": {"qkv_proj", "o_proj"},
+    "deepseek_v3": {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"},
+}
+# a dense model's projections, where they are not Llama's (fused q/k/v and gate/up)
+FUSED_TARGETS = {"phi3": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}}
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +91,7 @@ def test_engine_tokens_equal_the_plain_forward(arch, models, tokenizer, renderer
     expected_plain = arch in PLAIN_CACHE
     assert engine.paths.kv_buffers is expected_plain
     assert engine.paths.shared_head is expected_plain
+    assert engine.cascade is (expected_plain and arch not in NO_CASCADE)
     params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=5)
     outs = engine.generate(requests, params)
     for index, (request, out) in enumerate(zip(requests, outs)):
@@ -90,6 +100,36 @@ def test_engine_tokens_equal_the_plain_forward(arch, models, tokenizer, renderer
         want = logp_TV.gather(1, torch.tensor(out.ids)[:, None])[:, 0]
         gap = (want - torch.tensor(out.logprobs)).abs().max().item()
         assert gap < LOGPROB_BOUND, (arch, gap)
+
+
+def test_an_mla_models_kv_is_kept_across_turns(models, tokenizer, renderer, requests):
+    """deepseek_v3 caches a latent and a rotary key of other widths than keys and values:
+    a session keeps them per episode and merges them into the next turn's batch, whose
+    tokens and logprobs are a plain forward's."""
+    model = models("deepseek_v3")
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=4)
+    engine = HFEngine(model, tokenizer, renderer.eos_ids, batch_size=4)
+    kept = [GenerationRequest(r.prompt_ids, keep_kv=True) for r in requests]
+    with engine.session():
+        first = engine.generate(kept, params)
+        second = [
+            GenerationRequest(r.prompt_ids + o.ids + [198, 2683, 359])  # a tool result
+            for r, o in zip(kept, first)
+        ]
+        fed: list[int] = []
+        hook = model.register_forward_hook(
+            lambda m, a, kw, out: fed.append(kw["input_ids"].numel()), with_kwargs=True
+        )
+        try:
+            again = engine.generate(second, params)
+        finally:
+            hook.remove()
+    assert sum(fed) < len(requests[0].prompt_ids)  # the prompts' KV came from the first turn
+    for index, (request, out) in enumerate(zip(second, again)):
+        logp_TV = full_forward_logprobs(model, request.prompt_ids, out.ids)
+        assert out.ids == replayed(engine, request, params, index, logp_TV)
+        want = logp_TV.gather(1, torch.tensor(out.ids)[:, None])[:, 0]
+        assert (want - torch.tensor(out.logprobs)).abs().max().item() < LOGPROB_BOUND
 
 
 def test_a_shared_head_would_shift_gemma3s_sliding_window(models, requests):
@@ -132,13 +172,13 @@ def test_lora_targets_and_trainer_logprobs(arch, tokenizer, renderer, requests):
     model = lora_model(arch, tokenizer)
     names = adapted(model)
     leaves = {name.rsplit(".", 1)[-1] for name in names}
-    assert {"q_proj", "o_proj"} <= leaves
+    assert ATTENTION_TARGETS.get(arch, {"q_proj", "o_proj"}) <= leaves
     routers = {name.split(".layers.")[-1].split(".", 1)[1] for name in router_modules(model)}
     if arch in MOE:
         assert "mlp.experts" in names  # the fused expert weights (PEFT target_parameters)
         assert not names & routers, names & routers
     else:
-        assert {leaf for leaf in leaves} >= DENSE_TARGETS
+        assert leaves >= FUSED_TARGETS.get(arch, DENSE_TARGETS)
         assert not routers
     engine = HFEngine(model, tokenizer, renderer.eos_ids)
     chosen = requests[:4]
@@ -205,6 +245,9 @@ def test_fast_paths_per_architecture(tokenizer):
     assert fast_paths(tiny_config("llama", tokenizer)).notice() is None
     hybrid = fast_paths(tiny_config("bailing_hybrid", tokenizer))
     assert not hybrid.trainer_prefix and "recurrent state" in hybrid.notice()
+    mla = fast_paths(tiny_config("deepseek_v3", tokenizer))
+    assert mla.kv_buffers and mla.shared_head and mla.trainer_prefix and not mla.cascade
+    assert "MLA caches a compressed latent" in mla.notice()
     other = fast_paths(GPT2Config())
     assert not (other.kv_buffers or other.shared_head or other.cascade or other.trainer_prefix)
     assert "gpt2 is not in the tested matrix" in other.notice()
@@ -228,7 +271,10 @@ ONE_STEP = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("arch", ["bailing_hybrid", "qwen3_moe", "gemma3"])
+RUN_ARCHS = ["bailing_hybrid", "qwen3_moe", "gemma3", "phi3", "glm4_moe", "deepseek_v3"]
+
+
+@pytest.mark.parametrize("arch", RUN_ARCHS)
 def test_one_run_step_end_to_end(arch, runner, tmp_path):
     from looprl.cli import app
 
@@ -237,7 +283,7 @@ def test_one_run_step_end_to_end(arch, runner, tmp_path):
     res = runner.invoke(app, ["run", "--out", str(run), "--set", f"model.name={folder}", *ONE_STEP])
     assert res.exit_code == 0, res.output[-3000:]
     notice = "fast paths off for this model" in res.output
-    assert notice is (arch != "qwen3_moe")
+    assert notice is (arch not in PLAIN_CACHE or arch in NO_CASCADE)
     (row,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert abs(row["rollout/logprob_gap"]) < LOGPROB_BOUND
     router_keys = [key for key in row if key.startswith("train/router_")]

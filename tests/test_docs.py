@@ -336,7 +336,7 @@ def test_the_checks_catch_what_they_guard(tmp_path):
     for name in (
         "__init__.py",
         "sections.py",
-        "train.py",
+        "evaluation.py",
         "algo.py",
         "base.py",
         "run.py",

@@ -204,6 +204,17 @@ def test_moe_lora_count_is_the_runs(tmp_path, router):
     assert shape.lora_params == sum(trained.values())
 
 
+def test_an_mla_model_caches_its_latent_and_plans_no_cascade(tmp_path):
+    """DeepSeek V3's MLA caches the compressed latent and the rotary key per layer (kv_lora_rank +
+    rope dims), not per-head keys and values; the engine runs it without cascade attention."""
+    from looprl.model.tiny import save_tiny
+
+    folder = save_tiny("deepseek_v3", tmp_path / "mla")
+    shape = model_shape(config_from_dict({"model": {"name": str(folder)}}))
+    assert shape.kv_per_token == 4 * (16 + 8)  # four layers of latent 16 + rotary key 8
+    assert not shape.cascade
+
+
 def test_ling_class_config_counts_7_9b_total_and_1_3b_active():
     cfg = config_from_dict({"model": {"name": str(LING)}})
     shape = model_shape(cfg)

@@ -14,15 +14,15 @@ from pydantic import Field, model_validator
 
 from looprl.config.algo import AlgoConfig, CurriculumConfig
 from looprl.config.base import Section
+from looprl.config.evaluation import EvalConfig
 from looprl.config.sections import (
     EnvConfig,
-    EvalConfig,
     LoggingConfig,
     ModelConfig,
     RolloutConfig,
     SFTConfig,
+    TrainConfig,
 )
-from looprl.config.train import TrainConfig
 
 
 class Config(Section):

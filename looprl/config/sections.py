@@ -188,101 +188,56 @@ class RolloutConfig(Section):
     )
 
 
-class AlsoEval(Section):
-    """One more held-out eval on another env, before and after (`eval.also`)."""
-
-    name: str = Field(
-        description="Environment name (see `looprl envs`) of this extra held-out eval."
+class TrainConfig(Section):
+    steps: int = Field(20, ge=0, description="Training steps (one rollout batch each).")
+    lr: float = Field(4e-4, gt=0, le=1, description="Peak learning rate (AdamW).")
+    optimizer: Literal["adamw", "adamw_8bit"] = Field(
+        "adamw",
+        description="adamw: float32 states (8 bytes/param); adamw_8bit: bitsandbytes' 8-bit "
+        "states (≈ 2 bytes/param; needs the optim8bit extra).",
     )
-    args: dict[str, Any] = Field(
-        default_factory=dict, description="Keyword arguments passed to that environment."
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="Learning-rate decay after warmup."
     )
-    tasks: int = Field(
-        8, ge=1, description="Its held-out tasks (drawn with eval.seed), × eval.samples_per_task."
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    micro_batch_tokens: int = Field(
+        2048, ge=64, description="Token budget of one forward/backward micro-batch."
     )
-    label: str | None = Field(
+    checkpoint_every: int = Field(10, ge=0, description="Save a checkpoint every K steps; 0 = off.")
+    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk (newest).")
+    max_bad_steps: int = Field(
+        3, ge=1, description="Consecutive NaN/inf steps skipped before the run stops."
+    )
+    health: Literal["warn", "stop"] = Field(
+        "warn",
+        description="A step failing a health check (all env errors or cut replies, equal "
+        "groups, nothing to train, NaN, flat loss, zero gradient): warn, or stop checkpointed.",
+    )
+    health_patience: int = Field(
+        3, ge=1, description="Steps in a row that equal groups or a flat loss take to fail."
+    )
+    shard: Literal["none", "fsdp"] = Field(
+        "none",
+        description="Under torchrun: none = every rank holds the whole model; fsdp = weights, "
+        "gradients and optimizer state split over the ranks (FSDP2).",
+    )
+    shard_grad_sync: Literal["last", "every"] = Field(
+        "last",
+        description="With train.shard=fsdp: reduce gradients after a rank's last micro-batch "
+        "(less traffic, whole gradients meanwhile) or after each (they stay 1/N).",
+    )
+    offload: bool = Field(
+        False,
+        description="With train.shard=fsdp on CUDA: keep the sharded weights, gradients and "
+        "optimizer state in CPU memory between uses.",
+    )
+    replay: str | None = Field(
         None,
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
-        description="Its key in the report and under RUN/eval/also/ (letters, digits, _.-); "
-        "unset = the name, ':' and '/' as '_'.",
+        description="A run folder whose saved rollouts (logging.save_rollouts) the steps "
+        "train on instead of sampling, scored under this config (`looprl run --replay RUN`).",
     )
-
-    @property
-    def key(self) -> str:
-        """The report's key and the folder name under eval/also/ and samples/also/."""
-        return self.label or self.name.replace(":", "_").replace("/", "_")
-
-
-class EvalConfig(Section):
-    tasks: int = Field(64, ge=1, description="Held-out tasks for baseline and final eval.")
-    temperature: float = Field(
-        1.0, ge=0, le=5, description="Eval sampling temperature: 1 = as trained, 0 = greedy."
-    )
-    samples_per_task: int = Field(
-        4, ge=1, description="Episodes per eval task (the same seeds before and after)."
-    )
-    references: list[str] = Field(
-        default_factory=list,
-        description="EvalResult files of reference models (`looprl eval --endpoint ... --out "
-        "F.json`) shown in the report beside before/after, paired against the trained model.",
-    )
-    seed: int = Field(1234, description="Seed of the eval task sample and sampling.")
-    greedy: bool = Field(
-        True,
-        description="Also evaluate greedily (T = 0, one episode per task) before and after "
-        "(skipped when eval.temperature is already 0).",
-    )
-    greedy_tasks: int | None = Field(
-        None,
-        ge=1,
-        description="Distinct held-out tasks of the greedy eval, one episode each, the "
-        "sampled eval's first; unset = eval.tasks × eval.samples_per_task.",
-    )
-    every: int = Field(
-        0,
-        ge=0,
-        description="Also evaluate the held-out tasks at step 0 and every N steps, same seeds "
-        "(the report's curve; the best step's weights: checkpoints/best); 0 = off.",
-    )
-    curve_tasks: int | None = Field(
-        None,
-        ge=1,
-        description="With eval.every: the curve's tasks, the held-out eval's first; unset = "
-        "all eval.tasks (the evals before and after are then its first and last points).",
-    )
-
-    also: list[AlsoEval] = Field(
-        default_factory=list,
-        description="Other envs evaluated before and after on fixed seeds, [{name, args, tasks, "
-        "label}]: did training change anything else? (report section).",
-    )
-
-    @field_validator("also")
-    @classmethod
-    def _unique_keys(cls, also: list[AlsoEval]) -> list[AlsoEval]:
-        keys = [entry.key for entry in also]
-        repeated = sorted({key for key in keys if keys.count(key) > 1})
-        if repeated:
-            raise ValueError(
-                f"each eval.also entry needs its own key; repeated: {', '.join(repeated)} "
-                "(give the entries different labels)"
-            )
-        return also
-
-    @property
-    def greedy_runs(self) -> bool:
-        """Whether the greedy eval runs (on, and the sampled eval is not greedy already)."""
-        return self.greedy and self.temperature > 0
-
-    @property
-    def greedy_count(self) -> int:
-        """Tasks the greedy eval asks for (the env's held-out set may hold fewer); 0 when it
-        does not run."""
-        if not self.greedy_runs:
-            return 0
-        return (
-            self.tasks * self.samples_per_task if self.greedy_tasks is None else self.greedy_tasks
-        )
 
 
 class SFTConfig(Section):

@@ -171,9 +171,9 @@ def merge(parts: list[Part], keep: list[torch.Tensor], room: int, trim: bool = F
         start = end
     layers = []
     for index, layer in enumerate(first.cache.layers):
-        _, heads, _, dim = layer.keys.shape
-        keys = torch.zeros((total, heads, width + room, dim), dtype=layer.keys.dtype, device=device)
-        values = torch.zeros_like(keys)
+        # keys and values may differ in heads and width (MLA caches its latent and rope key)
+        keys = _columns(layer.keys, total, width + room)
+        values = _columns(layer.values, total, width + room)
         start = 0
         for (part, source), extra in zip(chosen, inline):
             src = part.cache.layers[index]
@@ -195,6 +195,12 @@ def merge(parts: list[Part], keep: list[torch.Tensor], room: int, trim: bool = F
     cache.layers = layers
     index_C = torch.arange(total, device=device)
     return Part(cache, index_C, attention, next_pos, logits, width, shared)
+
+
+def _columns(like: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """Zeros [rows, heads, columns, dim], with `like`'s heads, dim, dtype and device."""
+    _, heads, _, dim = like.shape
+    return torch.zeros((rows, heads, columns, dim), dtype=like.dtype, device=like.device)
 
 
 def _trimmed(part: Part, source: torch.Tensor) -> Part:

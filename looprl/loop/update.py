@@ -40,12 +40,7 @@ from looprl.forward.routing import RouterLoad, router_metrics
 from looprl.forward.score import micro_batches, sequence_logprobs
 from looprl.loop.batches import Scored, UpdateState, minibatches, retry_on_oom, scoring_keys
 from looprl.loop.dist import Dist
-from looprl.loop.offpolicy import (
-    corrected,
-    gap_stats,
-    samples_policy_exactly,
-    set_corrections,
-)
+from looprl.loop.offpolicy import corrected, gap_stats, samples_policy_exactly, set_corrections
 from looprl.loop.policy import Policy
 from looprl.loop.reference import reference_weights
 from looprl.loop.shard import clip_gradients, full_weights, is_sharded, synced_passes

@@ -12,7 +12,8 @@ a plain KV cache (per layer: keys and values, one column per token):
   only when masked columns change nothing: a linear-attention state would decay over the
   gap, and a sliding window counts cache columns, gap included.
 - `cascade`: the shared head's KV is kept once per batch (needs `shared_head`, SDPA and
-  no sliding window; `looprl.forward.cascade` checks the last two itself).
+  no sliding window; `looprl.forward.cascade` checks the last two itself). Off for MLA,
+  whose cache holds a latent that attention expands into keys and values.
 - `trainer_prefix`: the trainer prefills each distinct prompt once and runs the episodes'
   suffixes on top of a copy of its cache. Needs `kv_buffers`; otherwise every sequence
   runs whole (exact for any causal LM).
@@ -36,10 +37,13 @@ MATRIX = {
     "qwen2": "dense, full attention, q/k/v biases",
     "qwen3": "dense, full attention, q/k norms",
     "mistral": "dense, full attention (a sliding window turns the window paths off)",
+    "phi3": "dense, full attention, fused q/k/v and gate/up projections",
     "gemma3_text": "dense, sliding-window layers interleaved with global layers",
     "qwen3_moe": "MoE: top-k routed experts (fused expert weights)",
     "mixtral": "MoE: top-k routed experts (fused expert weights)",
     "olmoe": "MoE: top-k routed experts, q/k norms",
+    "glm4_moe": "MoE: sigmoid-routed experts + a shared expert, partial rotary, q/k norms",
+    "deepseek_v3": "MoE + MLA: the cache holds the compressed latent; grouped sigmoid routing",
     "bailing_hybrid": "MoE + hybrid: MLA full attention between KDA linear-attention layers",
 }
 
@@ -91,7 +95,14 @@ def fast_paths(config: Any) -> FastPaths:
         reasons["kv sessions and buffers, trainer prefix sharing"] = window
         reasons["shared head, cascade"] = "the window counts the masked gap's columns"
     plain = not reasons
-    return FastPaths(plain, plain, plain, plain, reasons=reasons)
+    # MLA (`kv_lora_rank`): each layer caches its compressed latent and its rotary key (one
+    # head each), which buffers, merges and sessions move like keys and values; the
+    # attention expands them into per-head keys and values, which a cascade level would
+    # have to hold instead
+    mla = getattr(config, "kv_lora_rank", None) is not None
+    if plain and mla:
+        reasons["cascade"] = "MLA caches a compressed latent, not the keys attention reads"
+    return FastPaths(plain, plain, plain and not mla, plain, reasons=reasons)
 
 
 # ---------------------------------------------------------------- MoE

@@ -14,13 +14,19 @@ from looprl.model.tiny_random import TINY_CONFIG
 # ones). Four layers, so that every kind of layer appears at least once: gemma3 has three
 # sliding-window layers (a window of 16 tokens, shorter than any env prompt) and one global
 # layer; bailing_hybrid alternates KDA linear attention and MLA full attention, with one
-# dense layer before the routed experts (8 experts in 2 groups, top-2 from 1 group).
+# dense layer before the routed experts (8 experts in 2 groups, top-2 from 1 group); glm4_moe
+# has one dense layer, then 8 sigmoid-routed experts and a shared expert (rotary on half of
+# each head, q/k norms, q/k/v biases); deepseek_v3 has MLA attention (low-rank queries, a
+# compressed key/value latent of 16; query/key heads of 8 + 8 rotary dims, value heads of
+# 12: narrower than the keys, as DeepSeek's) and one dense layer before 8 experts in 2
+# groups (top-2 from 1 group) and a shared expert.
 _MOE = dict(num_experts_per_tok=2)
 TINY_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", dict(intermediate_size=128)),
     "qwen2": ("Qwen2Config", dict(intermediate_size=128)),
     "qwen3": ("Qwen3Config", dict(intermediate_size=128, head_dim=16)),
     "mistral": ("MistralConfig", dict(intermediate_size=128, sliding_window=None)),
+    "phi3": ("Phi3Config", dict(intermediate_size=128)),
     "gemma3": (
         "Gemma3TextConfig",
         dict(
@@ -36,6 +42,38 @@ TINY_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "mixtral": ("MixtralConfig", dict(intermediate_size=64, num_local_experts=8, **_MOE)),
     "olmoe": ("OlmoeConfig", dict(intermediate_size=64, num_experts=8, **_MOE)),
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        dict(
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            first_k_dense_replace=1,
+            use_qk_norm=True,
+            attention_bias=True,
+            num_nextn_predict_layers=0,
+            **_MOE,
+        ),
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            num_key_value_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=12,
+            num_nextn_predict_layers=0,
+            **_MOE,
+        ),
+    ),
     "bailing_hybrid": (
         "BailingHybridConfig",
         dict(

@@ -19,6 +19,7 @@ from looprl.config import Config
 from looprl.errors import ModelError
 from looprl.forward import cascade
 from looprl.loop.optim import EIGHT_BIT_MIN_SIZE
+from looprl.model.arch import fast_paths
 from looprl.model.load import load_model_config
 
 
@@ -94,22 +95,14 @@ def lora_count(model: Any, cfg: Config) -> tuple[int, int, int]:
 def _kv_per_token(config: Any, layer_types: list[str]) -> tuple[int, int]:
     """(cached elements per token over all full-attention layers, linear-attention state
     bytes per sequence). Plain attention caches keys and values: 2 × kv heads × head dim.
-    Bailing's MLA layers cache the compressed latent (kv_lora_rank + rope dim); other MLA
-    models in transformers cache the expanded keys and values per head. A linear-attention
-    layer keeps a float32 state of heads × head_dim² per sequence, plus its conv window."""
+    MLA layers (DeepSeek V3, Bailing) cache the compressed latent and the rotary key
+    (kv_lora_rank + rope dim), as transformers' MLA models do. A linear-attention layer
+    keeps a float32 state of heads × head_dim² per sequence, plus its conv window."""
     heads = _get(config, "num_attention_heads")
     head_dim = _get(config, "head_dim", default=config.hidden_size // heads)
     kv_heads = _get(config, "num_key_value_heads", default=heads)
     if _get(config, "kv_lora_rank") is not None:
-        rope = _get(config, "qk_rope_head_dim", default=0)
-        if config.model_type == "bailing_hybrid":
-            per_layer = config.kv_lora_rank + rope
-        else:
-            per_layer = heads * (
-                _get(config, "qk_nope_head_dim", default=0)
-                + rope
-                + _get(config, "v_head_dim", default=head_dim)
-            )
+        per_layer = config.kv_lora_rank + _get(config, "qk_rope_head_dim", default=0)
     else:
         per_layer = 2 * kv_heads * head_dim
     full = sum(1 for kind in layer_types if kind != "linear_attention")
@@ -158,7 +151,8 @@ def model_shape(cfg: Config) -> ModelShape:
     heads = config.num_attention_heads
     head_dim = _get(config, "head_dim", default=config.hidden_size // heads)
     kv_heads = _get(config, "num_key_value_heads", default=heads)
-    on_cascade = (not state) and cascade.enable(model)
+    # as the engine decides: only where cascade is exact for the architecture
+    on_cascade = (not state) and fast_paths(config).cascade and cascade.enable(model)
     small = _small(model.parameters())  # before PEFT wraps the model
     linear = sum(m.weight.numel() for m in model.modules() if type(m) is torch.nn.Linear)
     # counted also for a full fine-tune, so that the plan can weigh LoRA as an option
