@@ -26,7 +26,7 @@ from looprl.algo import (
 )
 from looprl.algo.kl import kl_term
 from looprl.cli import app
-from looprl.config import AlgoConfig
+from looprl.config import AlgoConfig, load_config
 from looprl.loop.offpolicy import corrected
 
 # ------------------------------------------------------------------------------ CISPO
@@ -289,6 +289,20 @@ def test_a_kl_anchor_to_the_warm_start(tmp_path):
     sft = tmp_path / "start" / "checkpoints" / "step_000000" / "trainable.safetensors"
     a, b = load_file(str(kept)), load_file(str(sft))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_warm_started_run_is_anchored_to_its_warm_start_unless_told_otherwise():
+    warm = ["sft.enabled=true", "model.lora.enabled=true"]
+    algo = load_config(overrides=warm).algo
+    assert (algo.kl_coef, algo.kl_reference, algo.kl_estimator) == (0.1, "start", "k2")
+    assert load_config(overrides=[*warm, "algo.kl_coef=0"]).algo.kl_coef == 0.0
+    chosen = load_config(overrides=[*warm, "algo.kl_estimator=k3"]).algo
+    assert (chosen.kl_coef, chosen.kl_estimator) == (0.1, "k3")  # what was set stays
+    assert load_config(overrides=["model.lora.enabled=true"]).algo.kl_coef == 0.0  # no SFT
+    full = load_config(overrides=["sft.enabled=true", "model.lora.enabled=false"]).algo
+    assert full.kl_coef == 0.0  # the KL reference needs LoRA
+    opd = load_config(overrides=[*warm, "algo.name=opd", "algo.teacher=tiny-random"]).algo
+    assert opd.kl_coef == 0.0
 
 
 # ------------------------------------------------------------- on-policy distillation

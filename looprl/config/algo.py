@@ -118,7 +118,12 @@ class AlgoConfig(Section):
         description="Greedy member: in each group this many episodes (0 or 1) are decoded "
         "at T = 0, so the policy's argmax is ranked against its own samples; 0 = off.",
     )
-    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the initial policy; 0 = off.")
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="KL penalty's weight; 0 = off. Unset with an SFT warm start and LoRA: 0.1, "
+        "kl_reference start, k2 (an anchor to the warm start).",
+    )
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k3",
         description="KL estimator: k3 or k2 in the loss, k1 in the reward (algo/kl.py: k1 "

@@ -41,8 +41,29 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check_rules(self) -> Config:
+        anchor_to_warm_start(self)
         check_rules(self)
         return self
+
+
+# The KL anchor a run with an SFT warm start gets unless algo.kl_coef is set: measured on
+# reasoning-gym's basic_arithmetic (docs/learning/reasoning_gym.md), where the GSPO steps
+# after the SFT lost accuracy without it and added to it with it.
+WARM_START_KL = {"kl_coef": 0.1, "kl_reference": "start", "kl_estimator": "k2"}
+
+
+def anchor_to_warm_start(cfg: Config) -> None:
+    """With an SFT warm start and LoRA, an unset algo.kl_coef is WARM_START_KL's: a KL
+    penalty to the warm-started policy (and the reference and estimator, where those are
+    unset too). Set algo.kl_coef=0 to train without it."""
+    algo = cfg.algo
+    if "kl_coef" in algo.model_fields_set or not (cfg.sft.enabled and cfg.model.lora.enabled):
+        return
+    if algo.name == "opd" or cfg.train.shard != "none":
+        return
+    for name, value in WARM_START_KL.items():
+        if name == "kl_coef" or name not in algo.model_fields_set:
+            object.__setattr__(algo, name, value)
 
 
 def check_rules(cfg: Config) -> None:
