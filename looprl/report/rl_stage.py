@@ -8,8 +8,9 @@ from __future__ import annotations
 from looprl.report.stats import Paired, paired_stats
 
 LEVERS = (
-    "algo.kl_coef with algo.kl_reference=start (a KL anchor to the warm start), fewer "
-    "steps or a smaller train.lr, or the held-out curve's best step (eval.every)"
+    "algo.kl_coef with algo.kl_reference=start (a KL anchor to the warm start, 0.1 by "
+    "default with LoRA: raise it if it is set), fewer steps or a smaller train.lr, or the "
+    "held-out curve's best step (eval.every)"
 )
 
 
