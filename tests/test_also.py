@@ -16,10 +16,24 @@ from looprl.envs import make_env
 from looprl.report.also import also_rows, also_warnings, lowered_line
 from looprl.report.stats import paired_stats, reward_with_ci
 
-TINY = ["--set", "model.name=tiny-random", "--set", "rollout.tasks_per_step=2",
-        "--set", "rollout.group_size=2", "--set", "eval.tasks=2",
-        "--set", "eval.samples_per_task=2", "--set", "eval.greedy=false",
-        "--set", "logging.trackers=[]", "--set", "train.checkpoint_every=1"]  # fmt: skip
+TINY = [
+    "--set",
+    "model.name=tiny-random",
+    "--set",
+    "rollout.tasks_per_step=2",
+    "--set",
+    "rollout.group_size=2",
+    "--set",
+    "eval.tasks=2",
+    "--set",
+    "eval.samples_per_task=2",
+    "--set",
+    "eval.greedy=false",
+    "--set",
+    "logging.trackers=[]",
+    "--set",
+    "train.checkpoint_every=1",
+]
 # an env the run does not train on, with its own label; 3 tasks × 2 samples
 ALSO = ["--set", "eval.also=[{name: tictactoe-game, tasks: 3, label: game}]"]
 
@@ -64,9 +78,15 @@ def test_the_report_has_one_paired_row_per_entry(run):
     assert "## Did anything else change?" in report
     row = next(line for line in report.splitlines() if line.startswith("| game |"))
     cells = [c.strip() for c in row.strip("|").split(" | ")]
-    assert cells == ["game", "tictactoe-game", "6", reward_with_ci(before), reward_with_ci(after),
-                     f"{paired.mean:+.3f} [95% CI {paired.lo:+.3f}, {paired.hi:+.3f}]",
-                     f"{paired.better} / {paired.same} / {paired.worse}"]  # fmt: skip
+    assert cells == [
+        "game",
+        "tictactoe-game",
+        "6",
+        reward_with_ci(before),
+        reward_with_ci(after),
+        f"{paired.mean:+.3f} [95% CI {paired.lo:+.3f}, {paired.hi:+.3f}]",
+        f"{paired.better} / {paired.same} / {paired.worse}",
+    ]
 
 
 def test_compare_pairs_the_entries_of_both_runs(run, tmp_path):
@@ -100,8 +120,14 @@ def test_a_resumed_run_keeps_the_baseline_it_saved(tmp_path):
 def _result(rewards: list[float]) -> dict:
     ids = [f"t{i // 2}" for i in range(len(rewards))]
     mean = sum(rewards) / len(rewards)
-    return {"env": "x", "n": len(rewards), "rewards": rewards, "task_ids": ids,
-            "reward_mean": mean, "reward_ci95": [mean - 0.1, mean + 0.1]}  # fmt: skip
+    return {
+        "env": "x",
+        "n": len(rewards),
+        "rewards": rewards,
+        "task_ids": ids,
+        "reward_mean": mean,
+        "reward_ci95": [mean - 0.1, mean + 0.1],
+    }
 
 
 def test_a_fall_whose_interval_excludes_zero_is_warned_on(tmp_path):
@@ -129,9 +155,17 @@ def test_an_entry_whose_replies_would_be_cut_is_refused_before_anything_is_writt
     out = tmp_path / "run"
     result = CliRunner().invoke(
         app,
-        ["run", *TINY, "--set", "rollout.max_new_tokens=48",
-         "--set", "eval.also=[{name: extraction, label: records}]", "--out", str(out)],
-    )  # fmt: skip
+        [
+            "run",
+            *TINY,
+            "--set",
+            "rollout.max_new_tokens=48",
+            "--set",
+            "eval.also=[{name: extraction, label: records}]",
+            "--out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 2, result.output
     assert "eval.also[0] (records): rollout.max_new_tokens=48 is below" in result.output
     assert not out.exists()

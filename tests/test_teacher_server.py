@@ -25,11 +25,26 @@ from looprl.model.tiny import build_tiny
 from looprl.report.stats import paired_stats, reward_with_ci
 from tests.serving_helpers import wait_until
 
-TINY = ["--set", "model.name=tiny-random", "--set", "rollout.tasks_per_step=2",
-        "--set", "rollout.group_size=2", "--set", "eval.tasks=2",
-        "--set", "eval.samples_per_task=2", "--set", "eval.greedy=false",
-        "--set", "logging.trackers=[]", "--set", "train.steps=1",
-        "--set", "algo.name=opd"]  # fmt: skip
+TINY = [
+    "--set",
+    "model.name=tiny-random",
+    "--set",
+    "rollout.tasks_per_step=2",
+    "--set",
+    "rollout.group_size=2",
+    "--set",
+    "eval.tasks=2",
+    "--set",
+    "eval.samples_per_task=2",
+    "--set",
+    "eval.greedy=false",
+    "--set",
+    "logging.trackers=[]",
+    "--set",
+    "train.steps=1",
+    "--set",
+    "algo.name=opd",
+]
 
 
 def _save_teacher(
@@ -67,8 +82,17 @@ def _up(url: str) -> bool:
 def _serve(folder: Path) -> Iterator[str]:
     """`looprl serve FOLDER` in a subprocess; its base URL (…/v1) while it runs."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "looprl", "serve", str(folder), "--port", str(port),
-           "--device", "cpu"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "looprl",
+        "serve",
+        str(folder),
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+    ]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         base = f"http://127.0.0.1:{port}"

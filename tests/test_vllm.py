@@ -46,9 +46,16 @@ def looprl(*args: str | Path, timeout: float = 600) -> subprocess.CompletedProce
 def test_vllm_engine_without_its_environment_is_a_config_error(tmp_path):
     out = tmp_path / "run"
     res = looprl(
-        "run", "--set", "model.name=tiny-random", "--set", "rollout.engine=vllm",
-        "--set", f"rollout.vllm_python={tmp_path / 'missing' / 'python'}", "--out", out,
-    )  # fmt: skip
+        "run",
+        "--set",
+        "model.name=tiny-random",
+        "--set",
+        "rollout.engine=vllm",
+        "--set",
+        f"rollout.vllm_python={tmp_path / 'missing' / 'python'}",
+        "--out",
+        out,
+    )
     assert res.returncode == 2, res.stderr[-2000:]
     assert "make setup-vllm" in res.stderr
     assert not out.exists()  # nothing written
@@ -67,10 +74,12 @@ def model_dir(tmp_path_factory, tokenizer) -> Path:
 
     folder = tmp_path_factory.mktemp("vllm-model") / "tiny32"
     config = LlamaConfig(
-        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
         **{**TINY_CONFIG, "num_attention_heads": 2, "num_key_value_heads": 1},
-    )  # fmt: skip
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         LlamaForCausalLM(config).save_pretrained(folder)
@@ -83,9 +92,14 @@ def server(model_dir, tmp_path_factory):
     from looprl.engine.vllm_server import LaunchSpec, VLLMServer
 
     spec = LaunchSpec(
-        python=str(VLLM_PYTHON), model_dir=model_dir, dtype="float32", max_model_len=2048,
-        lora_rank=16, eager=True, kv_cache_gb=1.0,
-    )  # fmt: skip
+        python=str(VLLM_PYTHON),
+        model_dir=model_dir,
+        dtype="float32",
+        max_model_len=2048,
+        lora_rank=16,
+        eager=True,
+        kv_cache_gb=1.0,
+    )
     server = VLLMServer.start(spec, tmp_path_factory.mktemp("vllm-server"))
     yield server
     server.close()
@@ -227,14 +241,30 @@ def test_next_rollout_samples_from_the_updated_weights(
 
 def run_args(model_dir: Path, server, out: Path, steps: int) -> list[str | Path]:
     return [
-        "run", "--out", out,
-        "--set", f"model.name={model_dir}", "--set", "rollout.engine=vllm",
-        "--set", f"rollout.vllm_url={server.url}",
-        "--set", "rollout.tasks_per_step=2", "--set", "rollout.group_size=2",
-        "--set", "rollout.max_new_tokens=48", "--set", "eval.tasks=2",
-        "--set", "train.checkpoint_every=1", "--set", f"train.steps={steps}",
-        "--set", "algo.tis_cap=2.0",
-    ]  # fmt: skip
+        "run",
+        "--out",
+        out,
+        "--set",
+        f"model.name={model_dir}",
+        "--set",
+        "rollout.engine=vllm",
+        "--set",
+        f"rollout.vllm_url={server.url}",
+        "--set",
+        "rollout.tasks_per_step=2",
+        "--set",
+        "rollout.group_size=2",
+        "--set",
+        "rollout.max_new_tokens=48",
+        "--set",
+        "eval.tasks=2",
+        "--set",
+        "train.checkpoint_every=1",
+        "--set",
+        f"train.steps={steps}",
+        "--set",
+        "algo.tis_cap=2.0",
+    ]
 
 
 @needs_vllm
@@ -254,8 +284,13 @@ def test_overlapped_rollouts_on_the_vllm_server(model_dir, server, tmp_path):
     """rollout.max_staleness=1: a rollout thread samples step t + 1 on the server, under a
     replica's adapter of its own, while the trainer trains step t."""
     out = tmp_path / "run"
-    args = [*run_args(model_dir, server, out, steps=3), "--set", "rollout.max_staleness=1",
-            "--set", "model.lora.enabled=true"]  # fmt: skip
+    args = [
+        *run_args(model_dir, server, out, steps=3),
+        "--set",
+        "rollout.max_staleness=1",
+        "--set",
+        "model.lora.enabled=true",
+    ]
     res = looprl(*args)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -274,16 +309,34 @@ def test_a_vllm_served_teacher_gives_the_local_teachers_distill_kl(model_dir, tm
 
     # the tool-call parser: the teacher's report row plays the env's forced calls by chat
     spec = LaunchSpec(
-        python=str(VLLM_PYTHON), model_dir=model_dir, dtype="float32", max_model_len=2048,
-        eager=True, kv_cache_gb=0.5,
+        python=str(VLLM_PYTHON),
+        model_dir=model_dir,
+        dtype="float32",
+        max_model_len=2048,
+        eager=True,
+        kv_cache_gb=0.5,
         extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-    )  # fmt: skip
+    )
     (tmp_path / "teacher-server").mkdir()
     teacher = VLLMServer.start(spec, tmp_path / "teacher-server")
-    opd = ["--set", "model.name=tiny-random", "--set", "algo.name=opd",
-           "--set", "rollout.tasks_per_step=2", "--set", "rollout.group_size=2",
-           "--set", "eval.tasks=2", "--set", "eval.greedy=false", "--set", "train.steps=1",
-           "--set", "logging.trackers=[]"]  # fmt: skip
+    opd = [
+        "--set",
+        "model.name=tiny-random",
+        "--set",
+        "algo.name=opd",
+        "--set",
+        "rollout.tasks_per_step=2",
+        "--set",
+        "rollout.group_size=2",
+        "--set",
+        "eval.tasks=2",
+        "--set",
+        "eval.greedy=false",
+        "--set",
+        "train.steps=1",
+        "--set",
+        "logging.trackers=[]",
+    ]
     try:
         runs = {
             "local": str(model_dir),
@@ -329,9 +382,15 @@ def test_a_dead_server_stops_the_run_with_a_checkpoint_and_resume(model_dir, ser
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert (out / "checkpoints" / f"step_{steps[-1]:06d}").is_dir()
     res = looprl(
-        "run", "--out", out, "--resume", "--set", "rollout.engine=hf",
-        "--set", f"model.name={model_dir}",
-    )  # fmt: skip
+        "run",
+        "--out",
+        out,
+        "--resume",
+        "--set",
+        "rollout.engine=hf",
+        "--set",
+        f"model.name={model_dir}",
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert rows == [1, 2, 3]

@@ -81,8 +81,14 @@ class ServerTeacher:
 
     def echo(self, prompt: str | list[int], timeout_s: float = TIMEOUT_S) -> dict:
         """The logprobs object of the prompt echoed with its own tokens' log-probs."""
-        body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "echo": True,
-                "logprobs": 0, "temperature": 1.0}  # fmt: skip
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": 1,
+            "echo": True,
+            "logprobs": 0,
+            "temperature": 1.0,
+        }
         reply = _request(self.url, "/completions", body, timeout_s)
         try:
             return reply["choices"][0]["logprobs"]
