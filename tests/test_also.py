@@ -15,25 +15,9 @@ from looprl.cli import app
 from looprl.envs import make_env
 from looprl.report.also import also_rows, also_warnings, lowered_line
 from looprl.report.stats import paired_stats, reward_with_ci
+from tests.run_flags import TINY_RUN, set_flags
 
-TINY = [
-    "--set",
-    "model.name=tiny-random",
-    "--set",
-    "rollout.tasks_per_step=2",
-    "--set",
-    "rollout.group_size=2",
-    "--set",
-    "eval.tasks=2",
-    "--set",
-    "eval.samples_per_task=2",
-    "--set",
-    "eval.greedy=false",
-    "--set",
-    "logging.trackers=[]",
-    "--set",
-    "train.checkpoint_every=1",
-]
+TINY = set_flags(*TINY_RUN, "train.checkpoint_every=1")
 # an env the run does not train on, with its own label; 3 tasks × 2 samples
 ALSO = ["--set", "eval.also=[{name: tictactoe-game, tasks: 3, label: game}]"]
 

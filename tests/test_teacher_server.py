@@ -23,28 +23,10 @@ from looprl.errors import ConfigError
 from looprl.model.load import load_tokenizer
 from looprl.model.tiny import build_tiny
 from looprl.report.stats import paired_stats, reward_with_ci
+from tests.run_flags import TINY_RUN, set_flags
 from tests.serving_helpers import wait_until
 
-TINY = [
-    "--set",
-    "model.name=tiny-random",
-    "--set",
-    "rollout.tasks_per_step=2",
-    "--set",
-    "rollout.group_size=2",
-    "--set",
-    "eval.tasks=2",
-    "--set",
-    "eval.samples_per_task=2",
-    "--set",
-    "eval.greedy=false",
-    "--set",
-    "logging.trackers=[]",
-    "--set",
-    "train.steps=1",
-    "--set",
-    "algo.name=opd",
-]
+TINY = set_flags(*TINY_RUN, "train.steps=1", "algo.name=opd")
 
 
 def _save_teacher(

@@ -19,6 +19,7 @@ from looprl.chat import ChatRenderer
 from looprl.engine import GenerationRequest, SamplingParams, ToolConstraint
 from looprl.engine.hf import HFEngine
 from looprl.types import Message
+from tests.run_flags import set_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = Path(os.environ.get("LOOPRL_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
@@ -319,24 +320,16 @@ def test_a_vllm_served_teacher_gives_the_local_teachers_distill_kl(model_dir, tm
     )
     (tmp_path / "teacher-server").mkdir()
     teacher = VLLMServer.start(spec, tmp_path / "teacher-server")
-    opd = [
-        "--set",
+    opd = set_flags(
         "model.name=tiny-random",
-        "--set",
         "algo.name=opd",
-        "--set",
         "rollout.tasks_per_step=2",
-        "--set",
         "rollout.group_size=2",
-        "--set",
         "eval.tasks=2",
-        "--set",
         "eval.greedy=false",
-        "--set",
         "train.steps=1",
-        "--set",
         "logging.trackers=[]",
-    ]
+    )
     try:
         runs = {
             "local": str(model_dir),
