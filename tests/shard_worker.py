@@ -3,7 +3,11 @@ model on fixed episodes, sharded (under torchrun, train.shard=fsdp) or whole (on
 process). The episodes of ranks differ in length, so the ranks run different numbers of
 micro-batches. Rank 0 writes the first gradient, the losses and norms and the weights
 after the updates; every rank writes the bytes its parameters, gradients and optimizer
-state hold (the tensors' local shards, as allocated).
+state hold (the tensors' local shards, as allocated). Then it checkpoints that state both
+ways, sharded and whole, into OUT/sharded and OUT/whole (run folders with the config), and
+reads back into a reset model every checkpoint there is of this job and of the one-process
+job beside it (OUT/../one): the weights and optimizer state each gives, whole, go into the
+result too.
 
     python tests/shard_worker.py OUT MODE          # one process
     torchrun --nproc_per_node 2 tests/shard_worker.py OUT MODE
@@ -25,11 +29,18 @@ from looprl.config import config_from_dict
 from looprl.loop import dist as ranks
 from looprl.loop import shard
 from looprl.loop.batches import UpdateState
-from looprl.loop.checkpoint import trainable_state, whole
+from looprl.loop.checkpoint import (
+    load_training_state,
+    load_weights,
+    save_checkpoint,
+    trainable_state,
+    whole,
+)
 from looprl.loop.groups import Group
 from looprl.loop.optim import make_optimizer
 from looprl.loop.policy import load_policy
 from looprl.loop.shard import start_replicas
+from looprl.loop.train import write_config
 from looprl.loop.update import update_policy
 from looprl.model.memory import CHECKPOINTED
 from looprl.types import Episode, Task
@@ -137,9 +148,64 @@ def main(out: Path, mode: str) -> None:
     }
     weights = trainable_state(policy.model)
     (out / f"memory_{dist.rank}.json").write_text(json.dumps(memory))
+    save_both_ways(out, policy, optimizer, cfg)
+    resumed = read_back(list(dict.fromkeys([out.parent / "one", out])), cfg, dist)
     if dist.is_main:
-        torch.save({"stats": stats, "grads": seen["grads"], "weights": weights}, out / "result.pt")
+        result = {"stats": stats, "grads": seen["grads"], "weights": weights, "resumed": resumed}
+        torch.save(result, out / "result.pt")
     ranks.stop()
+
+
+def scheduler_of(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+
+
+def save_both_ways(out: Path, policy: object, optimizer: torch.optim.Optimizer, cfg) -> None:
+    scheduler = scheduler_of(optimizer)
+    scheduler.step()
+    for kind in ("sharded", "whole"):
+        run = out / kind
+        save_checkpoint(
+            run, 3, policy.model, optimizer, scheduler, {}, 1, sharded=kind == "sharded"
+        )
+        if ranks.current().is_main:
+            write_config(run, cfg)
+
+
+def whole_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The trainable weights and the optimizer's state and learning rate, whole, by name."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    moments = {}
+    for param, values in optimizer.state.items():
+        for stat, value in values.items():
+            moments[f"{names[id(param)]}/{stat}"] = whole(value)
+    return {
+        "weights": trainable_state(model),
+        "optimizer": moments,
+        "lr": optimizer.param_groups[0]["lr"],
+    }
+
+
+def read_back(jobs: list[Path], cfg, dist: ranks.Dist) -> dict[str, dict]:
+    """Each checkpoint of `jobs` read into one model, reset to zeros before each."""
+    policy = load_policy(cfg)
+    start_replicas(policy.model, cfg.train, policy.device, dist)
+    optimizer = make_optimizer(policy.trainable_parameters(), "adamw", cfg.train.lr, 0.0)
+    scheduler = scheduler_of(optimizer)
+    out = {}
+    for job in jobs:
+        for kind in ("sharded", "whole"):
+            checkpoint = job / kind / "checkpoints" / "step_000003"
+            if not checkpoint.exists():
+                continue
+            with torch.no_grad():
+                for param in policy.trainable_parameters():
+                    param.zero_()
+            optimizer.state.clear()
+            load_weights(policy.model, checkpoint)
+            load_training_state(checkpoint, policy.model, optimizer, scheduler)
+            out[f"{job.name}/{kind}"] = whole_state(policy.model, optimizer)
+    return out
 
 
 if __name__ == "__main__":

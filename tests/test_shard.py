@@ -89,6 +89,50 @@ def test_two_sharded_processes_update_like_one(tmp_path, mode):
     assert one["idle_passes"] == 0 and ranks[1]["idle_passes"] > ranks[0]["idle_passes"]
     checkpointed = "-checkpointed" in mode
     assert all(bool(r["checkpointed"]) == checkpointed for r in [one, *ranks])
+    assert_checkpoints_resume_alike(tmp_path, whole, sharded)
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a["weights"].keys() == b["weights"].keys()
+    assert a["optimizer"].keys() == b["optimizer"].keys()
+    for part in ("weights", "optimizer"):
+        for name, tensor in a[part].items():
+            assert torch.allclose(b[part][name], tensor, atol=1e-6, rtol=0), (part, name)
+    assert a["lr"] == b["lr"]
+
+
+def assert_checkpoints_resume_alike(tmp_path: Path, whole: dict, sharded: dict) -> None:
+    """Each job checkpointed its state sharded (each rank its own shards) and whole, and
+    read back every checkpoint of both jobs: the sharded one gives what the whole one
+    gives, 1 -> 1, 1 -> 2 and 2 -> 2; here, on one process, 2 -> 1; and the two export to
+    the same safetensors."""
+    from safetensors.torch import load_file
+    from shard_worker import read_back
+
+    from looprl.loop.checkpoint import export_model
+
+    two = tmp_path / "two"
+    assert (two / "sharded/checkpoints/step_000003/sharded/__1_0.distcp").is_file()
+    assert not (two / "sharded/checkpoints/step_000003/trainable.safetensors").exists()
+    cfg = load_config(two / "whole" / "config.yaml", [])
+    on_one = read_back([two], cfg, Dist())
+    for got, job in (
+        (whole["resumed"], "one"),
+        (sharded["resumed"], "one"),
+        (sharded["resumed"], "two"),
+        (on_one, "two"),
+    ):
+        assert_same_state(got[f"{job}/whole"], got[f"{job}/sharded"])
+        live = (whole if job == "one" else sharded)["weights"]
+        assert_same_state({**got[f"{job}/whole"], "weights": live}, got[f"{job}/sharded"])
+    moments = sharded["resumed"]["two/sharded"]["optimizer"]
+    assert any(v.abs().max() > 0 for k, v in moments.items() if k.endswith("exp_avg"))
+    exported = [
+        export_model(two / kind, tmp_path / f"export-{kind}") for kind in ("sharded", "whole")
+    ]
+    files = [load_file(str(folder / "model.safetensors")) for folder in exported]
+    assert files[0].keys() == files[1].keys()
+    assert all(torch.equal(files[0][k], files[1][k]) for k in files[0])
 
 
 def test_sharded_checkpoints_resume_at_another_world_size(tmp_path):

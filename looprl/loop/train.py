@@ -357,7 +357,9 @@ def warm_start(
             append_line(sft_log, {"step": step, **stats})
             phase.update(step, detail=f"loss {stats['sft/loss']:.3f}")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    save_checkpoint(run_dir, 0, policy.model, optimizer, scheduler, {"stage": "sft"}, 1_000_000)
+    save_checkpoint(
+        run_dir, 0, policy.model, optimizer, scheduler, {"stage": "sft"}, 1_000_000, sharded=False
+    )
 
 
 def sft_env_args(cfg: Config) -> dict[str, Any]:
