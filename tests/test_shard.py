@@ -2,9 +2,11 @@
 process on the same episodes: the first gradient, the losses and the weights after three
 updates agree, while each rank holds half the parameters, gradients and optimizer state
 (the tensors' local shards, measured); the ranks run different numbers of micro-batches
-and still meet in every collective. A sharded run's checkpoint resumes on one process and
-a one-process checkpoint on two sharded processes; a rank that fails stops the job; the
-combinations sharding does not support are refused at config load.
+and still meet in every collective. Checkpoints written sharded (each rank its own shards,
+torch.distributed.checkpoint) read back as those written whole, at 1 -> 1, 1 -> 2, 2 -> 2
+and 2 -> 1 processes, and export to the same safetensors; a sharded run resumes on one
+process and on two; a save cut short leaves no checkpoint; a rank that fails stops the
+job; the combinations sharding does not support are refused at config load.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import shutil
 import sys
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -32,6 +35,7 @@ from test_distributed import (
 
 from looprl.config import load_config
 from looprl.errors import ConfigError
+from looprl.loop.checkpoint import list_checkpoints, save_checkpoint
 from looprl.loop.dist import Dist
 from looprl.loop.shard import decoder_layers, shard_policy
 
@@ -136,10 +140,13 @@ def assert_checkpoints_resume_alike(tmp_path: Path, whole: dict, sharded: dict) 
 
 
 def test_sharded_checkpoints_resume_at_another_world_size(tmp_path):
-    """2 sharded -> 1 and -> 2 sharded give the same third step; then 1 -> 2 sharded and
-    1 -> 1 the same fourth."""
+    """A run's sharded checkpoints (each rank writes its own shards): 2 sharded -> 1 and
+    -> 2 sharded give the same third step. 1 -> 2 and the whole layout are read back in
+    test_two_sharded_processes_update_like_one."""
     sharded = tmp_path / "sharded"
     one_node(sharded, *SHARDED)
+    last = sharded / "checkpoints" / "step_000002"
+    assert (last / "sharded" / "__1_0.distcp").is_file() and (last / "meta.json").is_file()
     on_one, on_two = tmp_path / "on_one", tmp_path / "on_two"
     shutil.copytree(sharded, on_one)
     shutil.copytree(sharded, on_two)
@@ -147,12 +154,24 @@ def test_sharded_checkpoints_resume_at_another_world_size(tmp_path):
     one_node(on_two, *SHARDED, "train.steps=3", resume=True)
     assert [m["step"] for m in metrics(on_one)] == [1, 2, 3]
     assert_same_step(on_one, on_two, 3)
-    again_one, again_two = tmp_path / "again_one", tmp_path / "again_two"
-    shutil.copytree(on_one, again_one)
-    shutil.copytree(on_one, again_two)
-    one_process(again_one, *SHARDED[1:], "train.steps=4", resume=True)
-    one_node(again_two, *SHARDED, "train.steps=4", resume=True)
-    assert_same_step(again_one, again_two, 4)
+
+
+def test_an_interrupted_sharded_save_leaves_no_checkpoint(tmp_path):
+    """A save that fails after the shards are written (here: its meta.json cannot be
+    written) leaves a `.tmp-` folder no reader lists; the next save removes it."""
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    save = partial(save_checkpoint, tmp_path, model=model, optimizer=optimizer)
+    save(step=1, scheduler=scheduler, extra={}, keep=3, sharded=True)
+    with pytest.raises(TypeError):
+        save(step=2, scheduler=scheduler, extra={"unwritable": object()}, keep=3, sharded=True)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000001"]
+    (leftover,) = (tmp_path / "checkpoints").glob(".tmp-*")
+    assert (leftover / "sharded" / ".metadata").is_file()  # the shards were written
+    save(step=3, scheduler=scheduler, extra={}, keep=3, sharded=True)
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000001", "step_000003"]
 
 
 def test_a_failing_sharded_rank_stops_the_job(tmp_path):
