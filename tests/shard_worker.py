@@ -1,5 +1,6 @@
-"""One process of tests/test_shard.py's comparisons: three policy updates of a tiny random
-model on fixed episodes, sharded (under torchrun, train.shard=fsdp) or whole (one
+"""One process of tests/test_shard.py's comparisons: two policy updates (of two optimizer
+steps each) of a tiny random model (MODEL: tiny-random, or a folder such as a tiny MoE
+model's) on fixed episodes, sharded (under torchrun, train.shard=fsdp) or whole (one
 process). The episodes of ranks differ in length, so the ranks run different numbers of
 micro-batches. Rank 0 writes the first gradient, the losses and norms and the weights
 after the updates; every rank writes the bytes its parameters, gradients and optimizer
@@ -9,8 +10,8 @@ reads back into a reset model every checkpoint there is of this job and of the o
 job beside it (OUT/../one): the weights and optimizer state each gives, whole, go into the
 result too.
 
-    python tests/shard_worker.py OUT MODE          # one process
-    torchrun --nproc_per_node 2 tests/shard_worker.py OUT MODE
+    python tests/shard_worker.py OUT MODE MODEL          # one process
+    torchrun --nproc_per_node 2 tests/shard_worker.py OUT MODE MODEL
 
 MODE: lora or full, with -checkpointed for model.gradient_checkpointing, -every for
 train.shard_grad_sync=every and -kl for a KL term to the base model (LoRA: the adapters
@@ -87,12 +88,12 @@ def count_idle_passes() -> list[int]:
     return count
 
 
-def main(out: Path, mode: str) -> None:
+def main(out: Path, mode: str, model: str) -> None:
     dist = ranks.start()
     cfg = config_from_dict(
         {
             "model": {
-                "name": "tiny-random",
+                "name": model,
                 "lora": {"enabled": mode.startswith("lora"), "rank": 4},
                 "gradient_checkpointing": "-checkpointed" in mode,
             },
@@ -123,7 +124,7 @@ def main(out: Path, mode: str) -> None:
     vocab = len(policy.tokenizer)
     groups = [Group(Task(f"t{t}", {}), episodes_of(t, vocab), [1.0, -1.0]) for t in range(TASKS)]
     stats = []
-    for step in range(3):
+    for step in range(2):
         result = update_policy(
             policy,
             optimizer,
@@ -209,4 +210,4 @@ def read_back(jobs: list[Path], cfg, dist: ranks.Dist) -> dict[str, dict]:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3])

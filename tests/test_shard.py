@@ -1,12 +1,13 @@
 """train.shard=fsdp: two sharded processes (torchrun, gloo, FSDP2) against one whole
-process on the same episodes: the first gradient, the losses and the weights after three
-updates agree, while each rank holds half the parameters, gradients and optimizer state
-(the tensors' local shards, measured); the ranks run different numbers of micro-batches
-and still meet in every collective. Checkpoints written sharded (each rank its own shards,
-torch.distributed.checkpoint) read back as those written whole, at 1 -> 1, 1 -> 2, 2 -> 2
-and 2 -> 1 processes, and export to the same safetensors; a sharded run resumes on one
-process and on two; a save cut short leaves no checkpoint; a rank that fails stops the
-job; the combinations sharding does not support are refused at config load.
+process on the same episodes, for a dense model and an MoE one: the first gradient, the
+losses and the weights after two updates agree, while each rank holds half the
+parameters, gradients and optimizer state (the tensors' local shards, measured); the
+ranks run different numbers of micro-batches and still meet in every collective.
+Checkpoints written sharded (each rank its own shards, torch.distributed.checkpoint) read
+back as those written whole, at 1 -> 1, 1 -> 2, 2 -> 2 and 2 -> 1 processes, and export
+to the same safetensors; a sharded run resumes on one process and on two; a save cut
+short leaves no checkpoint; a rank that fails stops the job; the combinations sharding
+does not support are refused at config load.
 """
 
 from __future__ import annotations
@@ -38,15 +39,16 @@ from looprl.errors import ConfigError
 from looprl.loop.checkpoint import list_checkpoints, save_checkpoint
 from looprl.loop.dist import Dist
 from looprl.loop.shard import decoder_layers, shard_policy
+from looprl.model.tiny import save_tiny
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "tests" / "shard_worker.py")
 SHARDED = ["train.shard=fsdp", "model.lora.enabled=true", "eval.greedy=false"]
 
 
-def run_worker(out: Path, mode: str, processes: int) -> tuple[dict, list[dict]]:
+def run_worker(out: Path, mode: str, model: str, processes: int) -> tuple[dict, list[dict]]:
     out.mkdir(parents=True)
-    cmd = [sys.executable, WORKER, str(out), mode]
+    cmd = [sys.executable, WORKER, str(out), mode, model]
     if processes > 1:
         cmd = [
             *TORCHRUN,
@@ -59,6 +61,7 @@ def run_worker(out: Path, mode: str, processes: int) -> tuple[dict, list[dict]]:
             WORKER,
             str(out),
             mode,
+            model,
         ]
     proc = launch(cmd)
     output, _ = proc.communicate(timeout=240)
@@ -67,14 +70,20 @@ def run_worker(out: Path, mode: str, processes: int) -> tuple[dict, list[dict]]:
     return torch.load(out / "result.pt"), memory
 
 
-@pytest.mark.parametrize("mode", ["lora-checkpointed-kl", "full-every"])
-def test_two_sharded_processes_update_like_one(tmp_path, mode):
+@pytest.mark.parametrize(
+    ("mode", "arch"), [("lora-checkpointed-kl", "llama"), ("full-every", "moe")]
+)
+def test_two_sharded_processes_update_like_one(tmp_path, mode, arch):
     """LoRA with gradient checkpointing (each layer recomputed under FSDP2's hooks) and a
     KL term to the base model (the adapters switched off on whole weights), the gradients
-    reduced after the last micro-batch; and a full fine-tune (the root's embeddings and
-    norm trained too), reduced after every micro-batch."""
-    whole, (one,) = run_worker(tmp_path / "one", mode, 1)
-    sharded, ranks = run_worker(tmp_path / "two", mode, 2)
+    reduced after the last micro-batch, on tiny-random (llama); and a full fine-tune (the
+    root's embeddings and norm trained too) of a tiny qwen3_moe model (routers, experts,
+    q/k norms sharded), reduced after every micro-batch."""
+    model = "tiny-random"
+    if arch == "moe":
+        model = str(save_tiny("qwen3_moe", tmp_path / "qwen3_moe"))
+    whole, (one,) = run_worker(tmp_path / "one", mode, model, 1)
+    sharded, ranks = run_worker(tmp_path / "two", mode, model, 2)
     for a, b in zip(whole["stats"], sharded["stats"]):
         assert a["updated"] == b["updated"] == 2
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
