@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from looprl.config import config_from_dict
+from looprl.config import Config, config_from_dict
 from looprl.loop import dist as ranks
 from looprl.loop import shard
 from looprl.loop.batches import UpdateState
@@ -39,7 +39,9 @@ from looprl.loop.checkpoint import (
 )
 from looprl.loop.groups import Group
 from looprl.loop.optim import make_optimizer
-from looprl.loop.policy import load_policy
+from looprl.loop.policy import Policy, load_policy
+from looprl.loop.reference import keep_reference
+from looprl.loop.sft import sft_step
 from looprl.loop.shard import start_replicas
 from looprl.loop.train import write_config
 from looprl.loop.update import update_policy
@@ -70,6 +72,11 @@ def episodes_of(task: int, vocab: int) -> list[Episode]:
     return out
 
 
+def weights_now(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable weights, whole, copied (one process's are views of the parameters)."""
+    return {name: tensor.clone() for name, tensor in trainable_state(model).items()}
+
+
 def local_bytes(tensors: list[torch.Tensor]) -> int:
     local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
     return sum(t.numel() * t.element_size() for t in local)
@@ -88,16 +95,19 @@ def count_idle_passes() -> list[int]:
     return count
 
 
-def main(out: Path, mode: str, model: str) -> None:
-    dist = ranks.start()
-    cfg = config_from_dict(
+def worker_config(mode: str, model: str, reference: str) -> Config:
+    return config_from_dict(
         {
             "model": {
                 "name": model,
                 "lora": {"enabled": mode.startswith("lora"), "rank": 4},
                 "gradient_checkpointing": "-checkpointed" in mode,
             },
-            "algo": {"num_minibatches": 2, "kl_coef": 0.1 if "-kl" in mode else 0.0},
+            "algo": {
+                "num_minibatches": 2,
+                "kl_coef": 0.1 if "-kl" in mode else 0.0,
+                "kl_reference": reference,
+            },
             "train": {
                 "micro_batch_tokens": 64,
                 "shard": "fsdp",
@@ -106,6 +116,11 @@ def main(out: Path, mode: str, model: str) -> None:
             },
         }
     )
+
+
+def main(out: Path, mode: str, model: str) -> None:
+    dist = ranks.start()
+    cfg = worker_config(mode, model, "base")
     torch.manual_seed(0)
     policy = load_policy(cfg)
     start_replicas(policy.model, cfg.train, policy.device, dist)
@@ -147,14 +162,54 @@ def main(out: Path, mode: str, model: str) -> None:
         "idle_passes": idle[0],
         "checkpointed": sum(hasattr(m, CHECKPOINTED) for m in policy.model.modules()),
     }
-    weights = trainable_state(policy.model)
+    weights = weights_now(policy.model)
     (out / f"memory_{dist.rank}.json").write_text(json.dumps(memory))
     save_both_ways(out, policy, optimizer, cfg)
     resumed = read_back(list(dict.fromkeys([out.parent / "one", out])), cfg, dist)
+    anchored = worker_config(mode, model, "start" if "-kl" in mode else "base")
+    warm = warm_start_and_anchor(out, policy, groups, anchored, dist)
     if dist.is_main:
         result = {"stats": stats, "grads": seen["grads"], "weights": weights, "resumed": resumed}
-        torch.save(result, out / "result.pt")
+        torch.save({**result, **warm}, out / "result.pt")
     ranks.stop()
+
+
+def warm_start_and_anchor(
+    out: Path, policy: Policy, groups: list[Group], cfg: Config, dist: ranks.Dist
+) -> dict:
+    """An SFT step on the groups' episodes (a sharded model: each rank its share); then,
+    with a KL term (LoRA), the weights as they are kept as the reference
+    (algo.kl_reference=start) and read back from RUN/checkpoints/rl_start as a resumed run
+    reads them, and one update anchored to them. The whole weights after each, and the
+    reference as kept and as read back."""
+    episodes = [e for group in groups for e in group.episodes]
+    params = policy.trainable_parameters()
+    stats = sft_step(policy, make_optimizer(params, "adamw", 1e-3, 0.01), episodes, cfg, dist)
+    warm = {"sft_loss": stats["sft/loss"], "after_sft": weights_now(policy.model)}
+    if cfg.algo.kl_coef == 0:
+        return warm
+    keep_reference(cfg, policy, out, dist, 0)
+    kept = {name: whole(tensor) for name, tensor in policy.reference.items()}
+    keep_reference(cfg, policy, out, dist, 1)  # a resumed run: RUN/checkpoints/rl_start
+    reread = {name: whole(tensor) for name, tensor in policy.reference.items()}
+    with torch.no_grad():  # the policy moves off its start, so the reference pass matters
+        for param in params:
+            param.add_(0.01)
+    optimizer = make_optimizer(params, "adamw", cfg.train.lr, 0.0)
+    result = update_policy(
+        policy,
+        optimizer,
+        dist.share(groups),
+        cfg.algo,
+        cfg.train,
+        group_size=GROUP,
+        max_tokens=64,
+        seed=7,
+        state=UpdateState(64),
+        dist=dist,
+    )
+    anchored = weights_now(policy.model)
+    return {**warm, "kept": kept, "reread": reread, "anchored": anchored, "kl": result["kl"]}
 
 
 def scheduler_of(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:

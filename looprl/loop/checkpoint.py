@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from looprl.config import TrainConfig
 from looprl.forward.score import is_sharded
 from looprl.loop import dist as ranks
 from looprl.loop.checkpoint_sharded import (
@@ -79,13 +80,18 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return state
 
 
-def _place(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def place(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A whole tensor laid out as `like`: its device and dtype, and its shard where `like`
     is sharded (each rank keeps its own part of the whole it read; no collective)."""
     tensor = tensor.to(like.device, like.dtype)
     if isinstance(like, DTensor):
         return distribute_tensor(tensor, like.device_mesh, like.placements, src_data_rank=None)
     return tensor
+
+
+def writes_shards(train: TrainConfig) -> bool:
+    """Whether this run's checkpoints are each rank's shards (loop/checkpoint_sharded.py)."""
+    return train.shard == "fsdp" and train.shard_checkpoint == "sharded"
 
 
 def save_checkpoint(
@@ -210,7 +216,7 @@ def load_weights(model: Any, checkpoint: Path) -> dict[str, Any]:
         raise ValueError(f"checkpoint {checkpoint} does not fit this model: {missing[:3]} ...")
     with torch.no_grad():
         for name, tensor in state.items():
-            params[name].copy_(_place(tensor, params[name]))
+            params[name].copy_(place(tensor, params[name]))
     return meta
 
 
@@ -227,7 +233,7 @@ def load_training_state(checkpoint: Path, model: Any, optimizer: Any, scheduler:
                 values = optimizer.state.get(param, {})
                 for key, value in values.items():
                     if isinstance(param, DTensor) and getattr(value, "shape", None) == param.shape:
-                        values[key] = _place(value, param)
+                        values[key] = place(value, param)
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
 

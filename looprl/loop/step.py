@@ -191,7 +191,7 @@ class Trainer:
             self.scheduler,
             {"model": self.cfg.model.name, **self.state.to_meta()},
             self.cfg.train.keep_checkpoints,
-            sharded=self.cfg.train.shard == "fsdp" and self.cfg.train.shard_checkpoint == "sharded",
+            sharded=checkpoints.writes_shards(self.cfg.train),
         )
         if self.snapshot is not None:  # train games meet the policy of the last checkpoint
             self.snapshot.refresh(self.policy.model)
