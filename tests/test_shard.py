@@ -169,11 +169,16 @@ def assert_checkpoints_resume_alike(tmp_path: Path, whole: dict, sharded: dict) 
 
 
 def test_sharded_checkpoints_resume_at_another_world_size(tmp_path):
-    """A run's sharded checkpoints (each rank writes its own shards): 2 sharded -> 1 and
-    -> 2 sharded give the same third step. 1 -> 2 and the whole layout are read back in
+    """A sharded run with an SFT warm start, anchored to it by default (a KL term to the
+    weights the RL steps start from, algo.kl_reference=start), and its sharded checkpoints
+    (each rank writes its own shards): 2 sharded -> 1 and -> 2 sharded give the same third
+    step. 1 -> 2 and the whole layout are read back in
     test_two_sharded_processes_update_like_one."""
     sharded = tmp_path / "sharded"
-    one_node(sharded, *SHARDED)
+    one_node(sharded, *SHARDED, "sft.enabled=true", "sft.steps=1", "sft.batch_size=4")
+    assert load_config(sharded / "config.yaml", []).algo.kl_reference == "start"
+    assert (sharded / "eval" / "after_sft.json").is_file()
+    assert (sharded / "checkpoints" / "rl_start" / "trainable.safetensors").is_file()
     last = sharded / "checkpoints" / "step_000002"
     assert (last / "sharded" / "__1_0.distcp").is_file() and (last / "meta.json").is_file()
     on_one, on_two = tmp_path / "on_one", tmp_path / "on_two"
