@@ -63,7 +63,8 @@ def sft_step(
     mine = dist.share(episodes) if sharded else episodes
     batches = list(micro_batches(*scoring_keys(mine), cfg.train.micro_batch_tokens))
     total = 0.0
-    for indices in synced_passes(policy.model, batches, dist):
+    every = cfg.train.shard_grad_sync == "every"
+    for indices in synced_passes(policy.model, batches, dist, every):
         chunk = [mine[i] for i in indices]
         logp_BS, mask_BS = sequence_logprobs(
             policy.model,
