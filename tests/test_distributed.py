@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from looprl.config import load_config
 from looprl.errors import ConfigError
+from looprl.loop.checkpoint import checkpoint_weights
 from looprl.loop.dist import Dist, share_bounds
 from looprl.loop.progress import Progress
 from looprl.loop.train import train
@@ -113,7 +113,8 @@ def metrics(run: Path) -> list[dict]:
 
 
 def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
-    return load_file(str(run / "checkpoints" / f"step_{step:06d}" / "trainable.safetensors"))
+    """A checkpoint's trainable weights, whole (from its shards when it is sharded)."""
+    return checkpoint_weights(run / "checkpoints" / f"step_{step:06d}")
 
 
 def assert_same_step(a: Path, b: Path, step: int) -> None:

@@ -73,12 +73,14 @@ def test_8bit_adamw_state_checkpoints_and_resumes_exactly(tmp_path):
 
     model, optimizer, scheduler = fresh()
     steps(model, optimizer, scheduler, 3)
-    checkpoint = save_checkpoint(tmp_path, 3, model, optimizer, scheduler, {}, keep=1)
+    checkpoint = save_checkpoint(
+        tmp_path, 3, model, optimizer, scheduler, {}, keep=1, sharded=False
+    )
     straight = steps(model, optimizer, scheduler, 2)
 
     resumed_model, resumed_optimizer, resumed_scheduler = fresh()
     load_weights(resumed_model, checkpoint)
-    load_training_state(checkpoint, resumed_optimizer, resumed_scheduler)
+    load_training_state(checkpoint, resumed_model, resumed_optimizer, resumed_scheduler)
     resumed = steps(resumed_model, resumed_optimizer, resumed_scheduler, 2)
 
     assert resumed == straight

@@ -116,7 +116,7 @@ model = torch.nn.Linear(3, 3)
 opt = torch.optim.AdamW(model.parameters())
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
 run = Path({str(tmp_path)!r})
-ck.save_checkpoint(run, 1, model, opt, sched, {{}}, keep=3)
+ck.save_checkpoint(run, 1, model, opt, sched, {{}}, keep=3, sharded=False)
 with torch.no_grad():
     model.weight.add_(1.0)
 real_save = torch.save
@@ -124,7 +124,7 @@ def dying_save(*a, **k):
     real_save(*a, **k)
     os.kill(os.getpid(), signal.SIGKILL)
 ck.torch.save = dying_save
-ck.save_checkpoint(run, 2, model, opt, sched, {{}}, keep=3)
+ck.save_checkpoint(run, 2, model, opt, sched, {{}}, keep=3, sharded=False)
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL
@@ -135,7 +135,7 @@ ck.save_checkpoint(run, 2, model, opt, sched, {{}}, keep=3)
     # the next save cleans the leftover up
     opt = torch.optim.AdamW(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    save_checkpoint(tmp_path, 3, model, opt, sched, {}, keep=3)
+    save_checkpoint(tmp_path, 3, model, opt, sched, {}, keep=3, sharded=False)
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
 
 

@@ -1,10 +1,13 @@
 """train.shard=fsdp: two sharded processes (torchrun, gloo, FSDP2) against one whole
-process on the same episodes: the first gradient, the losses and the weights after three
-updates agree, while each rank holds half the parameters, gradients and optimizer state
-(the tensors' local shards, measured); the ranks run different numbers of micro-batches
-and still meet in every collective. A sharded run's checkpoint resumes on one process and
-a one-process checkpoint on two sharded processes; a rank that fails stops the job; the
-combinations sharding does not support are refused at config load.
+process on the same episodes, for a dense model and an MoE one: the first gradient, the
+losses and the weights after two updates agree, while each rank holds half the
+parameters, gradients and optimizer state (the tensors' local shards, measured); the
+ranks run different numbers of micro-batches and still meet in every collective.
+Checkpoints written sharded (each rank its own shards, torch.distributed.checkpoint) read
+back as those written whole, at 1 -> 1, 1 -> 2, 2 -> 2 and 2 -> 1 processes, and export
+to the same safetensors; a sharded run resumes on one process and on two; a save cut
+short leaves no checkpoint; a rank that fails stops the job; the combinations sharding
+does not support are refused at config load.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import shutil
 import sys
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -32,17 +36,19 @@ from test_distributed import (
 
 from looprl.config import load_config
 from looprl.errors import ConfigError
+from looprl.loop.checkpoint import list_checkpoints, save_checkpoint
 from looprl.loop.dist import Dist
 from looprl.loop.shard import decoder_layers, shard_policy
+from looprl.model.tiny import save_tiny
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "tests" / "shard_worker.py")
 SHARDED = ["train.shard=fsdp", "model.lora.enabled=true", "eval.greedy=false"]
 
 
-def run_worker(out: Path, mode: str, processes: int) -> tuple[dict, list[dict]]:
+def run_worker(out: Path, mode: str, model: str, processes: int) -> tuple[dict, list[dict]]:
     out.mkdir(parents=True)
-    cmd = [sys.executable, WORKER, str(out), mode]
+    cmd = [sys.executable, WORKER, str(out), mode, model]
     if processes > 1:
         cmd = [
             *TORCHRUN,
@@ -55,6 +61,7 @@ def run_worker(out: Path, mode: str, processes: int) -> tuple[dict, list[dict]]:
             WORKER,
             str(out),
             mode,
+            model,
         ]
     proc = launch(cmd)
     output, _ = proc.communicate(timeout=240)
@@ -63,14 +70,20 @@ def run_worker(out: Path, mode: str, processes: int) -> tuple[dict, list[dict]]:
     return torch.load(out / "result.pt"), memory
 
 
-@pytest.mark.parametrize("mode", ["lora-checkpointed-kl", "full-every"])
-def test_two_sharded_processes_update_like_one(tmp_path, mode):
+@pytest.mark.parametrize(
+    ("mode", "arch"), [("lora-checkpointed-kl", "llama"), ("full-every", "moe")]
+)
+def test_two_sharded_processes_update_like_one(tmp_path, mode, arch):
     """LoRA with gradient checkpointing (each layer recomputed under FSDP2's hooks) and a
     KL term to the base model (the adapters switched off on whole weights), the gradients
-    reduced after the last micro-batch; and a full fine-tune (the root's embeddings and
-    norm trained too), reduced after every micro-batch."""
-    whole, (one,) = run_worker(tmp_path / "one", mode, 1)
-    sharded, ranks = run_worker(tmp_path / "two", mode, 2)
+    reduced after the last micro-batch, on tiny-random (llama); and a full fine-tune (the
+    root's embeddings and norm trained too) of a tiny qwen3_moe model (routers, experts,
+    q/k norms sharded), reduced after every micro-batch."""
+    model = "tiny-random"
+    if arch == "moe":
+        model = str(save_tiny("qwen3_moe", tmp_path / "qwen3_moe"))
+    whole, (one,) = run_worker(tmp_path / "one", mode, model, 1)
+    sharded, ranks = run_worker(tmp_path / "two", mode, model, 2)
     for a, b in zip(whole["stats"], sharded["stats"]):
         assert a["updated"] == b["updated"] == 2
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
@@ -89,13 +102,85 @@ def test_two_sharded_processes_update_like_one(tmp_path, mode):
     assert one["idle_passes"] == 0 and ranks[1]["idle_passes"] > ranks[0]["idle_passes"]
     checkpointed = "-checkpointed" in mode
     assert all(bool(r["checkpointed"]) == checkpointed for r in [one, *ranks])
+    assert_checkpoints_resume_alike(tmp_path, whole, sharded)
+    assert_warm_start_and_anchor_alike(whole, sharded)
+
+
+def assert_warm_start_and_anchor_alike(whole: dict, sharded: dict) -> None:
+    """An SFT step (each rank its share of the episodes), then with a KL term an update
+    anchored to the weights as they were then (algo.kl_reference=start, each rank keeping
+    its shards, the reference read back as a resumed run reads it): as on one process."""
+    assert sharded["sft_loss"] == pytest.approx(whole["sft_loss"], rel=1e-5)
+    for name, weight in whole["after_sft"].items():
+        assert torch.allclose(sharded["after_sft"][name], weight, atol=1e-4, rtol=0), name
+    assert any(not torch.equal(w, whole["weights"][n]) for n, w in whole["after_sft"].items())
+    if "anchored" not in whole:
+        return
+    for job in (whole, sharded):
+        for name, weight in job["after_sft"].items():
+            assert torch.equal(job["kept"][name], weight), name
+            assert torch.equal(job["reread"][name], weight), name
+    assert whole["kl"] > 0 and sharded["kl"] == pytest.approx(whole["kl"], rel=1e-4)
+    for name, weight in whole["anchored"].items():
+        assert torch.allclose(sharded["anchored"][name], weight, atol=1e-4, rtol=0), name
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a["weights"].keys() == b["weights"].keys()
+    assert a["optimizer"].keys() == b["optimizer"].keys()
+    for part in ("weights", "optimizer"):
+        for name, tensor in a[part].items():
+            assert torch.allclose(b[part][name], tensor, atol=1e-6, rtol=0), (part, name)
+    assert a["lr"] == b["lr"]
+
+
+def assert_checkpoints_resume_alike(tmp_path: Path, whole: dict, sharded: dict) -> None:
+    """Each job checkpointed its state sharded (each rank its own shards) and whole, and
+    read back every checkpoint of both jobs: the sharded one gives what the whole one
+    gives, 1 -> 1, 1 -> 2 and 2 -> 2; here, on one process, 2 -> 1; and the two export to
+    the same safetensors."""
+    from safetensors.torch import load_file
+    from shard_worker import read_back
+
+    from looprl.loop.checkpoint import export_model
+
+    two = tmp_path / "two"
+    assert (two / "sharded/checkpoints/step_000003/sharded/__1_0.distcp").is_file()
+    assert not (two / "sharded/checkpoints/step_000003/trainable.safetensors").exists()
+    cfg = load_config(two / "whole" / "config.yaml", [])
+    on_one = read_back([two], cfg, Dist())
+    for got, job in (
+        (whole["resumed"], "one"),
+        (sharded["resumed"], "one"),
+        (sharded["resumed"], "two"),
+        (on_one, "two"),
+    ):
+        assert_same_state(got[f"{job}/whole"], got[f"{job}/sharded"])
+        live = (whole if job == "one" else sharded)["weights"]
+        assert_same_state({**got[f"{job}/whole"], "weights": live}, got[f"{job}/sharded"])
+    moments = sharded["resumed"]["two/sharded"]["optimizer"]
+    assert any(v.abs().max() > 0 for k, v in moments.items() if k.endswith("exp_avg"))
+    exported = [
+        export_model(two / kind, tmp_path / f"export-{kind}") for kind in ("sharded", "whole")
+    ]
+    files = [load_file(str(folder / "model.safetensors")) for folder in exported]
+    assert files[0].keys() == files[1].keys()
+    assert all(torch.equal(files[0][k], files[1][k]) for k in files[0])
 
 
 def test_sharded_checkpoints_resume_at_another_world_size(tmp_path):
-    """2 sharded -> 1 and -> 2 sharded give the same third step; then 1 -> 2 sharded and
-    1 -> 1 the same fourth."""
+    """A sharded run with an SFT warm start, anchored to it by default (a KL term to the
+    weights the RL steps start from, algo.kl_reference=start), and its sharded checkpoints
+    (each rank writes its own shards): 2 sharded -> 1 and -> 2 sharded give the same third
+    step. 1 -> 2 and the whole layout are read back in
+    test_two_sharded_processes_update_like_one."""
     sharded = tmp_path / "sharded"
-    one_node(sharded, *SHARDED)
+    one_node(sharded, *SHARDED, "sft.enabled=true", "sft.steps=1", "sft.batch_size=4")
+    assert load_config(sharded / "config.yaml", []).algo.kl_reference == "start"
+    assert (sharded / "eval" / "after_sft.json").is_file()
+    assert (sharded / "checkpoints" / "rl_start" / "trainable.safetensors").is_file()
+    last = sharded / "checkpoints" / "step_000002"
+    assert (last / "sharded" / "__1_0.distcp").is_file() and (last / "meta.json").is_file()
     on_one, on_two = tmp_path / "on_one", tmp_path / "on_two"
     shutil.copytree(sharded, on_one)
     shutil.copytree(sharded, on_two)
@@ -103,12 +188,24 @@ def test_sharded_checkpoints_resume_at_another_world_size(tmp_path):
     one_node(on_two, *SHARDED, "train.steps=3", resume=True)
     assert [m["step"] for m in metrics(on_one)] == [1, 2, 3]
     assert_same_step(on_one, on_two, 3)
-    again_one, again_two = tmp_path / "again_one", tmp_path / "again_two"
-    shutil.copytree(on_one, again_one)
-    shutil.copytree(on_one, again_two)
-    one_process(again_one, *SHARDED[1:], "train.steps=4", resume=True)
-    one_node(again_two, *SHARDED, "train.steps=4", resume=True)
-    assert_same_step(again_one, again_two, 4)
+
+
+def test_an_interrupted_sharded_save_leaves_no_checkpoint(tmp_path):
+    """A save that fails after the shards are written (here: its meta.json cannot be
+    written) leaves a `.tmp-` folder no reader lists; the next save removes it."""
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    save = partial(save_checkpoint, tmp_path, model=model, optimizer=optimizer)
+    save(step=1, scheduler=scheduler, extra={}, keep=3, sharded=True)
+    with pytest.raises(TypeError):
+        save(step=2, scheduler=scheduler, extra={"unwritable": object()}, keep=3, sharded=True)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000001"]
+    (leftover,) = (tmp_path / "checkpoints").glob(".tmp-*")
+    assert (leftover / "sharded" / ".metadata").is_file()  # the shards were written
+    save(step=3, scheduler=scheduler, extra={}, keep=3, sharded=True)
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000001", "step_000003"]
 
 
 def test_a_failing_sharded_rank_stops_the_job(tmp_path):
@@ -136,8 +233,6 @@ def test_a_failing_sharded_rank_stops_the_job(tmp_path):
     [
         (["train.optimizer=adamw_8bit"], "train.optimizer=adamw_8bit"),
         (["rollout.engine=vllm"], "rollout.engine=vllm"),
-        (["sft.enabled=true"], "sft.enabled"),
-        (["algo.kl_coef=0.1", "algo.kl_reference=start"], "algo.kl_reference=start"),
     ],
 )
 def test_what_sharding_does_not_support_is_refused_at_load(sets, names):

@@ -10,7 +10,7 @@ from pathlib import Path
 from looprl.apps.inference import ChatModel
 from looprl.config import config_from_dict, load_config
 from looprl.errors import ConfigError
-from looprl.loop.checkpoint import list_checkpoints, load_weights
+from looprl.loop.checkpoint import has_weights, list_checkpoints, load_weights
 from looprl.loop.policy import load_policy
 
 
@@ -62,7 +62,7 @@ def _pick_checkpoint(run: Path, checkpoint: Path | None) -> Path | None:
         return found[-1] if found else None
     if not checkpoint.exists() and (run / "checkpoints" / checkpoint).exists():
         checkpoint = run / "checkpoints" / checkpoint
-    if not (checkpoint / "trainable.safetensors").is_file():
+    if not has_weights(checkpoint):
         names = ", ".join(p.name for p in list_checkpoints(run)) or "none"
         raise ConfigError(
             f"{checkpoint} is not a looprl checkpoint folder; the checkpoints of {run}: {names}"

@@ -59,7 +59,7 @@ def anchor_to_warm_start(cfg: Config) -> None:
     algo = cfg.algo
     if "kl_coef" in algo.model_fields_set or not (cfg.sft.enabled and cfg.model.lora.enabled):
         return
-    if algo.name == "opd" or cfg.train.shard != "none":
+    if algo.name == "opd":
         return
     for name, value in WARM_START_KL.items():
         if name == "kl_coef" or name not in algo.model_fields_set:
@@ -159,15 +159,6 @@ def check_sharding(cfg: Config) -> None:
         "rollout.sampler_dtype": (
             cfg.rollout.sampler_dtype != "model",
             "the sampler copy is a whole second model; set rollout.sampler_dtype=model",
-        ),
-        "sft.enabled": (
-            cfg.sft.enabled,
-            "the warm start runs outside the sharded update; warm-start with train.shard=none "
-            "and resume, or set sft.enabled=false",
-        ),
-        "algo.kl_reference=start": (
-            cfg.algo.kl_coef > 0 and cfg.algo.kl_reference == "start",
-            "the start's weights are swapped in whole; use algo.kl_reference=base",
         ),
     }
     for field, (hit, why) in refused.items():

@@ -228,6 +228,11 @@ class TrainConfig(Section):
         description="With train.shard=fsdp: reduce gradients after a rank's last micro-batch "
         "(less traffic, whole gradients meanwhile) or after each (they stay 1/N).",
     )
+    shard_checkpoint: Literal["sharded", "whole"] = Field(
+        "sharded",
+        description="With train.shard=fsdp: each rank writes its own shards of a checkpoint "
+        "(torch.distributed.checkpoint), or rank 0 gathers them whole into the usual files.",
+    )
     offload: bool = Field(
         False,
         description="With train.shard=fsdp on CUDA: keep the sharded weights, gradients and "

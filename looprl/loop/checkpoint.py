@@ -2,6 +2,9 @@
 
 A checkpoint is written into a temporary folder and renamed into place, so a crash in
 the middle of a write leaves the previous checkpoint intact. The newest `keep` are kept.
+Whole checkpoints hold `trainable.safetensors` and `state.pt`; sharded ones
+(`train.shard_checkpoint: sharded`, loop/checkpoint_sharded.py) each rank's shards in
+`sharded/`. Every reader here takes either.
 """
 
 from __future__ import annotations
@@ -20,8 +23,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from looprl.config import TrainConfig
 from looprl.forward.score import is_sharded
 from looprl.loop import dist as ranks
+from looprl.loop.checkpoint_sharded import (
+    is_sharded_checkpoint,
+    load_sharded_optimizer,
+    load_sharded_weights,
+    read_weights,
+    save_sharded,
+)
 
 PREFIX = "step_"
 
@@ -69,13 +80,18 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return state
 
 
-def _place(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def place(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A whole tensor laid out as `like`: its device and dtype, and its shard where `like`
     is sharded (each rank keeps its own part of the whole it read; no collective)."""
     tensor = tensor.to(like.device, like.dtype)
     if isinstance(like, DTensor):
         return distribute_tensor(tensor, like.device_mesh, like.placements, src_data_rank=None)
     return tensor
+
+
+def writes_shards(train: TrainConfig) -> bool:
+    """Whether this run's checkpoints are each rank's shards (loop/checkpoint_sharded.py)."""
+    return train.shard == "fsdp" and train.shard_checkpoint == "sharded"
 
 
 def save_checkpoint(
@@ -86,34 +102,45 @@ def save_checkpoint(
     scheduler: Any,
     extra: dict[str, Any],
     keep: int,
+    sharded: bool,
 ) -> Path | None:
-    """Every rank calls it (a sharded model's weights and optimizer state are gathered
-    whole); rank 0 writes and returns the folder, the others None."""
+    """Every rank calls it; rank 0 returns the folder, the others None. `sharded`: each
+    rank writes its own shards (loop/checkpoint_sharded.py); else a sharded model's
+    weights and optimizer state are gathered whole and rank 0 writes them."""
     main = ranks.current().is_main
     if not (main or is_sharded(model)):
         return None
+    root = run_dir / "checkpoints"
+    final = root / f"{PREFIX}{step:06d}"
+    meta = {"step": step, **extra}
+    if sharded:
+        state = {"scheduler": scheduler.state_dict(), "rng": rng_state()}
+        written = save_sharded(final, model, optimizer, state, meta)
+    else:
+        written = _save_whole(final, model, optimizer, scheduler, meta)
+    if written is not None:
+        for old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return written
+
+
+def _save_whole(
+    final: Path, model: Any, optimizer: Any, scheduler: Any, meta: dict[str, Any]
+) -> Path | None:
     state = {
         "optimizer": optimizer_state(optimizer),
         "scheduler": scheduler.state_dict(),
         "rng": rng_state(),
     }
     weights = trainable_state(model)
-    if not main:
+    if not ranks.current().is_main:
         return None
-    root = run_dir / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".tmp-*"):  # left by a writer that was killed mid-write
+    final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in final.parent.glob(".tmp-*"):  # left by a writer that was killed mid-write
         shutil.rmtree(stale, ignore_errors=True)
-    final = root / f"{PREFIX}{step:06d}"
-    write_weights(
-        final,
-        weights,
-        {"step": step, **extra},
-        also=lambda folder: torch.save(state, folder / "state.pt"),
+    return write_weights(
+        final, weights, meta, also=lambda folder: torch.save(state, folder / "state.pt")
     )
-    for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def save_weights(folder: Path, model: Any, meta: dict[str, Any]) -> Path | None:
@@ -162,30 +189,51 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     )
 
 
+def has_weights(checkpoint: Path) -> bool:
+    """A folder with trainable weights, whole or sharded."""
+    return (checkpoint / "trainable.safetensors").is_file() or is_sharded_checkpoint(checkpoint)
+
+
+def checkpoint_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's trainable weights, whole, on the CPU of this process."""
+    if is_sharded_checkpoint(checkpoint):
+        return read_weights(checkpoint)
+    return load_file(str(checkpoint / "trainable.safetensors"))
+
+
 def load_weights(model: Any, checkpoint: Path) -> dict[str, Any]:
-    """Load a checkpoint's trainable weights into `model`; return its metadata."""
-    state = load_file(str(checkpoint / "trainable.safetensors"))
+    """Load a checkpoint's trainable weights into `model`; return its metadata. A sharded
+    model reads a sharded checkpoint shard by shard (every rank calls it); otherwise the
+    weights are read whole and each rank keeps its shard where the model is sharded."""
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    if is_sharded_checkpoint(checkpoint) and is_sharded(model):
+        load_sharded_weights(model, checkpoint)
+        return meta
+    state = checkpoint_weights(checkpoint)
     params = dict(model.named_parameters())
     missing = [name for name in state if name not in params]
     if missing:
         raise ValueError(f"checkpoint {checkpoint} does not fit this model: {missing[:3]} ...")
     with torch.no_grad():
         for name, tensor in state.items():
-            params[name].copy_(_place(tensor, params[name]))
-    return json.loads((checkpoint / "meta.json").read_text())
+            params[name].copy_(place(tensor, params[name]))
+    return meta
 
 
-def load_training_state(checkpoint: Path, optimizer: Any, scheduler: Any) -> None:
-    """The optimizer's whole state, each rank keeping its shard of it where the weights are
+def load_training_state(checkpoint: Path, model: Any, optimizer: Any, scheduler: Any) -> None:
+    """The optimizer's state, each rank keeping its shard of it where the weights are
     sharded; the schedule; the random states."""
     state = torch.load(checkpoint / "state.pt", weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            values = optimizer.state.get(param, {})
-            for key, value in values.items():
-                if isinstance(param, DTensor) and getattr(value, "shape", None) == param.shape:
-                    values[key] = _place(value, param)
+    if is_sharded_checkpoint(checkpoint):
+        load_sharded_optimizer(checkpoint, model, optimizer, state["param_groups"])
+    else:
+        optimizer.load_state_dict(state["optimizer"])
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                values = optimizer.state.get(param, {})
+                for key, value in values.items():
+                    if isinstance(param, DTensor) and getattr(value, "shape", None) == param.shape:
+                        values[key] = place(value, param)
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
 

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as torch_dist
+from torch.distributed.tensor import DTensor
 
 from looprl.config import Config
 from looprl.errors import ConfigError, LoopRLError
@@ -89,12 +90,14 @@ class Dist:
             offset += g.numel()
 
     def broadcast_parameters(self, params: list[torch.nn.Parameter]) -> None:
-        """Rank 0's values for `params` on every rank: the replicas start identical."""
+        """Rank 0's values for `params` on every rank: the replicas start identical.
+        Sharded ones (DTensors, train.shard=fsdp) are each rank's own part: left as they are."""
         if self.world == 1:
             return
         with torch.no_grad():
             for p in params:
-                torch_dist.broadcast(p.data, src=0)
+                if not isinstance(p, DTensor):
+                    torch_dist.broadcast(p.data, src=0)
 
     def barrier(self) -> None:
         if self.world > 1:

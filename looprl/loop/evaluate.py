@@ -16,7 +16,7 @@ from looprl.envs import Environment, make_env, solved_outcomes
 from looprl.errors import ConfigError, EnvError
 from looprl.loop import dist as ranks
 from looprl.loop import log, preflight
-from looprl.loop.checkpoint import load_weights
+from looprl.loop.checkpoint import has_weights, load_weights
 from looprl.loop.dist import main_only
 from looprl.loop.play import Player, distinct_tasks, player
 from looprl.loop.policy import Policy, load_model
@@ -256,7 +256,7 @@ def run_eval(
     """`looprl eval`: evaluate a model, or a run's checkpoint, on the held-out tasks; with
     `out`, write the EvalResult there and its episodes to `episodes_path(out)`."""
     progress = progress or Progress()
-    if checkpoint is not None and not (checkpoint / "trainable.safetensors").exists():
+    if checkpoint is not None and not has_weights(checkpoint):
         raise ConfigError(f"{checkpoint} is not a looprl checkpoint folder")
     if out is not None and out.is_dir():
         raise ConfigError(f"--out {out} is a folder; give a file, e.g. --out {out / 'eval.json'}")

@@ -5,7 +5,9 @@
   one: an anchor to what the warm start taught rather than to the base model. Its trainable
   weights (the adapters) are kept in memory and swapped in for the reference pass, and
   written once to `RUN/checkpoints/rl_start` (loadable wherever a checkpoint is), from
-  which a resumed run takes them back.
+  which a resumed run takes them back. With train.shard=fsdp each rank keeps its shard of
+  them; the reference pass runs on whole weights (loop/shard.py `full_weights`), so each
+  is gathered whole as it is swapped in, every rank together.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor
 
 from looprl.config import Config
 from looprl.errors import LoopRLError
-from looprl.loop.checkpoint import save_weights, trainable_state
+from looprl.forward.score import is_sharded
+from looprl.loop.checkpoint import place, save_weights, trainable_state
 from looprl.loop.dist import Dist
 from looprl.loop.policy import Policy
 
@@ -34,18 +38,27 @@ def keep_reference(cfg: Config, policy: Policy, run_dir: Path, dist: Dist, start
     if cfg.algo.kl_coef == 0 or cfg.algo.kl_reference != "start":
         return
     folder = run_dir / "checkpoints" / START
+    sharded = is_sharded(policy.model)
+    params = {n: p for n, p in policy.model.named_parameters() if p.requires_grad}
     if start > 0:  # resumed past the start: the weights it wrote then
         if (folder / "trainable.safetensors").exists():
-            policy.reference = load_file(str(folder / "trainable.safetensors"))
+            kept = load_file(str(folder / "trainable.safetensors"))
+            policy.reference = (
+                {name: place(tensor, params[name]) for name, tensor in kept.items()}
+                if sharded
+                else kept
+            )
             return
         raise LoopRLError(
             f"algo.kl_reference=start: this run resumes at step {start}, and the weights its "
             f"RL steps started from ({folder}) are missing; run again without --resume, or "
             "set algo.kl_reference=base"
         )
-    policy.reference = {k: v.clone() for k, v in trainable_state(policy.model).items()}
-    if dist.is_main:
-        save_weights(folder, policy.model, {"stage": START})
+    if sharded:  # each rank its own shards
+        policy.reference = {name: p.detach().clone() for name, p in params.items()}
+    else:
+        policy.reference = {k: v.clone() for k, v in trainable_state(policy.model).items()}
+    save_weights(folder, policy.model, {"stage": START})  # every rank: rank 0 writes
 
 
 @contextmanager
@@ -62,6 +75,8 @@ def reference_weights(policy: Policy) -> Iterator[Any]:
     try:
         with torch.no_grad():
             for name, tensor in policy.reference.items():
+                if isinstance(tensor, DTensor):  # a shard: whole weights are in the model now
+                    tensor = tensor.full_tensor()
                 params[name].copy_(tensor.to(params[name].device, params[name].dtype))
         yield model
     finally:

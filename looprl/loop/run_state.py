@@ -123,15 +123,16 @@ def resume_state(
 ) -> int:
     """Load the newest checkpoint; drop metrics logged after it. Returns its step.
 
-    A checkpoint holds whole (unsharded) trainable weights and optimizer state, which
-    every rank loads: a run resumes at any number of processes."""
+    A checkpoint holds whole trainable weights and optimizer state, or each rank's
+    shards of them (train.shard_checkpoint=sharded), resharded as they are read: a run
+    resumes at any number of processes."""
     found = list_checkpoints(run_dir)
     if not found:
         return 0
     meta = load_weights(policy.model, found[-1])
     if meta.get("stage") == "sft":  # only the warm-started weights: RL starts afresh
         return 0
-    load_training_state(found[-1], optimizer, scheduler)
+    load_training_state(found[-1], policy.model, optimizer, scheduler)
     loop.load_meta(meta)
     step = int(meta["step"])
     main_only(trim_steps)(run_dir / "metrics.jsonl", step)

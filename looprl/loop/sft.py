@@ -22,11 +22,13 @@ import torch
 from looprl.chat import ChatRenderer
 from looprl.config import Config
 from looprl.envs import Environment
-from looprl.forward.score import micro_batches, sequence_logprobs
+from looprl.forward.score import is_sharded, micro_batches, sequence_logprobs
 from looprl.loop.batches import scoring_keys
 from looprl.loop.decisions import grammar_masked
+from looprl.loop.dist import Dist
 from looprl.loop.guidance import expert_episode
 from looprl.loop.policy import Policy
+from looprl.loop.shard import clip_gradients, synced_passes
 from looprl.model.memory import release_free_memory
 from looprl.types import Episode, Task
 
@@ -42,16 +44,28 @@ def demo_episode(
 
 
 def sft_step(
-    policy: Policy, optimizer: torch.optim.Optimizer, episodes: list[Episode], cfg: Config
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    episodes: list[Episode],
+    cfg: Config,
+    dist: Dist,
 ) -> dict[str, float]:
     """One optimizer step of −mean log p(assistant tokens), accumulated over micro-batches
-    (each divided by the whole batch's token count, so the split does not matter)."""
+    (each divided by the whole batch's token count, so the split does not matter).
+
+    Every rank gets the same `episodes`. A sharded model (train.shard=fsdp) splits them:
+    each rank its share, its micro-batches padded to the busiest rank's count, and FSDP2
+    sums the ranks' gradients (loop/shard.py); otherwise each rank takes the same step."""
     policy.model.train()
     optimizer.zero_grad(set_to_none=True)
     tokens = float(sum(e.response_len for e in episodes))
+    sharded = is_sharded(policy.model)
+    mine = dist.share(episodes) if sharded else episodes
+    batches = list(micro_batches(*scoring_keys(mine), cfg.train.micro_batch_tokens))
     total = 0.0
-    for indices in micro_batches(*scoring_keys(episodes), cfg.train.micro_batch_tokens):
-        chunk = [episodes[i] for i in indices]
+    every = cfg.train.shard_grad_sync == "every"
+    for indices in synced_passes(policy.model, batches, dist, every):
+        chunk = [mine[i] for i in indices]
         logp_BS, mask_BS = sequence_logprobs(
             policy.model,
             [e.token_ids for e in chunk],
@@ -63,7 +77,9 @@ def sft_step(
         loss = -(logp_BS * mask_BS).sum() / tokens
         loss.backward()
         total += float(loss.detach())
-    norm = torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.train.max_grad_norm)
+    if sharded:
+        total = dist.all_reduce([total])[0]
+    norm = clip_gradients(policy.trainable_parameters(), cfg.train.max_grad_norm)
     if torch.isfinite(norm) and total == total:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)

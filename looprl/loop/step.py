@@ -46,7 +46,7 @@ from looprl.types import ENV_ERROR, PARSE_FAILURES, TRUNCATED, Episode
 # episodes (loop/dist.py); rank 0 alone writes the run folder. These writers do nothing
 # on the other ranks, so the loop reads the same for one process or many.
 UNSCORABLE = (*PARSE_FAILURES, TRUNCATED)  # outcomes that say nothing of the task itself
-save_checkpoint = checkpoints.save_checkpoint  # every rank: shards are gathered, rank 0 writes
+save_checkpoint = checkpoints.save_checkpoint  # every rank: its shards, or gathered for rank 0
 write_samples = main_only(log.write_samples)
 write_report = main_only(report_files.write_report)
 
@@ -191,6 +191,7 @@ class Trainer:
             self.scheduler,
             {"model": self.cfg.model.name, **self.state.to_meta()},
             self.cfg.train.keep_checkpoints,
+            sharded=checkpoints.writes_shards(self.cfg.train),
         )
         if self.snapshot is not None:  # train games meet the policy of the last checkpoint
             self.snapshot.refresh(self.policy.model)

@@ -37,6 +37,7 @@ from looprl.loop import dist as ranks
 from looprl.loop import log, preflight, sft
 from looprl.loop.also import AlsoEvals, check_also, check_also_room
 from looprl.loop.batches import UpdateState
+from looprl.loop.checkpoint import writes_shards
 from looprl.loop.curve import EvalCurve
 from looprl.loop.decisions import grammar_cache
 from looprl.loop.dist import Dist, main_only
@@ -130,7 +131,7 @@ def train(
     # ---- optional SFT warm start on the env's demonstrations, then its own eval
     after_sft = held_out.read(run_dir, "after_sft") if cfg.sft.enabled else None
     if cfg.sft.enabled and after_sft is None:
-        warm_start(policy, sft_env, cfg, run_dir, progress)
+        warm_start(policy, sft_env, cfg, run_dir, dist, progress)
         dist.broadcast_parameters(policy.trainable_parameters())
         if snapshot is not None:
             snapshot.refresh(policy.model)
@@ -334,7 +335,12 @@ def write_config(run_dir: Path, cfg: Config) -> None:
 
 
 def warm_start(
-    policy: Policy, probe: Environment, cfg: Config, run_dir: Path, progress: Progress | None = None
+    policy: Policy,
+    probe: Environment,
+    cfg: Config,
+    run_dir: Path,
+    dist: Dist,
+    progress: Progress | None = None,
 ) -> None:
     """SFT steps on demonstrations of `probe`'s train tasks (the env built with env.args and
     sft.env_args over them); checkpointed as step 0 (weights only)."""
@@ -353,11 +359,15 @@ def warm_start(
                 sft.demo_episode(make_env(cfg.env.name, args), t, policy.renderer, grammars)
                 for t in tasks
             ]
-            stats = sft.sft_step(policy, optimizer, episodes, cfg)
+            stats = sft.sft_step(policy, optimizer, episodes, cfg, dist)
             append_line(sft_log, {"step": step, **stats})
             phase.update(step, detail=f"loss {stats['sft/loss']:.3f}")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    save_checkpoint(run_dir, 0, policy.model, optimizer, scheduler, {"stage": "sft"}, 1_000_000)
+    meta = {"stage": "sft"}
+    sharded = writes_shards(cfg.train)
+    save_checkpoint(
+        run_dir, 0, policy.model, optimizer, scheduler, meta, 1_000_000, sharded=sharded
+    )
 
 
 def sft_env_args(cfg: Config) -> dict[str, Any]:
