@@ -22,7 +22,7 @@ until curl -s -o /dev/null "http://127.0.0.1:$PORT/api/v1/healthz"; do sleep 1; 
 export TINKER_BASE_URL=http://127.0.0.1:$PORT TINKER_API_KEY=tml-local TINKER_TELEMETRY=0
 "$TK_VENV/bin/python" -m tinker_cookbook.recipes.preference.shorter.train \
   model_name="$MODEL" renderer_name=qwen3_instruct \
-  batch_size=8 group_size=4 max_tokens=24 learning_rate=3e-4 \
+  batch_size=4 group_size=4 max_tokens=48 learning_rate=3e-4 \
   max_steps="$STEPS" eval_every=0 \
   log_path="$OUT/recipe" behavior_if_log_dir_exists=delete > "$OUT/recipe.log" 2>&1
 "$VENV/bin/python" - "$OUT/recipe/metrics.jsonl" <<'PY'
