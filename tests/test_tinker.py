@@ -214,6 +214,26 @@ def test_sampler_logprobs_are_the_trainers_and_a_fixed_snapshot(training, tokens
     assert not np.allclose(logprobs_of(training, tokens)[1:], prompt_lp[2:], atol=1e-4)
 
 
+def test_unseeded_requests_sampled_as_one_batch_draw_their_own_samples(tmp_path, tokens):
+    """A recipe asks for a group's samples as one-sample requests without a seed; sampled
+    as one batch, each draws from its own stream, not a copy of the first's."""
+    from tinker.proto import tinker_public_pb2
+
+    from looprl.tinker.sampling import sample_batch
+
+    sampler = Service(tmp_path, torch.float32, [MODEL]).new_sampler("group", MODEL, None)
+    body = {
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": tokens[:6]}]},
+        "num_samples": 1,
+        "sampling_params": {"max_tokens": 8, "temperature": 1.0, "stop": []},
+    }
+    drawn = set()
+    for answer in sample_batch(sampler, [body] * 4):
+        sequence = tinker_public_pb2.SampleResponse.FromString(answer).sequences[0]
+        drawn.add(np.frombuffer(sequence.tokens, dtype=np.int32).tobytes())
+    assert len(drawn) == 4
+
+
 def test_named_sampler_weights_top_k_and_stop_tokens(service_client, training, tokens):
     path = training.save_weights_for_sampler("named").result().path
     assert path.endswith("/sampler_weights/named")

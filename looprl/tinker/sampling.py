@@ -117,12 +117,15 @@ def read_request(sampler: Sampler, request: dict[str, Any]) -> Asked:
     if max(prompt) >= vocab or min(prompt) < 0:
         raise RequestError(f"prompt: token ids must lie in [0, {vocab}) for this model")
     stop_ids, stop_strings = stop_settings(params.get("stop"), sampler.tokenizer)
+    seed = params.get("seed")
+    if seed is None:  # its own fresh stream: unseeded requests batched together must not
+        seed = torch.Generator().seed()  # share one (a group's one-sample requests)
     settings = SamplingParams(
         temperature=float(params.get("temperature", 1.0)),
         top_p=float(params.get("top_p", 1.0)),
         top_k=max(int(params.get("top_k", -1)), 0),
         max_new_tokens=int(params.get("max_tokens") or DEFAULT_MAX_TOKENS),
-        seed=params.get("seed"),
+        seed=int(seed),
         stop=stop_strings,
     )
     return Asked(
@@ -140,7 +143,8 @@ def sample_batch(sampler: Sampler, requests: list[dict[str, Any]]) -> list[bytes
     """Several `asample` requests on one sampler, each one's `SampleResponse` serialized
     (or the error that refuses it). The requests' samples run as one running batch of the
     engine (one per distinct set of stop token ids); each sample draws from its own random
-    stream (its request's seed and its index), so batching changes no sample."""
+    stream (its request's seed, fresh entropy when it has none, and its index), so batching
+    changes no sample."""
     asked: list[Asked | Exception] = []
     for request in requests:
         try:
