@@ -27,6 +27,7 @@ from functools import lru_cache
 from typing import Any
 
 import numpy as np
+import torch
 
 from looprl.engine import Constraint, JsonConstraint, Thinking, ToolConstraint
 from looprl.engine.glm_grammar import glm_call_grammar
@@ -241,3 +242,31 @@ def allows_one_token(bitmask_W: Any) -> bool:
         return False
     word = int(words[nonzero[0]]) & 0xFFFFFFFF
     return word & (word - 1) == 0
+
+
+def apply_bitmask(logits_LV: torch.Tensor, mask_NW: torch.Tensor, rows: list[int]) -> None:
+    """Mask (to -inf), in place, the tokens that xgrammar's token bitmask `mask_NW` (on
+    the host, one row per entry of `rows`) forbids in those rows of `logits_LV`: with
+    xgrammar's kernel where it has one for the device (CPU, CUDA), else `unpack_bitmask`."""
+    import xgrammar as xgr
+
+    device = logits_LV.device
+    mask_NW = mask_NW.to(device, non_blocking=True)
+    index = torch.tensor(rows).to(device, non_blocking=True)
+    width = min(logits_LV.shape[-1], mask_NW.shape[-1] * 32)
+    sub_NV = logits_LV[index]
+    if device.type in ("cpu", "cuda"):
+        xgr.apply_token_bitmask_inplace(sub_NV, mask_NW, vocab_size=width)
+    else:
+        allowed_NV = unpack_bitmask(mask_NW, width)
+        sub_NV[:, :width] = sub_NV[:, :width].masked_fill(~allowed_NV, float("-inf"))
+    logits_LV[index] = sub_NV
+
+
+def unpack_bitmask(mask_NW: torch.Tensor, width: int) -> torch.Tensor:
+    """xgrammar's packed token bitmask as booleans [N, width]: token t is allowed where
+    bit t % 32 of int32 word t // 32 is set (an arithmetic shift of a negative word still
+    puts its bit at position 0)."""
+    shifts_32 = torch.arange(32, dtype=torch.int32, device=mask_NW.device)
+    bits_NW32 = (mask_NW[:, :, None] >> shifts_32) & 1
+    return bits_NW32.flatten(1)[:, :width].bool()
