@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from looprl.engine import GenerationRequest, SamplingParams
+from looprl.engine import GenerationRequest, SamplingParams, ToolConstraint
 from looprl.engine.hf import HFEngine
 from looprl.engine.random_stream import MULTIPLIERS, SALTS, stream_uniforms
 from looprl.engine.sampling import CDF_BLOCK, Row, inverse_cdf
@@ -137,8 +137,8 @@ def test_inverse_cdf_past_the_total_takes_the_last_token_with_mass():
 
 @pytest.fixture()
 def mixed_requests(renderer):
-    """Different prompts and token limits (rows finish early), one with a logit bias and
-    one with its own sampling settings."""
+    """Different prompts and token limits (rows finish early), one with a logit bias, one
+    with its own sampling settings and one forced to call a tool (the grammar's mask)."""
     env = TicTacToeMove(tool_choice="auto")
     out = []
     for n, task in enumerate(env.tasks("train", n=3, seed=4)):
@@ -147,6 +147,8 @@ def mixed_requests(renderer):
         out += [GenerationRequest(prompt[n:], max_new_tokens=3 + 5 * g) for g in range(2)]
     out[1] = replace(out[1], logit_bias={5: 3.0, 9: -2.0})
     out[4] = replace(out[4], sampling=SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=9))
+    forced = ToolConstraint(obs.tools, "required", renderer.format)
+    out[5] = replace(out[5], constraint=forced, max_new_tokens=20)
     return out
 
 
@@ -154,9 +156,11 @@ def test_a_row_samples_the_same_tokens_alone_and_in_any_batch(
     tiny_model, tokenizer, renderer, mixed_requests
 ):
     """Each request played alone (its `stream` = its index in the batch) gets the tokens
-    it gets inside the whole batch; the same call again gives them again."""
+    it gets inside the whole batch; the same call again gives them again. Jump-forward is
+    off: it writes a forced span's canonical tokens only when every live row is forced,
+    so with it the forced row alone would take other tokens than in the batch."""
     params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=21)
-    engine = HFEngine(tiny_model, tokenizer, renderer.eos_ids)
+    engine = HFEngine(tiny_model, tokenizer, renderer.eos_ids, jump_forward=False)
     whole = [o.ids for o in engine.generate(mixed_requests, params)]
     assert len({len(ids) for ids in whole}) > 1  # rows finished at different steps
     assert [o.ids for o in engine.generate(mixed_requests, params)] == whole

@@ -92,7 +92,9 @@ for dtype in (torch.float32, torch.bfloat16):
 PY
 # sampling on the device (the logits never leave the GPU): each row's tokens for a fixed
 # seed are those of the same row sampled alone (its stream is its key and position only),
-# free rows and forced calls (the grammar's mask applied on the GPU) alike, float32
+# free rows and forced calls (the grammar's mask applied on the GPU) alike, float32.
+# Jump-forward is off here: it writes a forced span's canonical tokens only when every
+# live row is forced, so with it a forced row alone may take other tokens than in a batch
 "${py[@]}" - <<'PY'
 from dataclasses import replace
 
@@ -113,7 +115,7 @@ for n, task in enumerate(env.tasks("train", n=8, seed=5)):
     prompt = renderer.prompt_ids(obs.messages, obs.tools)
     reqs.append(GenerationRequest(prompt, max_new_tokens=8 + 12 * (n % 3), constraint=forced))
 model = load_causal_lm("smollm2-135m", torch.float32).to("cuda").eval()
-engine = HFEngine(model, tok, renderer.eos_ids)
+engine = HFEngine(model, tok, renderer.eos_ids, jump_forward=False)
 params = SamplingParams(temperature=1.0, max_new_tokens=32, seed=3)
 batch = [o.ids for o in engine.generate(reqs, params)]
 again = [o.ids for o in engine.generate(reqs, params)]
