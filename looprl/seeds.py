@@ -15,7 +15,7 @@ REFILL = 500_009  # a dynamic-sampling refill round's tasks: the step's seed + r
 SFT = 999_983  # the SFT warm start's demonstration tasks: seed × SFT + step
 MINIBATCH = 7  # the update's shuffle of groups into minibatches: seed × MINIBATCH + step
 TURN = 7919  # turn k of an episode samples from the request seed + k × TURN
-STREAM = 1_000_003  # an engine's per-request generator: base seed × STREAM + stream
+STREAM = 1_000_003  # an engine's per-request random stream: base seed × STREAM + stream
 MEMBER = 1_000_003  # a mixture's member i draws its tasks with seed + i × MEMBER (envs/mix.py)
 
 
@@ -45,7 +45,8 @@ def turn_seed(seed: int | None, turn: int) -> int | None:
 
 
 def stream_seed(seed: int, stream: int) -> int:
-    """The generator seed of one request's random stream (its index in the whole batch)."""
+    """The seed of one request's random stream (`stream`: its index in the whole batch); the
+    `hf` engine's stream key (engine/random_stream.py), vLLM's per-request seed."""
     return (seed * STREAM + stream) % 2**63
 
 

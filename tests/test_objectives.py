@@ -267,8 +267,11 @@ def test_cispo_with_k1_in_the_reward_runs(tmp_path):
 
 
 def test_icepop_under_overlapped_rollouts_logs_what_it_masked(tmp_path):
+    # four groups a step, not two: both steps must draw a group of unequal rewards to
+    # update at all (with two groups of four, a seed may draw equal rewards in both)
     rows = _run(tmp_path / "icepop", "--set", "rollout.max_staleness=1",
-                "--set", "algo.is_correction=icepop", "--set", "algo.name=grpo")  # fmt: skip
+                "--set", "algo.is_correction=icepop", "--set", "algo.name=grpo",
+                "--set", "rollout.tasks_per_step=4")  # fmt: skip
     assert all(0.0 <= r["train/is_masked_frac"] <= 1.0 for r in rows)
     assert all(r["train/is_weight_mean"] > 0 for r in rows)
     assert rows[1]["rollout/staleness_max"] == 1

@@ -61,8 +61,11 @@ def test_no_episode_is_staler_than_k_and_a_run_is_reproducible(tmp_path, k):
 
 
 def test_the_steps_rollouts_differ_from_the_synchronous_runs(tmp_path):
-    _run(tmp_path / "sync", "--set", "train.steps=3")
-    _run(tmp_path / "k1", "--set", "train.steps=3", "--set", "rollout.max_staleness=1")
+    # four groups a step, not two: the versions differ only where a step updated, which
+    # takes a group of unequal rewards (with two groups of four, a seed may draw none)
+    more = ["--set", "train.steps=3", "--set", "rollout.tasks_per_step=4"]
+    _run(tmp_path / "sync", *more)
+    _run(tmp_path / "k1", *more, "--set", "rollout.max_staleness=1")
     sync, k1 = _rows(tmp_path / "sync"), _rows(tmp_path / "k1")
     assert sync[0]["rollout/entropy"] == k1[0]["rollout/entropy"]  # both: the start's weights
     for step in (1, 2):  # versions 1 and 0, then 2 and 1

@@ -90,6 +90,41 @@ for dtype in (torch.float32, torch.bfloat16):
         print(f"RESULT bf16_gap_to_fp32 cascade={mine:.2e} sdpa={theirs:.2e}")
         assert mine <= 1.25 * theirs + 1e-3
 PY
+# sampling on the device (the logits never leave the GPU): each row's tokens for a fixed
+# seed are those of the same row sampled alone (its stream is its key and position only),
+# free rows and forced calls (the grammar's mask applied on the GPU) alike, float32.
+# Jump-forward is off here: it writes a forced span's canonical tokens only when every
+# live row is forced, so with it a forced row alone may take other tokens than in a batch
+"${py[@]}" - <<'PY'
+from dataclasses import replace
+
+import torch
+from looprl.chat import ChatRenderer
+from looprl.engine import GenerationRequest, SamplingParams, ToolConstraint
+from looprl.engine.hf import HFEngine
+from looprl.envs import make_env
+from looprl.model.load import load_causal_lm, load_tokenizer
+
+tok = load_tokenizer("smollm2-135m")
+renderer = ChatRenderer(tok, model_name="smollm2-135m")
+env = make_env("tictactoe-move", {"tool_choice": "auto"})
+reqs = []
+for n, task in enumerate(env.tasks("train", n=8, seed=5)):
+    obs = env.reset(task)
+    forced = ToolConstraint(obs.tools, "required", renderer.format) if n % 2 else None
+    prompt = renderer.prompt_ids(obs.messages, obs.tools)
+    reqs.append(GenerationRequest(prompt, max_new_tokens=8 + 12 * (n % 3), constraint=forced))
+model = load_causal_lm("smollm2-135m", torch.float32).to("cuda").eval()
+engine = HFEngine(model, tok, renderer.eos_ids, jump_forward=False)
+params = SamplingParams(temperature=1.0, max_new_tokens=32, seed=3)
+batch = [o.ids for o in engine.generate(reqs, params)]
+again = [o.ids for o in engine.generate(reqs, params)]
+alone = [engine.generate([replace(r, stream=i)], params)[0].ids for i, r in enumerate(reqs)]
+same = sum(a == b for a, b in zip(batch, alone))
+print(f"RESULT cuda_batch_invariance={same}/{len(reqs)} repeat={'ok' if again == batch else 'differs'}")
+assert again == batch, "a seeded call on CUDA did not repeat its tokens"
+assert same == len(reqs), "a row's tokens on CUDA depend on the rows beside it"
+PY
 # rollout throughput on the GPU: the exact float32 engine against `generate`, batch 32
 # (the 5x target of bench/speed/rollout.py, measured where the CPU's matrix products are not
 # the limit)

@@ -10,7 +10,13 @@ from typing import Any
 
 import torch
 
-from looprl.engine.sampling import Row, tempered_rows, top_alternatives
+from looprl.engine.sampling import (
+    Row,
+    alternatives_lists,
+    tempered_rows,
+    to_host,
+    top_alternatives,
+)
 from looprl.forward.kv import Part
 from looprl.forward.prefix import prefix_kwargs
 from looprl.forward.score import decoder_and_head
@@ -53,7 +59,7 @@ def batch_forward(
     rest: tuple[torch.Tensor | None, list | None] = (None, None)
     if split is None:
         out = model(**inputs, logits_to_keep=k)
-        logits_CKV = out.logits.float().cpu()
+        logits_CKV = out.logits.float()  # kept on the device: sampling runs there
         running.logits_CV = logits_CKV[:, -1]
         if k > 1:
             rest = forced_logprobs(logits_CKV[:, :-1], tokens_CK, temperature, top_k)
@@ -63,13 +69,13 @@ def batch_forward(
         decoder, head = split
         out = decoder(**inputs)
         hidden_CKH = out.last_hidden_state
-        running.logits_CV = head(hidden_CKH[:, -1]).float().cpu()
+        running.logits_CV = head(hidden_CKH[:, -1]).float()
         per_row = temperature if isinstance(temperature, list) else None
         chunk = max(1, FORCED_LOGIT_ROWS // (k - 1))
         parts, tops = [], [] if top_k else None
         for start in range(0, len(rows), chunk):
             end = start + chunk
-            logits = head(hidden_CKH[start:end, :-1]).float().cpu()
+            logits = head(hidden_CKH[start:end, :-1]).float()
             own = temperature if per_row is None else per_row[start:end]
             logp, top = forced_logprobs(logits, tokens_CK[start:end], own, top_k)
             parts.append(logp)
@@ -85,9 +91,13 @@ def batch_forward(
 def forced_logprobs(
     logits_CKV: torch.Tensor, tokens_CK: torch.Tensor, temperature: float | list[float], top_k: int
 ) -> tuple[torch.Tensor, list | None]:
-    """The logprobs of tokens_CK[:, 1:] under logits_CKV (the positions before them), at
-    each row's temperature, and their top_k alternatives (None without)."""
+    """The logprobs of tokens_CK[:, 1:] (on the host) under logits_CKV (the positions
+    before them, on the device), at each row's temperature, and their top_k alternatives
+    (None without): computed on the device, one copy to the host."""
     logp_CKV = tempered_rows(logits_CKV, temperature)
-    logp_CK = logp_CKV.gather(-1, tokens_CK[:, 1:, None]).squeeze(-1)
-    tops = top_alternatives(logits_CKV, temperature, top_k) if top_k else None
-    return logp_CK, tops
+    later_CK = tokens_CK[:, 1:].to(logits_CKV.device, non_blocking=True)
+    crossing = [logp_CKV.gather(-1, later_CK[:, :, None]).squeeze(-1)]
+    if top_k:
+        crossing += top_alternatives(logits_CKV, temperature, top_k)
+    host = to_host(*crossing)
+    return host[0], alternatives_lists(*host[1:]) if top_k else None

@@ -18,15 +18,20 @@ string the grammar allows next (its jump-forward string) or when it is the only 
 grammar allows; every other token is free. The `hf` engine records this for each token
 it generates under a grammar (`Completion.free`); loop/decisions.py replays it where
 nobody recorded it.
+
+The matcher fills its token bitmask on the host; `apply_bitmask` moves it to the logits'
+device and masks them there, so that sampling never copies the logits to the host.
 """
 
 from __future__ import annotations
 
 import json
 from functools import lru_cache
+from importlib.util import find_spec
 from typing import Any
 
 import numpy as np
+import torch
 
 from looprl.engine import Constraint, JsonConstraint, Thinking, ToolConstraint
 from looprl.engine.glm_grammar import glm_call_grammar
@@ -241,3 +246,31 @@ def allows_one_token(bitmask_W: Any) -> bool:
         return False
     word = int(words[nonzero[0]]) & 0xFFFFFFFF
     return word & (word - 1) == 0
+
+
+def apply_bitmask(logits_LV: torch.Tensor, mask_NW: torch.Tensor, rows: list[int]) -> None:
+    """Mask (to -inf), in place, the tokens that xgrammar's token bitmask `mask_NW` (filled
+    on the host, one row per entry of `rows`) forbids in those rows of `logits_LV`, on the
+    logits' device: with xgrammar's kernel where it has one for the device (CPU, and CUDA
+    where Triton is installed), else `mask_unpacked`."""
+    import xgrammar as xgr
+
+    device = logits_LV.device
+    mask_NW = mask_NW.to(device, non_blocking=True)
+    index = torch.tensor(rows).to(device, non_blocking=True)
+    width = min(logits_LV.shape[-1], mask_NW.shape[-1] * 32)
+    sub_NV = logits_LV[index]
+    if device.type == "cpu" or (device.type == "cuda" and find_spec("triton") is not None):
+        xgr.apply_token_bitmask_inplace(sub_NV, mask_NW, vocab_size=width)
+    else:
+        mask_unpacked(sub_NV, mask_NW, width)
+    logits_LV[index] = sub_NV
+
+
+def mask_unpacked(logits_NV: torch.Tensor, mask_NW: torch.Tensor, width: int) -> None:
+    """`apply_bitmask` in plain torch ops, for any device: token t < `width` is allowed
+    where bit t % 32 of int32 word t // 32 is set (an arithmetic shift of a negative word
+    still brings its bit to position 0); the others go to -inf, in place."""
+    shifts_32 = torch.arange(32, dtype=torch.int32, device=mask_NW.device)
+    allowed_NV = ((mask_NW[:, :, None] >> shifts_32) & 1).flatten(1)[:, :width].bool()
+    logits_NV[:, :width] = logits_NV[:, :width].masked_fill(~allowed_NV, float("-inf"))

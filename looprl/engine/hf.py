@@ -41,12 +41,11 @@ from looprl.engine.sampling import (
     Row,
     advance_grammar,
     advance_thinking,
+    choose,
     jump_forward_tokens,
     sample_rows,
     settings,
-    tempered_rows,
     thinking_fields,
-    top_alternatives,
 )
 from looprl.forward import cascade, fast_linear
 from looprl.forward.kv import Part, Retained, bufferable, from_retained
@@ -255,13 +254,12 @@ class HFEngine:
         if own.seed is not None:
             base_seed = own.seed
         stream = index if request.stream is None else request.stream
-        generator = torch.Generator().manual_seed(stream_seed(base_seed, stream))
         return Row(
             index,
             request.prompt_ids,
             limit,
             matcher,
-            generator,
+            stream_seed(base_seed, stream),
             request.keep_kv,
             request.top_logprobs,
             request.on_token,
@@ -282,18 +280,17 @@ class HFEngine:
         return the rows that finished. `early` hears of the rows that finish with a
         sampled token before the model runs the others' (their results are final)."""
         temperature = self._temperatures(rows, params)
-        next_CV = running.logits_CV.float().cpu()  # sampling runs on the CPU generators
-        jump = jump_forward_tokens(rows, self.tokenizer, self.pad_id) if self.jump_forward else None
-        if jump is not None:
-            tokens_CK = torch.tensor(jump, dtype=torch.long)
-            logp_CV = tempered_rows(next_CV, temperature)
-            logp_CK = logp_CV.gather(-1, tokens_CK[:, :1])
-        else:
-            tokens_C, first_C = self._sample(next_CV, params, rows)
-            tokens_CK, logp_CK = tokens_C[:, None], first_C[:, None]
-        k = tokens_CK.shape[1]
         top_k = max((row.top_k for row in rows if not row.done), default=0)
-        tops = top_alternatives(next_CV[:, None], temperature, top_k) if top_k else None
+        jump = jump_forward_tokens(rows, self.tokenizer, self.pad_id) if self.jump_forward else None
+        tokens_CK, logp_CK, tops = choose(
+            running.logits_CV.float(),  # sampled where it lies: only the choices cross
+            rows,
+            jump,
+            lambda logits_CV: self._sample(logits_CV, params, rows),
+            temperature,
+            top_k,
+        )
+        k = tokens_CK.shape[1]
         finished = self._finished(tokens_CK, rows, params)
         if k == 1:  # before the next forward pass, so that a streaming caller hears sooner
             self._append(rows, tokens_CK, logp_CK, tops)

@@ -6,7 +6,7 @@ own thread, so the server batches them as it pleases (continuous batching); an e
 next turn finds its earlier turns' KV by vLLM's prefix caching, so there are no sessions.
 
 Seeds: request i samples with its own seed, derived from `params.seed` and its stream
-(its index, or `GenerationRequest.stream`) as the `hf` engine derives its generators, so
+(its index, or `GenerationRequest.stream`) as the `hf` engine derives its stream keys, so
 a seeded batch samples the same whatever runs alongside it. The two engines' random
 streams differ, so a seed gives each engine its own (reproducible) samples.
 
