@@ -40,13 +40,21 @@ def _eval(run: Path, name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """a: GSPO with a held-out curve; b: GRPO sampling from the top 3 tokens, which plays
-    the same episodes with other rewards; seed/tasks: a's settings but other held-out
+    """a: GSPO with a held-out curve; b: GRPO sampling from the top 3 tokens with large
+    steps, which plays the same episodes with other rewards; seed/tasks: a's settings but other held-out
     episodes."""
     root = tmp_path_factory.mktemp("runs")
     return {
         "a": _run(root / "a", "--set", "eval.every=1"),
-        "b": _run(root / "b", "--set", "algo.name=grpo", "--set", "rollout.top_k=3"),
+        "b": _run(
+            root / "b",
+            "--set",
+            "algo.name=grpo",
+            "--set",
+            "rollout.top_k=3",
+            "--set",
+            "train.lr=0.5",
+        ),  # a step large enough to change its play
         "seed": _run(root / "seed", "--set", "eval.seed=99", "--set", "train.steps=1"),
         "tasks": _run(root / "tasks", "--set", "eval.tasks=2", "--set", "train.steps=1"),
     }
@@ -105,7 +113,8 @@ def test_the_config_differences_and_the_curves(runs, tmp_path):
     assert _table_row(md, "algo.name") == ["algo.name", "gspo", "grpo"]
     assert _table_row(md, "rollout.top_k") == ["rollout.top_k", "0", "3"]
     assert _table_row(md, "eval.every") == ["eval.every", "1", "0"]
-    assert "| train.lr |" not in md and "| model.name |" not in md  # equal: not listed
+    assert _table_row(md, "train.lr")[2] == "0.5"
+    assert "| model.name |" not in md and "| train.steps |" not in md  # equal: not listed
     assert _table_row(md, "a")[2:] == ["tiny-random", "tictactoe-move", "gspo", "2 of 2"]
     for name in (TRAINING_PLOT, HELD_OUT_PLOT):
         assert (out / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

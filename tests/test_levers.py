@@ -304,10 +304,17 @@ def test_play_step_refills_up_to_the_cap_and_records_the_curriculum(tiny_step):
     assert metrics["train/kept_groups"] == len(kept) <= wanted
     # only groups with a spread train
     assert all(len({e.reward for e in groups[i].episodes}) > 1 for i in kept)
+    # the rounds were the ones refill_count asks for after each (a round's groups play in
+    # parallel): it refilled while short and under the cap, and stopped once full
+    played_so_far, count = 0, wanted
+    while count:
+        played_so_far += count
+        assert played_so_far <= sampled
+        kept_so_far = min(sum(g.kept for g in groups[:played_so_far]), wanted)
+        count = refill_count(kept_so_far, wanted, played_so_far, 6)
+    assert played_so_far == sampled
     if len(kept) < wanted:
         assert sampled == 6  # it refilled until the cap
-    else:
-        assert kept[-1] == len(groups) - 1 or sampled == wanted  # it stopped once full
     # the curriculum remembered every group played, as [mixed, mean reward]
     played_ids = {e.task.id for e in played.episodes}
     assert set(history) == played_ids
