@@ -41,8 +41,8 @@ def _eval(run: Path, name: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """a: GSPO with a held-out curve; b: GRPO sampling from the top 3 tokens with large
-    steps, which plays the same episodes with other rewards; seed/tasks: a's settings but other held-out
-    episodes."""
+    steps, which plays the same episodes with other rewards; seed/tasks: a's settings but
+    other held-out episodes."""
     root = tmp_path_factory.mktemp("runs")
     return {
         "a": _run(root / "a", "--set", "eval.every=1"),
