@@ -344,7 +344,7 @@ def main() -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device is available")
     sizes = TINY if args.tiny else Sizes()
-    out = Path(args.out or tempfile.mkdtemp(prefix="gpu-yardstick-"))
+    out = Path(args.out or tempfile.mkdtemp(prefix="gpu-yardstick-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     parts = args.parts.split(",")
     started = time.perf_counter()
