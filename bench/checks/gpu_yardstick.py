@@ -120,7 +120,7 @@ TINY = Sizes(
         "model.name=tiny-random",
         "rollout.tasks_per_step=2",
         "rollout.group_size=4",
-        "rollout.max_new_tokens=16",
+        "rollout.max_new_tokens=40",
         "eval.tasks=4",
     ),
 )
