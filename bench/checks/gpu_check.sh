@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check and yardstick, for a machine with one CUDA device (one H100 or H200: about
-# six minutes, at most eight). Not part of `make test`.
+# The GPU check and yardstick, for a machine with one CUDA device, sized to finish within
+# eight minutes on one H100 or H200 (estimated from the earlier H200 check's timings, not
+# yet timed; its last line, gpu_check_wall_s, says). Not part of `make test`.
 #   bash bench/checks/gpu_check.sh
 # It checks the bf16 policy, engine and trainer paths on the GPU (a one-GPU torchrun job,
 # cascade attention and packing against plain SDPA, the sampler's batch invariance), then

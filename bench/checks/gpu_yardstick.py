@@ -4,7 +4,7 @@
     python bench/checks/gpu_yardstick.py --device cuda [--out DIR] [--parts engine,update,run]
     python bench/checks/gpu_yardstick.py --device cpu --tiny    # a rehearsal of the code
 
-`bench/checks/gpu_check.sh` runs it on a CUDA machine (about four minutes on one
+`bench/checks/gpu_check.sh` runs it on a CUDA machine (sized for about four minutes on one
 H100/H200). Everything runs in the dtype of a run on the device (`model.dtype=auto`:
 bfloat16 on CUDA, float32 on the CPU). Two model shapes: SmolLM2-135M (the real model,
 `smollm2-135m`) and Qwen3-0.6B's (its config, built in code with random weights, saved
