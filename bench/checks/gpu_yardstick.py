@@ -1,5 +1,6 @@
-"""The GPU yardstick: rollout and update speed, the update's peak memory against
-`looprl plan`, and a 3-step run, measured the same way on every card.
+"""The GPU yardstick: rollout and update speed, memory against `looprl plan`, a 3-step run.
+
+Measured the same way on every card.
 
     python bench/checks/gpu_yardstick.py --device cuda [--out DIR] [--parts engine,update,run]
     python bench/checks/gpu_yardstick.py --device cpu --tiny    # a rehearsal of the code
