@@ -158,7 +158,7 @@ bench: setup $(BENCH_STAMP)
 	@echo "== bench/speed/memory.py: peak memory of a looprl run, by phase"
 	$(BIN)/python bench/speed/memory.py $(BENCH_MEMORY)
 	@if $(BIN)/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
-	  echo "== bench/checks/gpu_check.sh: the GPU paths end to end"; \
+	  echo "== bench/checks/gpu_check.sh: the GPU paths end to end, the card's yardstick"; \
 	  bash bench/checks/gpu_check.sh; \
 	else \
 	  echo "== bench/checks/gpu_check.sh: skipped (no CUDA device)"; \

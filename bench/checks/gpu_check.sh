@@ -1,44 +1,54 @@
 #!/usr/bin/env bash
-# Short GPU check (for a machine with one CUDA device): the bf16 policy, engine and
-# trainer paths on the GPU, end to end, in a few minutes. Not part of `make test`.
+# The GPU check and yardstick, for a machine with one CUDA device, sized to finish within
+# eight minutes on one H100 or H200 (estimated from the earlier H200 check's timings, not
+# yet timed; its last line, gpu_check_wall_s, says). Not part of `make test`.
 #   bash bench/checks/gpu_check.sh
-# On a machine without a package index (an air-gapped GPU node): PYTHON=python3 uses that
-# interpreter's torch and the packages beside it instead of `make setup`'s .venv (looprl
-# importable from this checkout), and VLLM=0 leaves out the vLLM steps, running the
-# overlapped-rollouts benchmark on the hf engine instead.
+# It checks the bf16 policy, engine and trainer paths on the GPU (a one-GPU torchrun job,
+# cascade attention and packing against plain SDPA, the sampler's batch invariance), then
+# runs bench/checks/gpu_yardstick.py: the engine against `generate`, the update's speed
+# and peak memory against `looprl plan`, and a 3-step run; its last line is the summary
+# `RESULT device=... engine_vs_generate_b8=... ...` to record in docs/performance.md.
+# On a machine without a package index (an air-gapped GPU node):
+#   PYTHON=python3    that interpreter (its CUDA torch) instead of `make setup`'s .venv,
+#                     looprl importable from this checkout
+#   WHEELS=DIR        the wheels in DIR installed first, from DIR alone (gpu_wheels.sh
+#                     says which; nothing is downloaded)
+#   SMOLLM2_DIR=DIR   SmolLM2-135M's converted folder (a copy of ~/.cache/looprl/smollm2-135m:
+#                     config, safetensors, tokenizer) where this machine's cache lacks it
+# VLLM=1 adds the vLLM runs and the overlapped-rollouts benchmark on the vllm engine
+# (minutes more; `make setup-vllm` needs an index). GPU_CHECK_OUT=DIR keeps the run folders.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-VLLM=${VLLM:-1}
+VLLM=${VLLM:-0}
 if [ -n "${PYTHON:-}" ]; then
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  PYTHON="$PYTHON" bash bench/checks/gpu_wheels.sh
   py=("$PYTHON"); looprl=("$PYTHON" -m looprl); torchrun=("$PYTHON" -m torch.distributed.run)
 else
   make setup >/dev/null
   py=(.venv/bin/python); looprl=(.venv/bin/looprl); torchrun=(.venv/bin/torchrun)
 fi
+if [ -n "${SMOLLM2_DIR:-}" ]; then
+  # a model cache of its own whose two SmolLM2 entries are SMOLLM2_DIR's files (linked)
+  cache=$(mktemp -d)
+  for entry in smollm2-135m smollm2-135m-tokenizer; do
+    mkdir -p "$cache/$entry"
+    ln -s "$(realpath "$SMOLLM2_DIR")"/* "$cache/$entry/"
+    touch "$cache/$entry/.complete"
+  done
+  export LOOPRL_CACHE=$cache
+fi
+"${py[@]}" -c "from looprl.model.load import resolve; resolve('smollm2-135m')" \
+  || { echo "no smollm2-135m here: set SMOLLM2_DIR to its converted folder" >&2; exit 1; }
 "${py[@]}" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(0))"
 out=${GPU_CHECK_OUT:-$(mktemp -d)}  # GPU_CHECK_OUT keeps the run folders where you say
 mkdir -p "$out"
-# tiny model, bf16 on cuda (dtype auto), 3 steps: the run folder contract must hold
-"${looprl[@]}" run --set model.name=tiny-random --set model.device=cuda --set train.steps=3 \
-  --set rollout.tasks_per_step=4 --set eval.tasks=8 --out "$out/tiny" --force
-# one GPU through torchrun (NCCL, one rank): the multi-process path end to end
+# one GPU through torchrun (NCCL, one rank), tiny model in bf16: the multi-process path and
+# the run folder's contract end to end (the default model's 3-step run is the yardstick's)
 "${torchrun[@]}" --nproc_per_node 1 -m looprl run --set model.name=tiny-random \
   --set model.device=cuda --set train.steps=2 --set rollout.tasks_per_step=4 \
   --set eval.tasks=8 --out "$out/torchrun" --force
 test -s "$out/torchrun/metrics.jsonl" && echo "RESULT torchrun_1gpu=ok"
-# the default model on the GPU for 3 steps: logprob parity between engine and trainer
-"${looprl[@]}" run --set model.device=cuda --set train.steps=3 --set eval.tasks=16 \
-  --out "$out/smollm2" --force
-"${py[@]}" - "$out" <<'PY'
-import json, sys
-for name in ("tiny", "smollm2"):
-    rows = [json.loads(l) for l in open(f"{sys.argv[1]}/{name}/metrics.jsonl")]
-    gap = max(r["rollout/logprob_gap"] for r in rows)
-    step_s = sum(r["perf/step_s"] for r in rows) / len(rows)
-    print(f"RESULT run={name} logprob_gap_max={gap:.2e} step_s={step_s:.2f}")
-    assert gap < 5e-2, "engine and trainer logprobs disagree on the GPU (bf16)"
-PY
 # cascade attention on the GPU: the trainer's logprobs with and without it (float32:
 # equal; bfloat16: no further from the float32 reference than plain SDPA's), and with
 # its suffixes packed and padded
@@ -125,16 +135,17 @@ print(f"RESULT cuda_batch_invariance={same}/{len(reqs)} repeat={'ok' if again ==
 assert again == batch, "a seeded call on CUDA did not repeat its tokens"
 assert same == len(reqs), "a row's tokens on CUDA depend on the rows beside it"
 PY
-# rollout throughput on the GPU: the exact float32 engine against `generate`, batch 32
-# (the 5x target of bench/speed/rollout.py, measured where the CPU's matrix products are not
-# the limit)
-"${py[@]}" bench/speed/rollout.py --device cuda --batches 32 --repeats 2
+# the yardstick: engine vs generate (SmolLM2-135M and Qwen3-0.6B's shape, batches 8, 32,
+# 64), the update of Qwen3-0.6B's shape (LoRA r16 and full, 16k-token micro-batches) with
+# its peak memory against `looprl plan`, and a 3-step run of the default model (its
+# engine-vs-trainer logprob gap must stay under 5e-2)
+"${py[@]}" bench/checks/gpu_yardstick.py --device cuda --out "$out/yardstick"
 # the vllm engine on CUDA (make setup-vllm installs the CUDA `vllm` where nvidia-smi is
 # found): 3 steps with LoRA and 3 with full fine-tuning, each pushing its weights to the
 # server after every update; bf16 on both sides, so the gap is bf16's, not zero. Then
 # its column in the rollout benchmark.
 if [ "$VLLM" = 0 ]; then
-  echo "vLLM steps left out (VLLM=0)"
+  echo "vLLM steps left out (VLLM=1 adds them)"
 else
 make setup-vllm >/dev/null
 for mode in lora full; do
@@ -152,10 +163,10 @@ for name in ("vllm-lora", "vllm-full"):
     assert gap < 5e-2, "vLLM's and the trainer's logprobs disagree: did the weights reach it?"
 PY
 "${py[@]}" bench/speed/rollout.py --device cuda --batches 32 --repeats 2 --vllm on
-fi
-
-# Overlapped rollouts on the GPU: the vLLM server samples the next steps while the trainer
-# steps (rollout.max_staleness 0, 1, 2 side by side; docs/training.md#overlapped-rollouts).
-engine=vllm; [ "$VLLM" = 0 ] && engine=hf
-"${py[@]}" bench/speed/async.py --engine $engine --steps 8 --out "$out/async" \
+# overlapped rollouts: the vLLM server samples the next steps while the trainer steps
+# (rollout.max_staleness 0, 1, 2 side by side; docs/training.md#overlapped-rollouts)
+"${py[@]}" bench/speed/async.py --engine vllm --steps 8 --out "$out/async" \
   --set model.device=cuda
+fi
+echo "RESULT gpu_check_wall_s=$SECONDS"
+

@@ -70,14 +70,21 @@ def prompts(renderer: ChatRenderer, n: int) -> list[list[int]]:
     return out
 
 
-def run_looprl(engine: HFEngine, batch: list[list[int]], seed: int) -> tuple[int, float]:
-    return run_looprl_outputs(engine, batch, seed)[:2]
+def run_looprl(
+    engine: HFEngine, batch: list[list[int]], seed: int, new_tokens: int = NEW_TOKENS
+) -> tuple[int, float]:
+    return run_looprl_outputs(engine, batch, seed, new_tokens)[:2]
 
 
-def run_looprl_outputs(engine: HFEngine, batch: list[list[int]], seed: int) -> tuple:
-    params = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, seed=seed)
+def run_looprl_outputs(
+    engine: HFEngine, batch: list[list[int]], seed: int, new_tokens: int = NEW_TOKENS
+) -> tuple:
+    device = getattr(engine, "device", torch.device("cpu"))  # a vllm engine's: its server's
+    sync(device)
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=seed)
     start = time.perf_counter()
     outs = engine.generate([GenerationRequest(p) for p in batch], params)
+    sync(device)
     return sum(len(o.ids) for o in outs), time.perf_counter() - start, outs
 
 
@@ -146,7 +153,9 @@ def prefill_seconds(engine: HFEngine, batch: list[list[int]], repeats: int = 3) 
 
 
 @torch.inference_mode()
-def run_generate(model, tokenizer, batch: list[list[int]], seed: int) -> tuple[int, float]:
+def run_generate(
+    model, tokenizer, batch: list[list[int]], seed: int, new_tokens: int = NEW_TOKENS
+) -> tuple[int, float]:
     longest = max(len(p) for p in batch)
     pad = tokenizer.pad_token_id
     device = next(model.parameters()).device
@@ -157,7 +166,7 @@ def run_generate(model, tokenizer, batch: list[list[int]], seed: int) -> tuple[i
     start = time.perf_counter()
     out = model.generate(
         input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
-        top_k=0, max_new_tokens=NEW_TOKENS, pad_token_id=pad,
+        top_k=0, max_new_tokens=new_tokens, pad_token_id=pad,
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
     )  # fmt: skip
     sync(device)
