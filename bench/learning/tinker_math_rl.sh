@@ -8,17 +8,7 @@ set -euo pipefail
 STEPS=${1:-25}
 OUT=$(realpath -m "${2:-runs/tinker_math_rl}")
 PORT=${PORT:-8123}
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-VENV=${VENV:-$ROOT/.venv}            # looprl's environment (make setup)
-TK_VENV=${TK_VENV:-$ROOT/.venv-tinker}  # the cookbook's (make setup-tinker)
-MODEL=$("$VENV/bin/python" -c "from looprl.model.load import resolve; print(resolve('smollm2-135m')[0])")
-mkdir -p "$OUT"
-"$VENV/bin/python" -m looprl serve-tinker "$MODEL" --port "$PORT" --store "$OUT/store" \
-  > "$OUT/server.log" 2>&1 &
-SERVER=$!
-trap 'kill $SERVER' EXIT
-until curl -s -o /dev/null "http://127.0.0.1:$PORT/api/v1/healthz"; do sleep 1; done
-export TINKER_BASE_URL=http://127.0.0.1:$PORT TINKER_API_KEY=tml-local TINKER_TELEMETRY=0
+source "$(dirname "$0")/tinker_serve.sh"  # MODEL, the server on PORT, the SDK pointed at it
 "$TK_VENV/bin/python" -m tinker_cookbook.recipes.math_rl.train \
   env=arithmetic model_name="$MODEL" renderer_name=qwen3_instruct \
   loss_fn=importance_sampling group_size=4 groups_per_batch=8 learning_rate=3e-4 \
