@@ -260,11 +260,18 @@ def apply_bitmask(logits_LV: torch.Tensor, mask_NW: torch.Tensor, rows: list[int
     index = torch.tensor(rows).to(device, non_blocking=True)
     width = min(logits_LV.shape[-1], mask_NW.shape[-1] * 32)
     sub_NV = logits_LV[index]
-    if device.type == "cpu" or (device.type == "cuda" and find_spec("triton") is not None):
+    if device.type == "cpu" or (device.type == "cuda" and has_triton()):
         xgr.apply_token_bitmask_inplace(sub_NV, mask_NW, vocab_size=width)
     else:
         mask_unpacked(sub_NV, mask_NW, width)
     logits_LV[index] = sub_NV
+
+
+@lru_cache(maxsize=1)
+def has_triton() -> bool:
+    """Whether Triton is importable (xgrammar's CUDA kernel needs it): looked up once, not
+    at every decode step."""
+    return find_spec("triton") is not None
 
 
 def mask_unpacked(logits_NV: torch.Tensor, mask_NW: torch.Tensor, width: int) -> None:
