@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from looprl.loop.checkpoint import save_weights
+from looprl.loop.checkpoint import save_weights, writes_shards
 from looprl.loop.dist import main_only
 from looprl.loop.evaluate import HeldOut, evaluate
 from looprl.loop.run_state import trim_steps
@@ -106,7 +106,8 @@ class EvalCurve:
         if row["reward_mean"] > best:
             cfg = self.held_out.cfg
             meta = {"step": step, "reward_mean": row["reward_mean"], "model": cfg.model.name}
-            save_weights(self.best_dir, self.held_out.policy.model, meta)  # rank 0 writes
+            sharded = writes_shards(cfg.train)  # each rank its shards, or rank 0 all
+            save_weights(self.best_dir, self.held_out.policy.model, meta, sharded)
 
     def best(self) -> dict[str, Any] | None:
         """The best point so far (the earliest of equals)."""
