@@ -157,6 +157,7 @@ def rollout_weights(model: Any, engine: Any) -> Iterator[None]:
     if is_sharded(model):
         engine.load_weights()  # the hf engine's: nothing to do
         _note_push(getattr(engine, "push_stats", None))
+        current().barrier()  # a server shared by URL: every rank's push is in before any samples
     with full_weights(model) if getattr(engine, "reads_policy", True) else nullcontext():
         yield
 
