@@ -260,7 +260,7 @@ def test_a_failing_sharded_rank_stops_the_job(tmp_path):
     ("sets", "names"),
     [
         (["train.optimizer=adamw_8bit"], "train.optimizer=adamw_8bit"),
-        (["rollout.engine=vllm"], "rollout.engine=vllm"),
+        (["rollout.sampler_dtype=bfloat16"], "rollout.sampler_dtype"),
     ],
 )
 def test_what_sharding_does_not_support_is_refused_at_load(sets, names):
