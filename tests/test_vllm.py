@@ -355,42 +355,6 @@ def test_a_vllm_served_teacher_gives_the_local_teachers_distill_kl(model_dir, tm
 
 
 @needs_vllm
-def test_a_dead_server_stops_the_run_with_a_checkpoint_and_resume(model_dir, server, tmp_path):
-    """Runs last: it kills the module's server. The run stops with the state of its last
-    whole step checkpointed and the resume command; `--resume` continues (here on the
-    hf engine, as the server is gone)."""
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "looprl.cli", *map(str, run_args(model_dir, server, out, 3))]
-    run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = out / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and run.poll() is None:
-        if metrics.is_file() and metrics.read_text().strip():
-            break
-        time.sleep(0.5)
-    assert run.poll() is None, run.communicate()[1][-3000:]
-    os.killpg(server.process.pid, signal.SIGKILL)
-    _, stderr = run.communicate(timeout=300)
-    assert run.returncode == 2, stderr[-3000:]
-    assert "vLLM server" in stderr and f"looprl run --out {out} --resume" in stderr
-    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
-    assert (out / "checkpoints" / f"step_{steps[-1]:06d}").is_dir()
-    res = looprl(
-        "run",
-        "--out",
-        out,
-        "--resume",
-        "--set",
-        "rollout.engine=hf",
-        "--set",
-        f"model.name={model_dir}",
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
-    assert rows == [1, 2, 3]
-
-
-@needs_vllm
 def test_a_sharded_run_pushes_to_the_server(model_dir, server, tmp_path):
     """train.shard=fsdp (full fine-tuning) over two gloo processes sharing the server by
     URL: each rank pushes the weights from its shards, every tensor gathered in turn (at
@@ -455,3 +419,39 @@ def assert_server_samples(server, run: Path, checkpoint: str, other: str) -> Non
     after = trainer_logprobs(policy.model, prompt, ids)
     torch.testing.assert_close(torch.tensor(served), after, rtol=0, atol=1e-4)
     assert (after - before).abs().max() > 1e-2
+
+
+@needs_vllm
+def test_a_dead_server_stops_the_run_with_a_checkpoint_and_resume(model_dir, server, tmp_path):
+    """Runs last: it kills the module's server. The run stops with the state of its last
+    whole step checkpointed and the resume command; `--resume` continues (here on the
+    hf engine, as the server is gone)."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "looprl.cli", *map(str, run_args(model_dir, server, out, 3))]
+    run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and run.poll() is None:
+        if metrics.is_file() and metrics.read_text().strip():
+            break
+        time.sleep(0.5)
+    assert run.poll() is None, run.communicate()[1][-3000:]
+    os.killpg(server.process.pid, signal.SIGKILL)
+    _, stderr = run.communicate(timeout=300)
+    assert run.returncode == 2, stderr[-3000:]
+    assert "vLLM server" in stderr and f"looprl run --out {out} --resume" in stderr
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert (out / "checkpoints" / f"step_{steps[-1]:06d}").is_dir()
+    res = looprl(
+        "run",
+        "--out",
+        out,
+        "--resume",
+        "--set",
+        "rollout.engine=hf",
+        "--set",
+        f"model.name={model_dir}",
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert rows == [1, 2, 3]
