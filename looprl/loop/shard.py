@@ -156,8 +156,10 @@ def rollout_weights(model: Any, engine: Any) -> Iterator[None]:
     (`rollout.vllm_rescore=policy`)."""
     if is_sharded(model):
         engine.load_weights()  # the hf engine's: nothing to do
-        _note_push(getattr(engine, "push_stats", None))
-        current().barrier()  # a server shared by URL: every rank's push is in before any samples
+        stats = getattr(engine, "push_stats", None)
+        if stats is not None:  # pushed to a server, which ranks may share by URL:
+            _note_push(stats)
+            current().barrier()  # every rank's push is in before any rank samples
     with full_weights(model) if getattr(engine, "reads_policy", True) else nullcontext():
         yield
 
@@ -165,7 +167,7 @@ def rollout_weights(model: Any, engine: Any) -> Iterator[None]:
 def _note_push(stats: Any) -> None:
     """The first push from shards, said once per process: how much it held at once."""
     global _push_noted
-    if stats is None or _push_noted or not stats.tensors:
+    if _push_noted or not stats.tensors:
         return
     _push_noted = True
     print(
