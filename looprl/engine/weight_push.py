@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from looprl.errors import EngineError
+
 DTYPES = {
     torch.float64: "F64",
     torch.float32: "F32",
@@ -93,10 +95,11 @@ def save_in_turn(
     offset = 0
     for name, tensor in named:
         if name in header:
-            raise ValueError(f"weight push: the name {name} comes twice")
+            raise EngineError(f"weight push: the name {name} comes twice")
         if tensor.dtype not in DTYPES:
-            raise ValueError(
-                f"weight push: {name} has dtype {tensor.dtype}, which safetensors lacks"
+            raise EngineError(
+                f"weight push: {name} has dtype {tensor.dtype}, which a safetensors file "
+                "cannot hold; load the model as float32, bfloat16 or float16 (model.dtype)"
             )
         size = tensor.numel() * tensor.element_size()  # a DTensor's whole size
         header[name] = {
@@ -112,7 +115,7 @@ def save_in_turn(
         out.write(text)
         for name, whole in whole_in_turn(named, stats):
             if list(whole.shape) != header[name]["shape"]:
-                raise ValueError(f"weight push: {name} gathered as {tuple(whole.shape)}")
+                raise EngineError(f"weight push: {name} gathered as {tuple(whole.shape)}")
             out.write(whole.reshape(-1).view(torch.uint8).numpy().data)
             del whole
 
