@@ -171,14 +171,16 @@ def assert_checkpoints_resume_alike(tmp_path: Path, whole: dict, sharded: dict) 
 def test_sharded_checkpoints_resume_at_another_world_size(tmp_path):
     """A sharded run with an SFT warm start, anchored to it by default (a KL term to the
     weights the RL steps start from, algo.kl_reference=start), and its sharded checkpoints
-    (each rank writes its own shards): 2 sharded -> 1 and -> 2 sharded give the same third
-    step. 1 -> 2 and the whole layout are read back in
+    (each rank writes its own shards; the held-out curve's best weights and the RL
+    start's too): 2 sharded -> 1 and -> 2 sharded give the same third step, each reading
+    the RL start's shards back. 1 -> 2 and the whole layout are read back in
     test_two_sharded_processes_update_like_one."""
     sharded = tmp_path / "sharded"
-    one_node(sharded, *SHARDED, "sft.enabled=true", "sft.steps=1", "sft.batch_size=4")
+    warm = ["sft.enabled=true", "sft.steps=1", "sft.batch_size=4", "eval.every=1"]
+    one_node(sharded, *SHARDED, *warm)
     assert load_config(sharded / "config.yaml", []).algo.kl_reference == "start"
     assert (sharded / "eval" / "after_sft.json").is_file()
-    assert (sharded / "checkpoints" / "rl_start" / "trainable.safetensors").is_file()
+    assert_best_and_start_sharded(sharded, tmp_path)
     last = sharded / "checkpoints" / "step_000002"
     assert (last / "sharded" / "__1_0.distcp").is_file() and (last / "meta.json").is_file()
     on_one, on_two = tmp_path / "on_one", tmp_path / "on_two"
@@ -188,6 +190,32 @@ def test_sharded_checkpoints_resume_at_another_world_size(tmp_path):
     one_node(on_two, *SHARDED, "train.steps=3", resume=True)
     assert [m["step"] for m in metrics(on_one)] == [1, 2, 3]
     assert_same_step(on_one, on_two, 3)
+
+
+def assert_best_and_start_sharded(run: Path, tmp_path: Path) -> None:
+    """`checkpoints/best` (eval.every) and `checkpoints/rl_start` are each rank's shards;
+    best holds the weights of its step, and exports to the same safetensors as a whole
+    folder of those weights."""
+    from safetensors.torch import load_file
+
+    from looprl.loop.checkpoint import checkpoint_weights, export_model, write_weights
+
+    best, start = run / "checkpoints" / "best", run / "checkpoints" / "rl_start"
+    for folder in (best, start):
+        assert (folder / "sharded" / "__1_0.distcp").is_file(), folder
+        assert not (folder / "trainable.safetensors").exists(), folder
+    meta = json.loads((best / "meta.json").read_text())
+    same = start if meta["step"] == 0 else run / "checkpoints" / f"step_{meta['step']:06d}"
+    weights = checkpoint_weights(same)
+    assert checkpoint_weights(best).keys() == weights.keys()
+    assert all(torch.equal(checkpoint_weights(best)[k], w) for k, w in weights.items())
+    whole = write_weights(tmp_path / "whole-best", weights, meta)
+    files = [
+        load_file(str(export_model(run, tmp_path / f"best-{name}", folder) / "model.safetensors"))
+        for name, folder in (("sharded", best), ("whole", whole))
+    ]
+    assert files[0].keys() == files[1].keys()
+    assert all(torch.equal(files[0][k], files[1][k]) for k in files[0])
 
 
 def test_an_interrupted_sharded_save_leaves_no_checkpoint(tmp_path):
@@ -232,7 +260,7 @@ def test_a_failing_sharded_rank_stops_the_job(tmp_path):
     ("sets", "names"),
     [
         (["train.optimizer=adamw_8bit"], "train.optimizer=adamw_8bit"),
-        (["rollout.engine=vllm"], "rollout.engine=vllm"),
+        (["rollout.sampler_dtype=bfloat16"], "rollout.sampler_dtype"),
     ],
 )
 def test_what_sharding_does_not_support_is_refused_at_load(sets, names):

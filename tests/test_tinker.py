@@ -322,7 +322,7 @@ def test_a_run_folder_trains_on_from_its_trained_model(service_client, tmp_path,
         for name, p in policy.model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)
-    save_weights(run / "checkpoints" / "step_000001", policy.model, {"step": 1})
+    save_weights(run / "checkpoints" / "step_000001", policy.model, {"step": 1}, sharded=False)
     with torch.no_grad():
         logits = policy.model(input_ids=torch.tensor([tokens[:-1]])).logits[0]
     trained = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]

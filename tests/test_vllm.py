@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -351,6 +352,73 @@ def test_a_vllm_served_teacher_gives_the_local_teachers_distill_kl(model_dir, tm
         kept = json.loads((tmp_path / name / "eval" / "teacher.json").read_text())
         final = json.loads((tmp_path / name / "eval" / "final.json").read_text())
         assert kept["n"] == final["n"] == 8 and kept["task_ids"] == final["task_ids"]
+
+
+@needs_vllm
+def test_a_sharded_run_pushes_to_the_server(model_dir, server, tmp_path):
+    """train.shard=fsdp (full fine-tuning) over two gloo processes sharing the server by
+    URL: each rank pushes the weights from its shards, every tensor gathered in turn (at
+    most one at a time, as each rank reports), and the server samples the trainer's
+    weights: after the final eval's push its logprobs are those of the last checkpoint.
+    The server's own weights are put back afterwards."""
+    import socket
+
+    out = tmp_path / "run"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    torchrun += ["--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "looprl"]
+    args = [*torchrun, *run_args(model_dir, server, out, steps=2)]
+    args += ["--set", "train.shard=fsdp", "--set", "eval.greedy=false"]
+    args += ["--set", "model.lora.enabled=false"]
+    # rewards that differ within a group, and steps that move the logprobs: a stale push
+    # would show
+    args += ["--set", "env.name=dist_env:ChecksumEnv", "--set", "train.lr=0.01"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
+    try:
+        res = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+        assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2]
+        assert rows[0]["train/grad_norm"] > 0 and rows[0]["train/zero_std_groups"] < 2, rows
+        assert_server_samples(server, out, "step_000002", other="step_000001")
+    finally:  # the module's server serves the saved model again
+        body = {"method": "looprl_load_weights", "args": [str(model_dir / "model.safetensors")]}
+        server.post("/collective_rpc", body)
+        server.post("/reset_prefix_cache", {})
+    notes = re.findall(
+        r"rank (\d): weights pushed from shards, (\d+) tensors gathered in turn, at most "
+        r"([\d,]+) bytes at once of ([\d,]+)",
+        res.stderr,
+    )
+    assert sorted(int(rank) for rank, *_ in notes) == [0, 1], res.stderr[-3000:]
+    for _, tensors, peak, total in notes:
+        peak, total = int(peak.replace(",", "")), int(total.replace(",", ""))
+        assert int(tensors) > 2 and 0 < peak < total
+
+
+def assert_server_samples(server, run: Path, checkpoint: str, other: str) -> None:
+    """The server samples with `checkpoint`'s weights (float32: within 1e-4), and
+    `other`'s weights give other logprobs (so a stale push would show)."""
+    from looprl.config import load_config
+    from looprl.engine.vllm_server import SERVED_NAME
+    from looprl.loop.checkpoint import load_weights
+    from looprl.loop.policy import load_policy
+
+    policy = load_policy(load_config(run / "config.yaml", ["model.device=cpu"]))
+    prompt = prompt_ids(policy.renderer, "say a number")
+    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": 16, "temperature": 1.0}
+    body |= {"seed": 0, "logprobs": 0, "return_token_ids": True}
+    choice = server.post("/v1/completions", body)["choices"][0]
+    ids, served = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+    load_weights(policy.model, run / "checkpoints" / other)
+    before = trainer_logprobs(policy.model.eval(), prompt, ids)
+    load_weights(policy.model, run / "checkpoints" / checkpoint)
+    after = trainer_logprobs(policy.model, prompt, ids)
+    torch.testing.assert_close(torch.tensor(served), after, rtol=0, atol=1e-4)
+    assert (after - before).abs().max() > 1e-2
 
 
 @needs_vllm

@@ -148,10 +148,6 @@ def check_sharding(cfg: Config) -> None:
             "bitsandbytes quantises whole tensors in blocks, not FSDP2's shards; use "
             "train.optimizer=adamw",
         ),
-        "rollout.engine=vllm": (
-            cfg.rollout.engine == "vllm",
-            "the weight push to the server reads whole tensors; use rollout.engine=hf",
-        ),
         "rollout.max_staleness > 0": (
             cfg.rollout.max_staleness > 0,
             "the rollout thread samples from a whole second copy; set rollout.max_staleness=0",

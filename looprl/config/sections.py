@@ -181,7 +181,7 @@ class RolloutConfig(Section):
     vllm_rescore: Literal["policy", "server"] = Field(
         "policy",
         description="engine=vllm, forced calls: who scores their unconstrained logprobs: "
-        "policy (looprl's module, one batched pass) or server (a vLLM prefill each).",
+        "policy (looprl's module, one batched pass; whole weights when sharded) or server.",
     )
     vllm_start_timeout_s: float = Field(
         900.0, gt=0, description="engine=vllm: seconds the server may take to start."
@@ -231,7 +231,7 @@ class TrainConfig(Section):
     shard_checkpoint: Literal["sharded", "whole"] = Field(
         "sharded",
         description="With train.shard=fsdp: each rank writes its own shards of a checkpoint "
-        "(torch.distributed.checkpoint), or rank 0 gathers them whole into the usual files.",
+        "(steps, best, rl_start; torch.distributed.checkpoint), or rank 0 gathers them whole.",
     )
     offload: bool = Field(
         False,

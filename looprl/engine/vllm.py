@@ -30,10 +30,17 @@ distribution, where the `hf` engine reports the untruncated one.
 
 Weights: before each `generate`, the engine looks whether the policy's trainable
 weights changed since the last push (in-place updates bump a tensor's version), and
-pushes them: a LoRA adapter is saved to a folder and reloaded in place under the same
-name; full fine-tuning writes the changed tensors to one safetensors file that every
-worker loads (`vllm_worker/looprl_vllm_worker.py`). Either way the prefix cache, whose
-KV came from the old weights, is then reset. Nothing is reloaded from scratch.
+pushes them: a LoRA adapter is written to a folder and reloaded in place under the same
+name; full fine-tuning writes the weights to one safetensors file that every worker
+loads (`vllm_worker/looprl_vllm_worker.py`). Either file is written one tensor at a
+time, each made whole in turn and freed before the next (engine/weight_push.py). The
+prefix cache, whose KV came from the old weights, is then reset. Nothing is reloaded
+from scratch.
+
+A sharded policy (train.shard=fsdp: FSDP2 DTensors) is pushed only by `load_weights`,
+which every rank calls together at a rollout phase's start (loop/shard.py
+`rollout_weights`): each tensor is gathered from every rank in turn, a collective, so
+`generate`, which a rank may call any number of times, never pushes one.
 """
 
 from __future__ import annotations
@@ -47,9 +54,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.tensor import DTensor
+
 from looprl.algo.logprobs import scoring_temperature
 from looprl.engine import Completion, Constraint, GenerationRequest, SamplingParams
 from looprl.engine.vllm_server import SERVED_NAME, LaunchSpec, VLLMServer
+from looprl.engine.weight_push import PushStats, save_adapter_in_turn, save_in_turn
 from looprl.errors import EngineError, ModelError
 from looprl.model.load import base_model
 from looprl.seeds import stream_seed
@@ -84,6 +94,11 @@ class VLLMEngine:
         self._grammars: dict[str, str] = {}
         self._versions: dict[str, int] | None = None
         self.pushes = 0  # weight pushes so far (a test reads it)
+        self.push_stats = PushStats()  # what the last push gathered (a test reads it)
+        self.sharded = False  # the policy's weights are DTensors: `load_weights` pushes
+        # whether a rollout phase needs the policy module's whole weights in this process
+        # (loop/shard.py): only to rescore forced calls with it
+        self.reads_policy = rescore is not None
 
     # ------------------------------------------------------------------ start and stop
 
@@ -165,7 +180,8 @@ class VLLMEngine:
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, state_dict: dict[str, Any] | None = None) -> None:
-        """Push the policy's current weights to the server now."""
+        """Push the policy's current weights to the server now. With a sharded policy
+        every rank calls it, together (module doc)."""
         self._push(force=True)
 
     def _trainable(self) -> dict[str, Any]:
@@ -177,22 +193,20 @@ class VLLMEngine:
     def _push(self, force: bool = False) -> None:
         """Send the trainable weights if any changed since the last push (or `force`)."""
         params = self._trainable()
+        self.sharded = self.sharded or any(isinstance(p, DTensor) for p in params.values())
         versions = {name: p._version for name, p in params.items()}
         if self._versions is not None and versions == self._versions and not force:
             return
         if self.lora:
             folder = self.workdir / "adapter"
-            self.policy_model.save_pretrained(str(folder))
+            save_adapter_in_turn(self.policy_model, folder, self.push_stats)
             body = {"lora_name": self.adapter, "lora_path": str(folder), "load_inplace": True}
             self.server.post("/v1/load_lora_adapter", body)
         else:
-            from safetensors.torch import save_file
-
             # every weight, not only the changed ones: vLLM reloads whole layers (and
             # after a full-fine-tuning step every weight has changed anyway)
-            weights = {name: p.detach().contiguous().cpu() for name, p in params.items()}
             path = self.workdir / "weights.safetensors"
-            save_file(weights, str(path))
+            save_in_turn(path, params.items(), self.push_stats)
             self.server.post(
                 "/collective_rpc", {"method": "looprl_load_weights", "args": [str(path)]}
             )
@@ -209,7 +223,8 @@ class VLLMEngine:
         """One completion per request, each its own HTTP call (see the module doc)."""
         if not requests:
             return []
-        self._push()
+        if not self.sharded:  # a sharded policy is pushed by `load_weights`, every rank
+            self._push()
         base_seed = (
             params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
         )

@@ -143,13 +143,16 @@ def _save_whole(
     )
 
 
-def save_weights(folder: Path, model: Any, meta: dict[str, Any]) -> Path | None:
-    """The model's trainable weights and `meta` (`write_weights`). Every rank calls it (a
-    sharded model's weights are gathered whole); rank 0 writes and returns the folder.
-    Weights alone are not resumable, but load wherever a checkpoint does (eval, chat,
-    serve, export)."""
+def save_weights(folder: Path, model: Any, meta: dict[str, Any], sharded: bool) -> Path | None:
+    """The model's trainable weights and `meta`. Every rank calls it; rank 0 returns the
+    folder. `sharded` (`writes_shards`): each rank writes its own shards, as a step
+    checkpoint's (loop/checkpoint_sharded.py); else a sharded model's weights are gathered
+    whole and rank 0 writes `trainable.safetensors` (`write_weights`). Weights alone are
+    not resumable, but load wherever a checkpoint does (eval, chat, serve, export)."""
     if not (ranks.current().is_main or is_sharded(model)):
         return None
+    if sharded:
+        return save_sharded(folder, model, None, None, meta)
     weights = trainable_state(model)
     return write_weights(folder, weights, meta) if ranks.current().is_main else None
 

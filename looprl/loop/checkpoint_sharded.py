@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from looprl.forward.score import is_sharded
 from looprl.loop import dist as ranks
@@ -52,15 +53,16 @@ def is_sharded_checkpoint(checkpoint: Path) -> bool:
 def save_sharded(
     final: Path,
     model: Any,
-    optimizer: torch.optim.Optimizer,
-    state: dict[str, Any],
+    optimizer: torch.optim.Optimizer | None,
+    state: dict[str, Any] | None,
     meta: dict[str, Any],
 ) -> Path | None:
     """Every rank calls it. Each rank writes its shards into a temporary folder beside
     `final`; rank 0 then writes `state` (plus the optimizer's hyperparameters) and `meta`,
     last, and renames the folder into place: a write cut short leaves a `.tmp-` folder
     that no reader lists. Rank 0 returns the folder, the others None. A whole model (one
-    process) is written by rank 0 alone, in the same layout."""
+    process) is written by rank 0 alone, in the same layout. Without an optimizer (and
+    `state`): the weights alone (`checkpoints/best`, `checkpoints/rl_start`)."""
     dist = ranks.current()
     sharded = is_sharded(model)
     if not (dist.is_main or sharded):
@@ -72,12 +74,15 @@ def save_sharded(
             shutil.rmtree(stale, ignore_errors=True)
     if sharded:
         dist.barrier()  # the stale folders are gone before any rank writes
-    tensors = {**_weights(model), **_optimizer_tensors(model, optimizer)}
+    tensors = _weights(model)
+    if optimizer is not None:
+        tensors.update(_optimizer_tensors(model, optimizer))
     with _one_process():
         dcp.save(tensors, checkpoint_id=tmp / FOLDER, no_dist=not sharded)
     if dist.is_main:  # dcp.save returns on rank 0 once every rank's file is written
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        torch.save({**state, "param_groups": groups}, tmp / "state.pt")
+        if optimizer is not None:
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+            torch.save({**(state or {}), "param_groups": groups}, tmp / "state.pt")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         if final.exists():
             shutil.rmtree(final)
@@ -142,6 +147,21 @@ def load_sharded_weights(model: Any, checkpoint: Path) -> None:
     targets = _weights(model)
     with torch.no_grad(), _one_process():
         dcp.load(targets, checkpoint_id=checkpoint / FOLDER, no_dist=not is_sharded(model))
+
+
+def read_sharded_like(checkpoint: Path, params: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """A sharded checkpoint's weights laid out as `params` (name -> parameter): each rank
+    reads its own shard of each where they are sharded (every rank calls it), into new
+    tensors; the model's own weights are left as they are."""
+    stored = [k.removeprefix(WEIGHTS) for k in _stored(checkpoint) if k.startswith(WEIGHTS)]
+    missing = [name for name in stored if name not in params]
+    if missing:
+        raise ValueError(f"checkpoint {checkpoint} does not fit this model: {missing[:3]} ...")
+    targets = {WEIGHTS + name: torch.empty_like(params[name].detach()) for name in stored}
+    sharded = any(isinstance(t, DTensor) for t in targets.values())
+    with _one_process():
+        dcp.load(targets, checkpoint_id=checkpoint / FOLDER, no_dist=not sharded)
+    return {key.removeprefix(WEIGHTS): tensor for key, tensor in targets.items()}
 
 
 def load_sharded_optimizer(

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from looprl.loop.checkpoint import save_weights
-from looprl.loop.dist import main_only
+from looprl.loop.checkpoint import save_weights, writes_shards
+from looprl.loop.dist import current, main_only
 from looprl.loop.evaluate import HeldOut, evaluate
 from looprl.loop.run_state import trim_steps
 from looprl.types import Task
@@ -59,11 +59,16 @@ class EvalCurve:
         tasks = held_out.tasks if full else held_out.tasks[:n]
         curve = cls(held_out, cfg.eval.every, cfg.train.steps, tasks, full)
         main_only(trim_steps)(curve.path, start)
+        dist = current()
+        dist.barrier()  # trimmed before any rank reads it
         if curve.path.exists():
             curve.rows = [json.loads(x) for x in curve.path.read_text().splitlines() if x]
         best = curve.best_dir / "meta.json"
         if best.exists() and json.loads(best.read_text())["step"] > start:
             main_only(shutil.rmtree)(curve.best_dir, ignore_errors=True)
+        # every rank holds the same points before rank 0 appends one: a rank that read
+        # a point another rank had just added would skip that point's collectives
+        dist.barrier()
         return curve
 
     @property
@@ -106,7 +111,8 @@ class EvalCurve:
         if row["reward_mean"] > best:
             cfg = self.held_out.cfg
             meta = {"step": step, "reward_mean": row["reward_mean"], "model": cfg.model.name}
-            save_weights(self.best_dir, self.held_out.policy.model, meta)  # rank 0 writes
+            sharded = writes_shards(cfg.train)  # each rank its shards, or rank 0 all
+            save_weights(self.best_dir, self.held_out.policy.model, meta, sharded)
 
     def best(self) -> dict[str, Any] | None:
         """The best point so far (the earliest of equals)."""

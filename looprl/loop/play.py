@@ -13,7 +13,7 @@ from looprl.engine import SamplingParams, Thinking
 from looprl.envs import Environment, env_factory, group_scorer
 from looprl.loop.policy import Policy
 from looprl.loop.rollout import run_episodes
-from looprl.loop.shard import full_weights
+from looprl.loop.shard import rollout_weights
 from looprl.types import Episode, Task
 
 
@@ -57,9 +57,10 @@ def player(cfg: Config, policy: Policy, probe: Environment) -> Player:
         score_groups = group_scorer(probe)
 
     def play_whole(tasks: list[Task], **kwargs: Any) -> list[Episode]:
-        """The rollout phase on whole weights (train.shard=fsdp: gathered once, loop/shard.py);
-        a group judge's scores come once the groups are played (the dataset env)."""
-        with full_weights(policy.model):
+        """The rollout phase on whole weights (train.shard=fsdp: gathered once, or pushed to
+        the vllm engine's server tensor by tensor, loop/shard.py); a group judge's scores
+        come once the groups are played (the dataset env)."""
+        with rollout_weights(policy.model, common["engine"]):
             episodes = play(tasks, **kwargs)
         if callable(score_groups):
             score_groups(episodes)

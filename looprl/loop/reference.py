@@ -4,10 +4,11 @@
 - `start`: the policy as the RL steps began, i.e. after the SFT warm start when there is
   one: an anchor to what the warm start taught rather than to the base model. Its trainable
   weights (the adapters) are kept in memory and swapped in for the reference pass, and
-  written once to `RUN/checkpoints/rl_start` (loadable wherever a checkpoint is), from
-  which a resumed run takes them back. With train.shard=fsdp each rank keeps its shard of
-  them; the reference pass runs on whole weights (loop/shard.py `full_weights`), so each
-  is gathered whole as it is swapped in, every rank together.
+  written once to `RUN/checkpoints/rl_start` (loadable wherever a checkpoint is; each
+  rank its shards under `train.shard_checkpoint: sharded`, as the step checkpoints), from
+  which a resumed run takes them back, in either layout. With train.shard=fsdp each rank
+  keeps its shard of them; the reference pass runs on whole weights (loop/shard.py
+  `full_weights`), so each is gathered whole as it is swapped in, every rank together.
 """
 
 from __future__ import annotations
@@ -18,13 +19,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 from looprl.config import Config
 from looprl.errors import LoopRLError
 from looprl.forward.score import is_sharded
-from looprl.loop.checkpoint import place, save_weights, trainable_state
+from looprl.loop.checkpoint import (
+    checkpoint_weights,
+    has_weights,
+    place,
+    save_weights,
+    trainable_state,
+    writes_shards,
+)
+from looprl.loop.checkpoint_sharded import is_sharded_checkpoint, read_sharded_like
 from looprl.loop.dist import Dist
 from looprl.loop.policy import Policy
 
@@ -40,14 +48,9 @@ def keep_reference(cfg: Config, policy: Policy, run_dir: Path, dist: Dist, start
     folder = run_dir / "checkpoints" / START
     sharded = is_sharded(policy.model)
     params = {n: p for n, p in policy.model.named_parameters() if p.requires_grad}
-    if start > 0:  # resumed past the start: the weights it wrote then
-        if (folder / "trainable.safetensors").exists():
-            kept = load_file(str(folder / "trainable.safetensors"))
-            policy.reference = (
-                {name: place(tensor, params[name]) for name, tensor in kept.items()}
-                if sharded
-                else kept
-            )
+    if start > 0:  # resumed past the start: the weights it wrote then, in either layout
+        if has_weights(folder):
+            policy.reference = read_reference(folder, params)
             return
         raise LoopRLError(
             f"algo.kl_reference=start: this run resumes at step {start}, and the weights its "
@@ -58,7 +61,18 @@ def keep_reference(cfg: Config, policy: Policy, run_dir: Path, dist: Dist, start
         policy.reference = {name: p.detach().clone() for name, p in params.items()}
     else:
         policy.reference = {k: v.clone() for k, v in trainable_state(policy.model).items()}
-    save_weights(folder, policy.model, {"stage": START})  # every rank: rank 0 writes
+    save_weights(folder, policy.model, {"stage": START}, writes_shards(cfg.train))  # every rank
+
+
+def read_reference(folder: Path, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """RUN/checkpoints/rl_start's weights laid out as `params`: a sharded model's ranks
+    each read their own shards of a sharded folder (every rank calls it), or keep their
+    shards of the whole tensors; an unsharded model reads them whole."""
+    if is_sharded_checkpoint(folder) and any(isinstance(p, DTensor) for p in params.values()):
+        return read_sharded_like(folder, params)
+    return {
+        name: place(tensor, params[name]) for name, tensor in checkpoint_weights(folder).items()
+    }
 
 
 @contextmanager

@@ -13,6 +13,9 @@ of them. Two kinds of phase keep that true:
 - Phases without gradients (rollouts, evals, old logprobs) run between `full_weights`'s
   one unshard and one reshard: the whole weights are gathered once, and forward passes
   then need no collective, so a rank plays and scores its own share at its own pace.
+  With the vllm engine a rollout phase first pushes the weights to the server, each
+  tensor gathered in turn (`rollout_weights`), and needs whole weights only to rescore
+  forced calls with the policy.
 - A minibatch's gradient runs `synced_passes`: every rank as many micro-batches as the
   rank with the most, padded with passes of weight zero (one token, loss x 0), and the
   gradients reduced on the last one only (`set_requires_gradient_sync`; on each with
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, TypeVar
 
 import torch
@@ -43,7 +46,7 @@ from torch.distributed.fsdp import (
 from looprl.config import TrainConfig
 from looprl.errors import ConfigError
 from looprl.forward.score import is_sharded
-from looprl.loop.dist import Dist
+from looprl.loop.dist import Dist, current
 from looprl.model.load import base_model
 
 T = TypeVar("T")
@@ -141,6 +144,41 @@ def full_weights(model: Any) -> Iterator[None]:
             # the root stays whole after its forward, as FSDP2 sets it (its backward follows)
             module.set_reshard_after_forward(module is not model, recurse=False)
             module.reshard()
+
+
+@contextmanager
+def rollout_weights(model: Any, engine: Any) -> Iterator[None]:
+    """A rollout phase's weights (every rank enters it together). A sharded policy is
+    first pushed to an engine that samples elsewhere (the vllm engine's `load_weights`:
+    each tensor gathered in turn, engine/weight_push.py); the phase then holds whole
+    weights in this process (`full_weights`) only where the engine reads the policy
+    module: the hf engine samples with it, the vllm engine rescores forced calls with it
+    (`rollout.vllm_rescore=policy`)."""
+    if is_sharded(model):
+        engine.load_weights()  # the hf engine's: nothing to do
+        stats = getattr(engine, "push_stats", None)
+        if stats is not None:  # pushed to a server, which ranks may share by URL:
+            _note_push(stats)
+            current().barrier()  # every rank's push is in before any rank samples
+    with full_weights(model) if getattr(engine, "reads_policy", True) else nullcontext():
+        yield
+
+
+def _note_push(stats: Any) -> None:
+    """The first push from shards, said once per process: how much it held at once."""
+    global _push_noted
+    if _push_noted or not stats.tensors:
+        return
+    _push_noted = True
+    print(
+        f"note: rank {current().rank}: weights pushed from shards, {stats.tensors} tensors "
+        f"gathered in turn, at most {stats.peak_bytes:,} bytes at once of "
+        f"{stats.total_bytes:,}",
+        file=sys.stderr,
+    )
+
+
+_push_noted = False
 
 
 def synced_passes(model: Any, items: Sequence[T], dist: Dist, every: bool = False) -> Iterator[T]:
