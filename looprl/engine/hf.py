@@ -34,6 +34,7 @@ import torch
 
 from looprl.algo.logprobs import scoring_temperature
 from looprl.engine import Completion, GenerationRequest, SamplingParams
+from looprl.engine.compiled_step import CompiledStep
 from looprl.engine.forward_step import batch_forward
 from looprl.engine.grammar import GrammarCache
 from looprl.engine.running import CHUNK_TOKENS, RunningBatch
@@ -68,6 +69,7 @@ class HFEngine:
         cascade_attention: bool = True,
         weight_first_linear: bool = True,
         packed_linear: bool = True,
+        compile_step: str = "off",
     ) -> None:
         self.policy_model = model
         self.model = model  # the module that samples: the policy or its low-precision copy
@@ -91,6 +93,8 @@ class HFEngine:
         self.weight_first_linear, self.packed_linear = weight_first_linear, packed_linear
         forms = self._linear_forms(model)
         self.weight_first, self.packed = forms.weight_first, forms.packed
+        # the decode step at fixed shapes, compiled (engine/compiled_step.py)
+        self.compiled = CompiledStep(compile_step, self.device)
 
     @property
     def device(self) -> torch.device:
@@ -301,7 +305,14 @@ class HFEngine:
                 early(now)
         if k > 1 or not all(finished[j] or row.done for j, row in enumerate(rows)):
             rest_CK, rest_tops = batch_forward(
-                self.model, self.device, running, tokens_CK, rows, temperature, top_k
+                self.model,
+                self.device,
+                running,
+                tokens_CK,
+                rows,
+                temperature,
+                top_k,
+                self.compiled,
             )
             if k > 1:  # forced tokens 2..k: their logprobs come from this pass
                 logp_CK = torch.cat([logp_CK, rest_CK], dim=1)

@@ -215,7 +215,8 @@ class RunningBatch:
             return
         room = max(row.limit - len(row.ids) for row in rows)
         if all(engine._plain(part.cache) for part in parts):
-            self.running = merge(parts, keep, room, trim=self.eager)
+            multiple = engine.compiled.column_multiple
+            self.running = merge(parts, keep, room, trim=self.eager, multiple=multiple)
         else:
             self.running = select(parts[0], keep[0])  # only one part: see can_join
 

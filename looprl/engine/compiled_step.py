@@ -1,0 +1,141 @@
+"""The hf engine's decode step at fixed shapes, compiled (`rollout.compile`).
+
+Eager decoding hands attention a view of the filled columns of each layer's KV buffer
+(forward/kv.py `BufferLayer`): one column wider at every step, so a compiled graph would
+be traced again at every step (`torch.compile(model, dynamic=True)` spent 288 s compiling
+and then ran slower; docs/performance.md). Here the step's inputs keep one shape for as
+long as the running batch keeps its rows: the new token ids [C, 1], their positions, the
+column they are written to (a tensor, not a Python int), the attention mask over the
+whole buffer [C, 1, 1, capacity] and the buffers themselves. The new keys and values are
+written in place at that column (`FixedColumns`) and attention reads every column; the
+mask hides the ones not filled yet. One graph per (rows, capacity): a merge (rows leaving
+or joining) starts a new one.
+
+On CUDA the graph is captured as CUDA graphs (`mode="reduce-overhead"`): the step's
+dozens of kernel launches replayed as one. On the CPU it is inductor's code, which was
+slower than the eager step in our measurement (docs/performance.md), so `auto` leaves it
+off there.
+
+Not compiled (the eager step runs): a step of k > 1 tokens (jump-forward), a cache that
+is not plain buffers (sliding windows, linear attention), and a batch with a cascade
+prefix (forward/cascade.py): inductor gave wrong logits when the cascade attention was
+traced in one graph with the model (torch 2.13, CPU), so a batch that shares a prompt
+head decodes eagerly.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from looprl.forward.kv import BufferLayer, Part
+
+MODES = ("off", "auto", "on")
+COLUMN_MULTIPLE = 64  # a batch's KV columns rounded up to this, so that merges share graphs
+GRAPHS_KEPT = 64  # graphs (rows x columns) compiled before a new shape decodes eagerly
+
+
+class FixedColumns(DynamicLayer):
+    """One layer's whole [C, H, capacity, D] key and value buffers: `update` writes the
+    new column at `column_1` in place and returns the buffers, every column (the
+    attention mask hides those not filled yet), so shapes do not change between steps."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, column_1: torch.Tensor) -> None:
+        super().__init__()
+        self.keys, self.values, self.column_1 = keys, values, column_1
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys.index_copy_(2, self.column_1, key_states)
+        self.values.index_copy_(2, self.column_1, value_states)
+        return self.keys, self.values
+
+
+def decode_step(
+    model: Any,
+    tokens_C1: torch.Tensor,
+    positions_C1: torch.Tensor,
+    column_1: torch.Tensor,
+    mask_C11L: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+) -> torch.Tensor:
+    """One decode step over fixed-shape inputs: the logits after the new token [C, V]
+    (float32); the new keys and values land in `keys`/`values` at `column_1`."""
+    cache = DynamicCache()
+    cache.layers = [FixedColumns(k, v, column_1) for k, v in zip(keys, values)]
+    out = model(
+        input_ids=tokens_C1,
+        attention_mask=mask_C11L,  # 4-D: transformers uses it as given
+        position_ids=positions_C1,
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return out.logits[:, -1].float()
+
+
+class CompiledStep:
+    """The engine's compiled decode step: `applies` says whether a step can take it,
+    `run` takes it. `compile_seconds` sums the calls that compiled a new graph (a call
+    that took over ten times the last fast one), `graphs` counts them."""
+
+    def __init__(self, mode: str, device: torch.device) -> None:
+        if mode not in MODES:
+            raise ValueError(f"compile mode {mode!r}: use one of {', '.join(MODES)}")
+        self.on = mode == "on" or (mode == "auto" and device.type == "cuda")
+        # CUDA graphs replay the whole step as one launch; inductor's kernels on the CPU
+        options = {"mode": "reduce-overhead"} if device.type == "cuda" else {}
+        self._step = torch.compile(decode_step, dynamic=False, **options) if self.on else None
+        self.compile_seconds, self.graphs = 0.0, 0
+        self._shapes: set[tuple[int, int]] = set()
+
+    @property
+    def column_multiple(self) -> int:
+        """What a running batch's KV columns are rounded up to (1: no rounding)."""
+        return COLUMN_MULTIPLE if self.on else 1
+
+    def applies(self, running: Part, k: int) -> bool:
+        """Whether this step of k tokens can run compiled (see the module doc)."""
+        if self._step is None or k != 1 or running.prefix is not None:
+            return False
+        layers = getattr(running.cache, "layers", None) or []
+        return bool(layers) and all(type(layer) is BufferLayer for layer in layers)
+
+    def run(self, model: Any, running: Part, tokens_C1: torch.Tensor) -> torch.Tensor:
+        """Append one token to every row of `running` (its attention mask already marks
+        the new column) and return the logits after it [C, V]."""
+        layers = running.cache.layers
+        width, capacity = running.width, layers[0].buffer_keys.shape[2]
+        if width >= capacity or running.attention_CL.shape[1] != capacity:
+            raise RuntimeError(
+                f"compiled decode step: column {width} of a {capacity}-column KV buffer "
+                f"(attention mask {running.attention_CL.shape[1]} columns); the batch "
+                "was merged without room for its tokens"
+            )
+        device = running.attention_CL.device
+        shape = (len(running.attention_CL), capacity)
+        start = time.perf_counter()
+        with torch._dynamo.config.patch(recompile_limit=GRAPHS_KEPT):
+            logits_CV = self._step(
+                model,
+                tokens_C1.to(device),
+                running.next_pos_C[:, None],
+                torch.tensor([width], device=device),
+                running.attention_CL.bool()[:, None, None, :],
+                [layer.buffer_keys for layer in layers],
+                [layer.buffer_values for layer in layers],
+            )
+        if shape not in self._shapes:  # this call compiled (or captured) its graph
+            self._shapes.add(shape)
+            self.graphs += 1
+            self.compile_seconds += time.perf_counter() - start
+        for layer in layers:  # the eager view of the filled columns, one wider
+            layer.length += 1
+            layer._sync()
+        return logits_CV
