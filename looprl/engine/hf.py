@@ -304,16 +304,8 @@ class HFEngine:
                     row.finish = self._finish_reason(row, params)
                 early(now)
         if k > 1 or not all(finished[j] or row.done for j, row in enumerate(rows)):
-            rest_CK, rest_tops = batch_forward(
-                self.model,
-                self.device,
-                running,
-                tokens_CK,
-                rows,
-                temperature,
-                top_k,
-                self.compiled,
-            )
+            step = (running, tokens_CK, rows, temperature, top_k, self.compiled)
+            rest_CK, rest_tops = batch_forward(self.model, self.device, *step)
             if k > 1:  # forced tokens 2..k: their logprobs come from this pass
                 logp_CK = torch.cat([logp_CK, rest_CK], dim=1)
                 if tops is not None:
