@@ -12,7 +12,10 @@ mask hides the ones not filled yet. One graph per (rows, capacity): a merge (row
 or joining) starts a new one.
 
 On CUDA the graph is captured as CUDA graphs (`mode="reduce-overhead"`): the step's
-dozens of kernel launches replayed as one. On the CPU it is inductor's code, which was
+hundreds of kernel launches replayed as one. The KV buffers are marked static inputs
+(a graph may write them in place; a merge's new buffers make it be recorded again, not
+compiled again) and the logits are copied out of the graph's output. Not run here (no
+GPU): bench/checks/gpu_yardstick.py measures it, and counts graphs that ran uncaptured. On the CPU it is inductor's code, which was
 slower than the eager step in our measurement (docs/performance.md), so `auto` leaves it
 off there.
 
@@ -90,7 +93,8 @@ class CompiledStep:
             raise ValueError(f"compile mode {mode!r}: use one of {', '.join(MODES)}")
         self.on = mode == "on" or (mode == "auto" and device.type == "cuda")
         # CUDA graphs replay the whole step as one launch; inductor's kernels on the CPU
-        options = {"mode": "reduce-overhead"} if device.type == "cuda" else {}
+        self.cuda_graphs = self.on and device.type == "cuda"
+        options = {"mode": "reduce-overhead"} if self.cuda_graphs else {}
         self._step = torch.compile(decode_step, dynamic=False, **options) if self.on else None
         self.compile_seconds, self.graphs = 0.0, 0
         self._shapes: set[tuple[int, int]] = set()
@@ -120,6 +124,9 @@ class CompiledStep:
             )
         device = running.attention_CL.device
         shape = (len(running.attention_CL), capacity)
+        if self.cuda_graphs:
+            _static_buffers(layers)
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are used up
         start = time.perf_counter()
         with torch._dynamo.config.patch(recompile_limit=GRAPHS_KEPT):
             logits_CV = self._step(
@@ -138,4 +145,15 @@ class CompiledStep:
         for layer in layers:  # the eager view of the filled columns, one wider
             layer.length += 1
             layer._sync()
-        return logits_CV
+        # a CUDA graph's outputs are overwritten by its next replay: the batch keeps a copy
+        return logits_CV.clone() if self.cuda_graphs else logits_CV
+
+
+def _static_buffers(layers: list[BufferLayer]) -> None:
+    """Mark the KV buffers as static inputs of the CUDA graphs, which may then write
+    them in place (a graph skips capture for a mutated input that is not static). No
+    guard: a merge's new buffers make the graph be recorded again, not compiled again."""
+    for layer in layers:
+        for buffer in (layer.buffer_keys, layer.buffer_values):
+            if not hasattr(buffer, "_dynamo_static_input_type"):
+                torch._dynamo.mark_static_address(buffer, guard=False)
