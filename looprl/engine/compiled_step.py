@@ -15,9 +15,10 @@ On CUDA the graph is captured as CUDA graphs (`mode="reduce-overhead"`): the ste
 hundreds of kernel launches replayed as one. The KV buffers are marked static inputs
 (a graph may write them in place; a merge's new buffers make it be recorded again, not
 compiled again) and the logits are copied out of the graph's output. Not run here (no
-GPU): bench/checks/gpu_yardstick.py measures it, and counts graphs that ran uncaptured. On the CPU it is inductor's code, which was
-slower than the eager step in our measurement (docs/performance.md), so `auto` leaves it
-off there.
+GPU): bench/checks/gpu_yardstick.py measures it, and counts graphs that ran uncaptured.
+
+On the CPU it is inductor's code, which was slower than the eager step in our
+measurement (docs/performance.md), so `auto` leaves it off there.
 
 Not compiled (the eager step runs): a step of k > 1 tokens (jump-forward), a cache that
 is not plain buffers (sliding windows, linear attention), and a batch with a cascade
