@@ -61,7 +61,7 @@ def test_compiled_logits_match_the_eager_step_in_one_graph(tiny_model, renderer)
         tokens_C1 = eager.logits_CV.argmax(-1, keepdim=True)
     for mine, theirs in zip(fixed.cache.layers, eager.cache.layers):
         torch.testing.assert_close(mine.keys, theirs.keys, rtol=0, atol=1e-5)
-    assert step.graphs == 1 and step.compile_seconds > 0
+    assert step.shapes == 1 and step.compile_seconds > 0
 
 
 def _requests(renderer) -> list[GenerationRequest]:
@@ -101,7 +101,7 @@ def test_a_seeded_generate_samples_the_same_tokens_compiled(
     for a, b in zip(compiled, plain):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
         assert a.finish_reason == b.finish_reason
-    assert (step.graphs == 0) == cascade_attention  # a prefix: never compiled
+    assert (step.shapes == 0) == cascade_attention  # a prefix: never compiled
 
 
 def test_compile_mode_is_checked_and_auto_is_off_on_the_cpu():

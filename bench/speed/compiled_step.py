@@ -84,7 +84,7 @@ def main() -> None:
     compiled = engines["compiled"]
     for size in sizes:
         batch = pool[:size]
-        before, graphs = compiled.compiled.compile_seconds, compiled.compiled.graphs
+        before, shapes = compiled.compiled.compile_seconds, compiled.compiled.shapes
         start = time.perf_counter()
         run_looprl(compiled, batch, 0)  # compiles this batch size's graphs
         first = time.perf_counter() - start
@@ -101,8 +101,8 @@ def main() -> None:
         tok_s = {name: median(values) for name, values in speeds.items()}
         floor = floor_tok_s(engines["eager"], batch, median(produced))
         print(
-            f"batch {size}: compile {compile_s:.1f} s ({compiled.compiled.graphs - graphs} "
-            f"graphs; the first compiled generate took {first:.1f} s); floor {floor:.1f} tok/s"
+            f"batch {size}: compile {compile_s:.1f} s ({compiled.compiled.shapes - shapes} "
+            f"shapes; the first compiled generate took {first:.1f} s); floor {floor:.1f} tok/s"
         )
         print(f"  {'engine':<18} {'tok/s':>8} {'vs generate':>12} {'of floor':>9}")
         for name, value in tok_s.items():

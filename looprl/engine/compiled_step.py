@@ -8,8 +8,11 @@ long as the running batch keeps its rows: the new token ids [C, 1], their positi
 column they are written to (a tensor, not a Python int), the attention mask over the
 whole buffer [C, 1, 1, capacity] and the buffers themselves. The new keys and values are
 written in place at that column (`FixedColumns`) and attention reads every column; the
-mask hides the ones not filled yet. One graph per (rows, capacity): a merge (rows leaving
-or joining) starts a new one.
+mask hides the ones not filled yet. The first graph has static shapes; the first merge
+that changes the rows or the columns compiles a second one in which those sizes are
+symbolic (torch.compile's automatic dynamic shapes), which serves every later shape.
+Capacities are rounded up to `COLUMN_MULTIPLE` columns, so that a CUDA graph, recorded
+per concrete shape, is recorded for fewer of them.
 
 On CUDA the graph is captured as CUDA graphs (`mode="reduce-overhead"`): the step's
 hundreds of kernel launches replayed as one. The KV buffers are marked static inputs
@@ -39,7 +42,7 @@ from looprl.forward.kv import BufferLayer, Part
 
 MODES = ("off", "auto", "on")
 COLUMN_MULTIPLE = 64  # a batch's KV columns rounded up to this, so that merges share graphs
-GRAPHS_KEPT = 64  # graphs (rows x columns) compiled before a new shape decodes eagerly
+GRAPHS_KEPT = 64  # graphs compiled before a new shape decodes eagerly (torch's default: 8)
 
 
 class FixedColumns(DynamicLayer):
@@ -86,8 +89,8 @@ def decode_step(
 
 class CompiledStep:
     """The engine's compiled decode step: `applies` says whether a step can take it,
-    `run` takes it. `compile_seconds` sums the calls that compiled a new graph (a call
-    that took over ten times the last fast one), `graphs` counts them."""
+    `run` takes it. `shapes` counts the (rows, columns) it has met, `compile_seconds`
+    sums the first call at each (where compiling, or capturing, happens)."""
 
     def __init__(self, mode: str, device: torch.device) -> None:
         if mode not in MODES:
@@ -96,9 +99,11 @@ class CompiledStep:
         # CUDA graphs replay the whole step as one launch; inductor's kernels on the CPU
         self.cuda_graphs = self.on and device.type == "cuda"
         options = {"mode": "reduce-overhead"} if self.cuda_graphs else {}
-        self._step = torch.compile(decode_step, dynamic=False, **options) if self.on else None
-        self.compile_seconds, self.graphs = 0.0, 0
-        self._shapes: set[tuple[int, int]] = set()
+        # static shapes first; a second shape (rows left or joined) compiles once more,
+        # with the sizes that changed dynamic (torch.compile's automatic dynamic shapes)
+        self._step = torch.compile(decode_step, **options) if self.on else None
+        self.compile_seconds, self.shapes = 0.0, 0
+        self._seen: set[tuple[int, int]] = set()
 
     @property
     def column_multiple(self) -> int:
@@ -139,9 +144,9 @@ class CompiledStep:
                 [layer.buffer_keys for layer in layers],
                 [layer.buffer_values for layer in layers],
             )
-        if shape not in self._shapes:  # this call compiled (or captured) its graph
-            self._shapes.add(shape)
-            self.graphs += 1
+        if shape not in self._seen:  # compiled (or captured) here, if anywhere
+            self._seen.add(shape)
+            self.shapes += 1
             self.compile_seconds += time.perf_counter() - start
         for layer in layers:  # the eager view of the filled columns, one wider
             layer.length += 1
