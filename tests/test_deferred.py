@@ -32,7 +32,7 @@ def requests(renderer) -> list[GenerationRequest]:
 
 
 def _generate(model, tokenizer, renderer, requests, flush_every, monkeypatch, copies=None):
-    monkeypatch.setattr(deferred, "FLUSH_EVERY", max(flush_every, 1))
+    monkeypatch.setattr(deferred, "CPU_FLUSH_EVERY", max(flush_every, 1))
     if copies is not None:
         for module in (deferred, sampling):  # the deferred copies, and `choose`'s per step
 

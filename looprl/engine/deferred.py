@@ -7,8 +7,10 @@ live row of a batch needs any of that (a training rollout's plain replies), the 
 ids [C] and their logprobs [C] stay where they were drawn, the next forward pass reads
 the ids there, and they cross to the host together every `FLUSH_EVERY` steps (or when
 a row reaches its token limit, which the host knows without them): on a GPU, one wait
-for the device in eight steps instead of one a step. On the CPU the copy is free, but
-the code path is the same.
+for the device in eight steps instead of one a step. On the CPU the tensors already are
+on the host, so there is nothing to save and the steps past a row's end would cost:
+the same code runs with a copy every step (`CPU_FLUSH_EVERY`; the tests set it to 8 to
+run the trimming below).
 
 Rows learn that they ended (EOS) at the copy: up to `FLUSH_EVERY - 1` tokens past their
 end were sampled and fed to the model meanwhile. Those are dropped, their KV columns
@@ -29,6 +31,8 @@ from looprl.engine.sampling import Row, settings, to_host
 from looprl.forward.kv import Part
 
 FLUSH_EVERY = 8  # decode steps between two copies of the sampled tokens to the host
+# on the CPU the "copy" is free and a step past a row's end is not: a copy every step
+CPU_FLUSH_EVERY = 1
 
 
 @dataclass
@@ -75,7 +79,8 @@ def deferred_step(
     at_limit = any(not r.done and len(r.ids) + pending.steps >= r.limit for r in rows)
     ending: list[Row] = []  # rows whose last token is this step's: done after its pass
     ended: list[Row] = []
-    if pending.steps == FLUSH_EVERY or at_limit:
+    every = CPU_FLUSH_EVERY if ids_C.device.type == "cpu" else FLUSH_EVERY
+    if pending.steps >= every or at_limit:
         ending, ended = _flush(engine, running, rows, params, pending)
     last = {row.index for row in ending}
     if any(not row.done and row.index not in last for row in rows):
