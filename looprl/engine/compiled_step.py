@@ -20,7 +20,7 @@ hundreds of kernel launches replayed as one. The KV buffers are marked static in
 compiled again) and the logits are copied out of the graph's output. Not run here (no
 GPU): bench/checks/gpu_yardstick.py measures it, and counts graphs that ran uncaptured.
 
-On the CPU it is inductor's code, which was slower than the eager step in our
+On the CPU it is inductor's code, which ran at 0.45-0.74x the eager engine in our
 measurement (docs/performance.md), so `auto` leaves it off there.
 
 Not compiled (the eager step runs): a step of k > 1 tokens (jump-forward), a cache that
