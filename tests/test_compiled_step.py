@@ -110,3 +110,27 @@ def test_compile_mode_is_checked_and_auto_is_off_on_the_cpu():
     assert not CompiledStep("auto", CPU).on
     assert CompiledStep("auto", torch.device("cuda")).on
     assert CompiledStep("off", CPU).column_multiple == 1
+
+
+def test_the_compiled_step_samples_from_the_updated_weights(tokenizer, renderer):
+    """The weights are the graph's inputs, not constants: after an in-place update (an
+    optimizer step), the compiled engine samples what the eager one samples."""
+    from looprl.model.load import load_causal_lm
+
+    model = load_causal_lm("tiny-random", torch.float32).eval()
+    requests = _requests(renderer)
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=8)
+
+    def generate(mode: str) -> list[list[int]]:
+        engine = HFEngine(
+            model, tokenizer, renderer.eos_ids, cascade_attention=False, compile_step=mode
+        )
+        return [o.ids for o in engine.generate(requests, params)]
+
+    before = generate("on")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05, alpha=1.0)
+    after = generate("on")
+    assert after == generate("off")
+    assert after != before

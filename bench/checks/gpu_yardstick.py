@@ -247,7 +247,7 @@ def compiled_engine_part(sizes: Sizes, device: torch.device) -> dict:
     fields = {
         "engine_compiled_tok_s": f"{median(ours):.1f}",
         "generate_tok_s": f"{median(theirs):.1f}",
-        "graphs": engine.compiled.graphs,
+        "shapes": engine.compiled.shapes,
         # > 0: a graph ran without CUDA graph capture (its log says why)
         "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
         "compile_s": f"{compile_s:.0f}",
