@@ -122,11 +122,12 @@ class CompiledStep:
         the new column) and return the logits after it [C, V]."""
         layers = running.cache.layers
         width, capacity = running.width, layers[0].buffer_keys.shape[2]
-        if width >= capacity or running.attention_CL.shape[1] != capacity:
+        columns = running.attention_CL.shape[1]
+        if width >= capacity or columns != capacity or layers[0].length != width:
             raise RuntimeError(
                 f"compiled decode step: column {width} of a {capacity}-column KV buffer "
-                f"(attention mask {running.attention_CL.shape[1]} columns); the batch "
-                "was merged without room for its tokens"
+                f"holding {layers[0].length} (attention mask: {columns} columns); the "
+                "batch was merged without room for its tokens, or out of step with its cache"
             )
         device = running.attention_CL.device
         shape = (len(running.attention_CL), capacity)

@@ -84,7 +84,7 @@ def deferred_step(
         ending, ended = _flush(engine, running, rows, params, pending)
     last = {row.index for row in ending}
     if any(not row.done and row.index not in last for row in rows):
-        if pending.steps:
+        if pending.steps:  # not copied yet: its column, in case its row has ended
             pending.columns.append(running.width)
         step = (running, ids_C[:, None], rows, temperature, 0, engine.compiled)
         batch_forward(engine.model, engine.device, *step)
