@@ -2,7 +2,8 @@
 
 Measured the same way on every card.
 
-    python bench/checks/gpu_yardstick.py --device cuda [--out DIR] [--parts engine,update,run]
+    python bench/checks/gpu_yardstick.py --device cuda [--out DIR]
+                                         [--parts engine,compiled,update,run]
     python bench/checks/gpu_yardstick.py --device cpu --tiny    # a rehearsal of the code
 
 `bench/checks/gpu_check.sh` runs it on a CUDA machine (sized for about four minutes on one
@@ -17,6 +18,9 @@ vocabulary; speed and memory do not depend on the weights' values).
   temperature 1, no grammar: decode tokens/s, counted up to EOS (bench/speed/rollout.py's
   timing, median of the repeats, the two interleaved). Batches 8, 32, 64 with 64 new
   tokens (`--tiny`: 2 and 4, 8 tokens).
+- compiled: the same against `generate` with the engine's decode step compiled
+  (`rollout.compile=on`: CUDA graphs on a GPU), SmolLM2 at batch 32 (`--tiny`: 4), and
+  the seconds of its first call, which compiles the graphs.
 - update: one policy update of the Qwen3-0.6B shape (looprl's `update_policy` on built
   episodes, bench/speed/update_memory.py's: real prompts, random generated tokens; the
   engine's logprobs stand in for the old ones, as in a fresh step, so the time is the
@@ -35,8 +39,9 @@ vocabulary; speed and memory do not depend on the weights' values).
 Prints a `RESULT` line per measurement, then one summary line:
 
     RESULT device=NVIDIA_H100_80GB_HBM3 dtype=bfloat16 engine_vs_generate_b8=X ...
-        update_tokens_per_s_lora=X update_peak_gb_lora=X update_tokens_per_s_full=X
-        update_peak_gb_full=X plan_error_pct=X run_logprob_gap_max=X run_step_s=X
+        engine_compiled_vs_generate_b32=X engine_compile_s=X update_tokens_per_s_lora=X
+        update_peak_gb_lora=X update_tokens_per_s_full=X update_peak_gb_full=X
+        plan_error_pct=X run_logprob_gap_max=X run_step_s=X
 """
 
 from __future__ import annotations
@@ -204,6 +209,58 @@ def engine_part(shapes: dict[str, str], sizes: Sizes, device: torch.device) -> d
     return summary
 
 
+def compiled_engine_part(sizes: Sizes, device: torch.device) -> dict:
+    """The engine with its decode step compiled (`rollout.compile=on`: CUDA graphs on a
+    GPU, inductor on the CPU; engine/compiled_step.py) against `generate` on SmolLM2 at
+    batch 32 (`--tiny`: the largest batch), timed as `engine_part`, after one call that
+    compiles its graphs (its seconds: `engine_compile_s`), and how many graphs ran
+    without capture (`cudagraph_skips`). Cascade attention is off: a batch whose rows
+    share a kept prompt head decodes eagerly."""
+    from torch._dynamo.utils import counters
+
+    name, size = "smollm2-135m", min(32, max(sizes.batches))
+    dtype = run_dtype(device)
+    tokenizer = load_tokenizer(name)
+    renderer = ChatRenderer(tokenizer, model_name=name)
+    model = load_causal_lm(name, dtype).to(device).eval()
+    reference = load_causal_lm(name, dtype).to(device).eval()
+    engine = HFEngine(
+        model,
+        tokenizer,
+        renderer.eos_ids,
+        batch_size=size,
+        cascade_attention=False,
+        compile_step="on",
+    )
+    batch = prompts(renderer, size)
+    start = time.perf_counter()
+    run_looprl(engine, batch, 0, sizes.new_tokens)  # compiles (or captures) its graphs
+    compile_s = time.perf_counter() - start
+    run_generate(reference, tokenizer, batch[:2], 0, sizes.new_tokens)  # warm-up
+    ours, theirs = [], []
+    for repeat in range(sizes.repeats):
+        n, seconds = run_looprl(engine, batch, repeat, sizes.new_tokens)
+        ours.append(n / seconds)
+        n, seconds = run_generate(reference, tokenizer, batch, repeat, sizes.new_tokens)
+        theirs.append(n / seconds)
+    ratio = median(ours) / median(theirs)
+    fields = {
+        "engine_compiled_tok_s": f"{median(ours):.1f}",
+        "generate_tok_s": f"{median(theirs):.1f}",
+        "shapes": engine.compiled.shapes,
+        # > 0: a graph ran without CUDA graph capture (its log says why)
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+        "compile_s": f"{compile_s:.0f}",
+    }
+    print_result({"engine": f"{name} compiled", "batch": size, **fields})
+    del engine, model, reference
+    free(device)
+    return {
+        f"engine_compiled_vs_generate_b{size}": f"{ratio:.2f}",
+        "engine_compile_s": fields["compile_s"],
+    }
+
+
 def update_overrides(folder: Path, lora: bool, sizes: Sizes, device: torch.device) -> list:
     return [
         f"model.name={folder}",
@@ -339,7 +396,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a rehearsal")
     parser.add_argument("--tiny", action="store_true", help="rehearsal sizes (minutes on a CPU)")
     parser.add_argument("--out", default=None, help="folder for the model and the run")
-    parser.add_argument("--parts", default="engine,update,run", help="which measurements")
+    parser.add_argument("--parts", default="engine,compiled,update,run", help="which measurements")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -357,6 +414,8 @@ def main() -> None:
         summary |= engine_part(
             {"smollm2-135m": "smollm2-135m", "qwen3-0.6b": str(folder)}, sizes, device
         )
+    if "compiled" in parts:
+        summary |= compiled_engine_part(sizes, device)
     if "update" in parts:
         summary |= update_part(folder, sizes, device)
     if "run" in parts:

@@ -138,6 +138,11 @@ class RolloutConfig(Section):
     jump_forward: bool = Field(
         True, description="Append grammar-forced spans in one pass instead of token by token."
     )
+    compile: Literal["off", "auto", "on"] = Field(
+        "off",
+        description="hf engine: the decode step compiled at fixed shapes (CUDA graphs on a "
+        "GPU, inductor on the CPU); auto = on a GPU only (docs/performance.md).",
+    )
     sampler_dtype: Literal["model", "bfloat16", "float16"] = Field(
         "model",
         description="Sample from a copy of the policy in this dtype (faster on CPUs with "

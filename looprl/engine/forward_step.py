@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from looprl.engine.compiled_step import CompiledStep
 from looprl.engine.sampling import (
     Row,
     alternatives_lists,
@@ -32,11 +33,13 @@ def batch_forward(
     rows: list[Row],
     temperature: float | list[float],
     top_k: int,
+    compiled: CompiledStep | None = None,
 ) -> tuple[torch.Tensor | None, list | None]:
     """Append k tokens to every row of the running batch and keep the logits after the
     last of them (`running.logits_CV`). Rows that had finished get masked columns
     (their KV stays exactly their own). With k > 1 (jump-forward), also the logprobs
-    of tokens 2..k at `temperature` (and their `top_k` alternatives): [C, k - 1]."""
+    of tokens 2..k at `temperature` (and their `top_k` alternatives): [C, k - 1].
+    A one-token step runs `compiled`'s fixed-shape graph where it applies."""
     k = tokens_CK.shape[1]
     width = running.width
     if running.attention_CL.shape[1] < width + k:  # transformers' growing cache
@@ -46,6 +49,11 @@ def batch_forward(
     running.attention_CL[:, width : width + k] = live_C.to(running.attention_CL.device)[:, None]
     for row in rows:
         row.fed += 0 if row.done else k
+    if compiled is not None and compiled.applies(running, k):
+        running.logits_CV = compiled.run(model, running, tokens_CK)
+        running.width += 1
+        running.next_pos_C = running.next_pos_C + 1
+        return None, None
     steps = torch.arange(k, device=running.next_pos_C.device)
     inputs = dict(
         input_ids=tokens_CK.to(device),

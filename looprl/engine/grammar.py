@@ -281,3 +281,28 @@ def mask_unpacked(logits_NV: torch.Tensor, mask_NW: torch.Tensor, width: int) ->
     shifts_32 = torch.arange(32, dtype=torch.int32, device=mask_NW.device)
     allowed_NV = ((mask_NW[:, :, None] >> shifts_32) & 1).flatten(1)[:, :width].bool()
     logits_NV[:, :width] = logits_NV[:, :width].masked_fill(~allowed_NV, float("-inf"))
+
+
+def jump_forward_tokens(rows: list[Any], tokenizer: Any, pad_id: int) -> list[list[int]] | None:
+    """Jump-forward decoding: when the grammar allows only one continuing *string* for
+    every live row, append its tokens in one forward pass instead of sampling them one
+    by one. The string is tokenized canonically (sampling would pick that tokenization
+    almost surely); the recorded logprobs are the policy's, as for sampled tokens.
+    `rows`: the batch's rows (engine/sampling.py `Row`). Returns k >= 2 tokens per row
+    (pad for finished rows), or None."""
+    live = [row for row in rows if not row.done]
+    if not live or any(row.matcher is None for row in live):
+        return None
+    forced: dict[int, list[int]] = {}
+    for row in live:
+        if row.forced:  # a thinking closing the engine writes
+            forced[row.index] = list(row.forced)
+            continue
+        text = row.matcher.find_jump_forward_string()
+        if not text:
+            return None
+        forced[row.index] = tokenizer.encode(text, add_special_tokens=False)
+    k = min(min(len(t) for t in forced.values()), min(r.limit - len(r.ids) for r in live))
+    if k < 2:
+        return None
+    return [forced[r.index][:k] if r.index in forced else [pad_id] * k for r in rows]

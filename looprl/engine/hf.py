@@ -34,22 +34,22 @@ import torch
 
 from looprl.algo.logprobs import scoring_temperature
 from looprl.engine import Completion, GenerationRequest, SamplingParams
+from looprl.engine.compiled_step import CompiledStep
+from looprl.engine.deferred import Pending, deferrable, deferred_step
 from looprl.engine.forward_step import batch_forward
-from looprl.engine.grammar import GrammarCache
+from looprl.engine.grammar import GrammarCache, jump_forward_tokens
 from looprl.engine.running import CHUNK_TOKENS, RunningBatch
 from looprl.engine.sampling import (
     Row,
     advance_grammar,
     advance_thinking,
     choose,
-    jump_forward_tokens,
     sample_rows,
     settings,
     thinking_fields,
 )
 from looprl.forward import cascade, fast_linear
-from looprl.forward.kv import Part, Retained, bufferable, from_retained
-from looprl.forward.prefix import extend, shared_prefill
+from looprl.forward.kv import Part, Retained, bufferable
 from looprl.model.arch import fast_paths
 from looprl.model.load import base_model
 from looprl.model.memory import release_free_memory
@@ -68,6 +68,7 @@ class HFEngine:
         cascade_attention: bool = True,
         weight_first_linear: bool = True,
         packed_linear: bool = True,
+        compile_step: str = "off",
     ) -> None:
         self.policy_model = model
         self.model = model  # the module that samples: the policy or its low-precision copy
@@ -87,8 +88,12 @@ class HFEngine:
         self._retained: list[Retained] | None = None  # inside `session()`: the last call's rows
         # the prompts' shared head kept once per batch (cascade attention), where it applies
         self.cascade = cascade.enable(model) if cascade_attention and self.paths.cascade else False
-        # sampling's linear layers in the faster forms of this machine (forward/fast_linear.py)
-        self.weight_first_linear, self.packed_linear = weight_first_linear, packed_linear
+        # the decode step at fixed shapes, compiled (engine/compiled_step.py)
+        self.compiled = CompiledStep(compile_step, self.device)
+        # sampling's linear layers in the faster forms of this machine (forward/fast_linear.py);
+        # not oneDNN's packed weights under compile: inductor cannot lower them
+        self.weight_first_linear = weight_first_linear
+        self.packed_linear = packed_linear and not self.compiled.on
         forms = self._linear_forms(model)
         self.weight_first, self.packed = forms.weight_first, forms.packed
 
@@ -207,42 +212,6 @@ class HFEngine:
         """Whether the rows of this cache may move into buffers, merge and be kept."""
         return self.paths.kv_buffers and bufferable(cache)
 
-    def _prefill(
-        self, requests: list[GenerationRequest], new: list[int], previous: list[Retained]
-    ) -> list[tuple[list[int], Part]]:
-        """Prefill the admitted requests: those that extend a kept row (an episode's
-        next turn) run only their new tokens on top of it, the others share prefixes."""
-        found: dict[int, Retained] = {}
-        for i in new:
-            prompt = requests[i].prompt_ids
-            best = None
-            for entry in previous:
-                n = len(entry.tokens)
-                longer = best is None or n > len(best.tokens)
-                if n < len(prompt) and longer and tuple(prompt[:n]) == entry.tokens:
-                    best = entry
-            if best is not None:
-                found[i] = best
-        out = []
-        fresh = [i for i in new if i not in found]
-        if fresh:
-            prompts = [requests[i].prompt_ids for i in fresh]
-            part = shared_prefill(
-                self.model,
-                prompts,
-                self.pad_id,
-                self.device,
-                use_cascade=self.cascade,
-                share_head=self.paths.shared_head,
-            )
-            out.append((fresh, part))
-        if found:
-            indices = list(found)
-            tails = [requests[i].prompt_ids[len(found[i].tokens) :] for i in indices]
-            start = from_retained([found[i] for i in indices], max(len(t) for t in tails))
-            out.append((indices, extend(self.model, start, tails, self.pad_id)))
-        return out
-
     def _row(
         self, index: int, request: GenerationRequest, params: SamplingParams, base_seed: int
     ) -> Row:
@@ -275,10 +244,14 @@ class HFEngine:
         rows: list[Row],
         params: SamplingParams,
         early: Callable[[list[Row]], None] | None = None,
+        pending: Pending | None = None,
     ) -> list[Row]:
         """Choose the next token(s) of every live row, run them through the model, and
         return the rows that finished. `early` hears of the rows that finish with a
-        sampled token before the model runs the others' (their results are final)."""
+        sampled token before the model runs the others' (their results are final).
+        `pending`: tokens kept on the device a few steps (engine/deferred.py)."""
+        if pending is not None and (pending.steps or deferrable(rows, params, bool(early))):
+            return deferred_step(self, running, rows, params, pending)
         temperature = self._temperatures(rows, params)
         top_k = max((row.top_k for row in rows if not row.done), default=0)
         jump = jump_forward_tokens(rows, self.tokenizer, self.pad_id) if self.jump_forward else None
@@ -300,9 +273,8 @@ class HFEngine:
                     row.finish = self._finish_reason(row, params)
                 early(now)
         if k > 1 or not all(finished[j] or row.done for j, row in enumerate(rows)):
-            rest_CK, rest_tops = batch_forward(
-                self.model, self.device, running, tokens_CK, rows, temperature, top_k
-            )
+            step = (running, tokens_CK, rows, temperature, top_k, self.compiled)
+            rest_CK, rest_tops = batch_forward(self.model, self.device, *step)
             if k > 1:  # forced tokens 2..k: their logprobs come from this pass
                 logp_CK = torch.cat([logp_CK, rest_CK], dim=1)
                 if tops is not None:
@@ -373,9 +345,9 @@ class HFEngine:
         return out
 
     def _sample(
-        self, logits_CV: torch.Tensor, params: SamplingParams, rows: list[Row]
+        self, logits_CV: torch.Tensor, params: SamplingParams, rows: list[Row], ahead: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return sample_rows(logits_CV, params, rows, self.pad_id, self._bitmask)
+        return sample_rows(logits_CV, params, rows, self.pad_id, self._bitmask, ahead)
 
     def _bitmask(self, rows: int) -> torch.Tensor:
         import xgrammar as xgr

@@ -32,8 +32,9 @@ from typing import Any
 import torch
 
 from looprl.engine import Completion, GenerationRequest, SamplingParams
+from looprl.engine.deferred import Pending
 from looprl.engine.sampling import Row
-from looprl.forward.kv import Part, Retained, merge, release, retain, select
+from looprl.forward.kv import Part, Retained, from_retained, merge, release, retain, select
 from looprl.forward.prefix import MIN_SHARED_PREFIX, extend, shared_prefill
 
 CHUNK_TOKENS = 512  # eager mode: prompt tokens prefilled per step (and the chunk size)
@@ -69,6 +70,9 @@ class RunningBatch:
     # eager mode: the prompt heads of recent prefills (system prompt, tool schemas), so
     # that a later request starting with one prefills only the rest of its prompt
     heads: list[Retained] = field(default_factory=list)
+    # tokens sampled but still on the device (engine/deferred.py): no scheduling until
+    # they are on the host, as the rows' ends are not known before
+    pending: Pending = field(default_factory=Pending)
     _next_index: int = 0
 
     # ------------------------------------------------------------ public
@@ -148,7 +152,8 @@ class RunningBatch:
                 else:
                     deliver(row.index, done)
 
-        hand(self.engine._step(self.running, self.rows, self.params, hand if deliver else None))
+        early = hand if deliver else None
+        hand(self.engine._step(self.running, self.rows, self.params, early, self.pending))
         return out
 
     def close(self) -> None:
@@ -157,6 +162,7 @@ class RunningBatch:
             if part is not None:
                 release(part)
         self.running, self.rows, self.chunked = None, [], None
+        self.pending = Pending()
         self.waiting.clear()
         self.requests.clear()
 
@@ -164,6 +170,8 @@ class RunningBatch:
 
     def _schedule(self) -> None:
         """Drop finished rows and admit waiting requests, when it pays."""
+        if self.pending.steps:
+            return
         engine, rows, running = self.engine, self.rows, self.running
         live = [j for j, row in enumerate(rows) if not row.done]
         chunk_ready = self.chunked is not None and self.chunked.done == len(self.chunked.prompt)
@@ -199,7 +207,7 @@ class RunningBatch:
             free -= len(chunked.indices)
         new = self._admit(free) if join else []
         previous = self.heads if self.eager else self.previous
-        for indices, part in engine._prefill(self.requests, new, previous):
+        for indices, part in prefill(engine, self.requests, new, previous):
             if self.eager:
                 self._keep_head(part)
             parts.append(part)
@@ -215,7 +223,8 @@ class RunningBatch:
             return
         room = max(row.limit - len(row.ids) for row in rows)
         if all(engine._plain(part.cache) for part in parts):
-            self.running = merge(parts, keep, room, trim=self.eager)
+            multiple = engine.compiled.column_multiple
+            self.running = merge(parts, keep, room, trim=self.eager, multiple=multiple)
         else:
             self.running = select(parts[0], keep[0])  # only one part: see can_join
 
@@ -296,3 +305,41 @@ def _tail_cost(prompt: list[int], first: list[int] | None, heads: list[Retained]
             break
         shared += 1
     return len(prompt) - shared if shared >= MIN_SHARED_PREFIX else len(prompt)
+
+
+def prefill(
+    engine: Any, requests: dict[int, GenerationRequest], new: list[int], previous: list[Retained]
+) -> list[tuple[list[int], Part]]:
+    """Prefill the admitted requests `new` on `engine`'s model: those that extend a kept
+    row (an episode's next turn) run only their new tokens on top of it, the others
+    share prefixes."""
+    found: dict[int, Retained] = {}
+    for i in new:
+        prompt = requests[i].prompt_ids
+        best = None
+        for entry in previous:
+            n = len(entry.tokens)
+            longer = best is None or n > len(best.tokens)
+            if n < len(prompt) and longer and tuple(prompt[:n]) == entry.tokens:
+                best = entry
+        if best is not None:
+            found[i] = best
+    out = []
+    fresh = [i for i in new if i not in found]
+    if fresh:
+        prompts = [requests[i].prompt_ids for i in fresh]
+        part = shared_prefill(
+            engine.model,
+            prompts,
+            engine.pad_id,
+            engine.device,
+            use_cascade=engine.cascade,
+            share_head=engine.paths.shared_head,
+        )
+        out.append((fresh, part))
+    if found:
+        indices = list(found)
+        tails = [requests[i].prompt_ids[len(found[i].tokens) :] for i in indices]
+        start = from_retained([found[i] for i in indices], max(len(t) for t in tails))
+        out.append((indices, extend(engine.model, start, tails, engine.pad_id)))
+    return out

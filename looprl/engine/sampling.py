@@ -1,7 +1,6 @@
 """Choosing tokens per decoding row: top-k / top-p filtering, an exact inverse-CDF draw
 at one uniform from each row's own random stream, the top alternatives of a position
-(`top_logprobs`), jump-forward decoding where a grammar leaves one string open, and
-which of a row's tokens its grammar forced (`advance_grammar`).
+(`top_logprobs`), and which of a row's tokens its grammar forced (`advance_grammar`).
 
 The draw runs where the logits are (one code path for CPU and GPU): tempering, logit
 bias, the grammar's mask, forced tokens, top-k/top-p, the uniforms and the inverse CDF.
@@ -85,19 +84,20 @@ def sample_rows(
     rows: list[Row],
     pad_id: int,
     bitmask: Callable[[int], torch.Tensor],
+    ahead: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token of every live row (pad for finished ones) and its unconstrained
     logprob at the row's temperature T, both on the logits' device. Rows whose requests
     carry their own settings (`GenerationRequest.sampling`) are drawn in groups of equal
     (T, top_p, top_k); a batch with one group (every training call) takes the
-    single-group path unchanged."""
+    single-group path unchanged. `ahead`: tokens sampled, not yet in `ids` (deferred.py)."""
     groups: dict[tuple, list[int]] = {}
     for j, row in enumerate(rows):
         own = settings(row, params)
         groups.setdefault((own.temperature, own.top_p, own.top_k), []).append(j)
     if len(groups) <= 1:
         own = settings(rows[0], params) if rows else params
-        return _sample_group(logits_CV, own, rows, pad_id, bitmask)
+        return _sample_group(logits_CV, own, rows, pad_id, bitmask, ahead)
     device = logits_CV.device
     tokens_C = torch.full((len(rows),), pad_id, dtype=torch.long, device=device)
     logp_C = torch.zeros(len(rows), dtype=torch.float32, device=device)
@@ -105,7 +105,7 @@ def sample_rows(
         index = torch.tensor(members).to(device, non_blocking=True)
         group = [rows[j] for j in members]
         tokens, logp = _sample_group(
-            logits_CV[index], settings(group[0], params), group, pad_id, bitmask
+            logits_CV[index], settings(group[0], params), group, pad_id, bitmask, ahead
         )
         tokens_C[index] = tokens
         logp_C[index] = logp.to(logp_C.dtype)
@@ -147,6 +147,7 @@ def _sample_group(
     rows: list[Row],
     pad_id: int,
     bitmask: Callable[[int], torch.Tensor],
+    ahead: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample_rows` for rows that share one temperature, top_p and top_k, all on the
     logits' device. Sampling inverts the row's cumulative distribution at the row's
@@ -161,7 +162,9 @@ def _sample_group(
         tokens_C = torch.full((len(rows),), pad_id, dtype=torch.long, device=device)
         return tokens_C, logp_CV.gather(-1, tokens_C[:, None]).squeeze(-1)
     # the live rows' indices, stream keys and positions: one small copy to the device
-    plan_3L = torch.tensor([live, [rows[j].key for j in live], [len(rows[j].ids) for j in live]])
+    plan_3L = torch.tensor(
+        [live, [rows[j].key for j in live], [len(rows[j].ids) + ahead for j in live]]
+    )
     live_L, keys_L, positions_L = plan_3L.to(device, non_blocking=True)
     everyone = len(live) == len(rows)
     candidates_LV = constrained(
@@ -272,30 +275,6 @@ def tempered_rows(logits_C_: torch.Tensor, temperature: float | list[float]) -> 
     shape = (len(temperature),) + (1,) * (logits_C_.dim() - 1)
     per_row = torch.tensor(temperature, dtype=logits_C_.dtype).view(shape)
     return torch.log_softmax(logits_C_ / per_row.to(logits_C_.device), dim=-1)
-
-
-def jump_forward_tokens(rows: list[Row], tokenizer: Any, pad_id: int) -> list[list[int]] | None:
-    """Jump-forward decoding: when the grammar allows only one continuing *string* for
-    every live row, append its tokens in one forward pass instead of sampling them one
-    by one. The string is tokenized canonically (sampling would pick that tokenization
-    almost surely); the recorded logprobs are the policy's, as for sampled tokens.
-    Returns k >= 2 tokens per row (pad for finished rows), or None."""
-    live = [row for row in rows if not row.done]
-    if not live or any(row.matcher is None for row in live):
-        return None
-    forced: dict[int, list[int]] = {}
-    for row in live:
-        if row.forced:  # a thinking closing the engine writes
-            forced[row.index] = list(row.forced)
-            continue
-        text = row.matcher.find_jump_forward_string()
-        if not text:
-            return None
-        forced[row.index] = tokenizer.encode(text, add_special_tokens=False)
-    k = min(min(len(t) for t in forced.values()), min(r.limit - len(r.ids) for r in live))
-    if k < 2:
-        return None
-    return [forced[r.index][:k] if r.index in forced else [pad_id] * k for r in rows]
 
 
 @dataclass

@@ -131,7 +131,9 @@ class Part:
         )
 
 
-def merge(parts: list[Part], keep: list[torch.Tensor], room: int, trim: bool = False) -> Part:
+def merge(
+    parts: list[Part], keep: list[torch.Tensor], room: int, trim: bool = False, multiple: int = 1
+) -> Part:
     """A running batch of the rows `keep[j]` of each `parts[j]`, right-aligned in one
     column space with `room` free columns for the tokens still to come. Every part's
     cache must be `bufferable`. Each row gets its own cache row (copied once here).
@@ -140,7 +142,9 @@ def merge(parts: list[Part], keep: list[torch.Tensor], room: int, trim: bool = F
     old tensors are released as soon as they are copied, so merging needs one new batch
     cache plus one layer, not two caches. `trim`: leave out a part's leading columns that
     none of its kept rows attends to (rows that left kept them), so that a batch that
-    rows keep joining and leaving (the server's) does not grow wider for ever."""
+    rows keep joining and leaving (the server's) does not grow wider for ever. `multiple`:
+    the columns (filled and free) rounded up to a multiple of it (a compiled decode step
+    keeps one graph per shape: engine/compiled_step.py)."""
     chosen = [(part, part.cache_rows[rows]) for part, rows in zip(parts, keep) if len(rows)]
     if trim:
         chosen = [(_trimmed(part, source), source) for part, source in chosen]
@@ -154,6 +158,7 @@ def merge(parts: list[Part], keep: list[torch.Tensor], room: int, trim: bool = F
                 raise ValueError("only single-level prefixes can be copied into rows")
             inline[-1] = part.prefix.levels[0].width
     width = max(part.width + extra for (part, _), extra in zip(chosen, inline))
+    room += (-(width + room)) % multiple
     total = sum(len(source) for _, source in chosen)
     first = chosen[0][0]
     device = first.attention_CL.device

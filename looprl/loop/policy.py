@@ -106,6 +106,7 @@ def make_engine(cfg: Config, model: Any, tokenizer: Any, renderer: ChatRenderer)
         cascade_attention=cfg.model.cascade_attention,
         weight_first_linear=cfg.model.weight_first_linear,
         packed_linear=cfg.model.packed_linear,
+        compile_step=cfg.rollout.compile,
     )
 
 
