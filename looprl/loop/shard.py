@@ -42,7 +42,7 @@ from torch.distributed.fsdp import (
 
 from looprl.config import TrainConfig
 from looprl.errors import ConfigError
-from looprl.forward.score import is_sharded
+from looprl.forward.score import decoder_and_head, is_sharded
 from looprl.loop.dist import Dist
 from looprl.model.load import base_model
 
@@ -101,6 +101,9 @@ def shard_policy(model: Any, train: TrainConfig, device: torch.device, dist: Dis
         )
     if train.offload:
         options["offload_policy"] = CPUOffloadPolicy()
+    # whether the logits are head(body): a check that runs the model, so taken whole and
+    # on every rank alike; the update then scores through the root (forward/score.py)
+    decoder_and_head(model)
     for layer in decoder_layers(model):
         fully_shard(layer, **options)
     fully_shard(model, **options)
