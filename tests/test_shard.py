@@ -313,6 +313,7 @@ def test_the_plan_of_one_sharded_rank():
 
     from looprl.plan.devices import device
     from looprl.plan.fit import full_plan
+    from looprl.plan.memory import HEAD_COPIES
     from looprl.plan.sharding import plan_for
 
     cfg = load_config(None, ["model.lora.enabled=false", "train.shard=fsdp"])
@@ -326,6 +327,9 @@ def test_the_plan_of_one_sharded_rank():
     assert update.components["root weights whole"] == shape.embedding_params * 4
     assert update.components["layers in flight"] == 2 * (shape.params - 100_000) / 2 * 4
     assert update.components["gradients"] == shape.params * 4 / 2  # one micro-batch
+    # the head apart at the loss positions only (this rank's 8 episodes × 10), not the
+    # [tokens, vocab] logits of whole sequences
+    assert update.components["logits"] == 8 * 10 * shape.vocab * 4 * HEAD_COPIES
     several = load_config(
         None, ["model.lora.enabled=false", "train.shard=fsdp", "train.micro_batch_tokens=64"]
     )
