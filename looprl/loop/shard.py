@@ -94,6 +94,14 @@ def shard_policy(model: Any, train: TrainConfig, device: torch.device, dist: Dis
             file=sys.stderr,
         )
         return False
+    wrap_units(model, train, device)
+    return True
+
+
+def wrap_units(model: Any, train: TrainConfig, device: torch.device) -> None:
+    """`fully_shard` on each decoder layer and the root over the default process group,
+    whatever its size: a group of one process gives FSDP2's path with nothing split (the
+    GPU yardstick's one-process FSDP step, bench/checks/gpu_yardstick.py)."""
     options: dict[str, Any] = {}
     if device.type == "cuda":
         options["mp_policy"] = MixedPrecisionPolicy(
@@ -114,7 +122,6 @@ def shard_policy(model: Any, train: TrainConfig, device: torch.device, dist: Dis
     with torch.no_grad():
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))
     model.reshard()  # the root stays whole after a forward: the optimizer must see its shards
-    return True
 
 
 def units(model: Any) -> list[FSDPModule]:
