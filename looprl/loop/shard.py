@@ -45,6 +45,7 @@ from looprl.errors import ConfigError
 from looprl.forward.score import decoder_and_head, is_sharded
 from looprl.loop.dist import Dist
 from looprl.model.load import base_model
+from looprl.model.memory import release_free_memory
 
 T = TypeVar("T")
 
@@ -122,6 +123,9 @@ def wrap_units(model: Any, train: TrainConfig, device: torch.device) -> None:
     with torch.no_grad():
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))
     model.reshard()  # the root stays whole after a forward: the optimizer must see its shards
+    # the whole weights just freed (loaded whole on every rank, then split) stay in glibc's
+    # heap, where later tensors of other sizes rarely fit: given back, not kept resident
+    release_free_memory()
 
 
 def units(model: Any) -> list[FSDPModule]:
