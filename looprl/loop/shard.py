@@ -18,7 +18,9 @@ of them. Two kinds of phase keep that true:
   gradients reduced on the last one only (`set_requires_gradient_sync`; on each with
   `train.shard_grad_sync: every`). The reduction sums (divide factor 1): each rank's
   loss is already divided by the whole minibatch's normaliser (loop/update.py), as the
-  unsharded path's explicit all-reduce assumes.
+  unsharded path's explicit all-reduce assumes. A pass scores with the body and the
+  output head apart, the head at the loss positions only, inside one forward of the
+  root unit (forward/score.py `root_call`): no [tokens, vocab] logits.
 
 With one process there is nothing to split: `train.shard: fsdp` is accepted and the
 model stays whole, so one config resumes at any world size (checkpoints hold whole
