@@ -1,17 +1,19 @@
 """One process of tests/test_shard.py's comparisons: two policy updates (of two optimizer
-steps each) of a tiny random model (MODEL: tiny-random, or a folder such as a tiny MoE
-model's) on fixed episodes, sharded (under torchrun, train.shard=fsdp) or whole (one
-process). The episodes of ranks differ in length, so the ranks run different numbers of
-micro-batches. Rank 0 writes the first gradient, the losses and norms and the weights
-after the updates; every rank writes the bytes its parameters, gradients and optimizer
-state hold (the tensors' local shards, as allocated). Then it checkpoints that state both
-ways, sharded and whole, into OUT/sharded and OUT/whole (run folders with the config), and
-reads back into a reset model every checkpoint there is of this job and of the one-process
-job beside it (OUT/../one): the weights and optimizer state each gives, whole, go into the
-result too.
+steps each) of a tiny random model (the first of MODELS, comma-separated: tiny-random, or
+a folder such as a tiny MoE model's) on fixed episodes, sharded (under torchrun,
+train.shard=fsdp) or whole (one process). The episodes of ranks differ in length, so the
+ranks run different numbers of micro-batches. Rank 0 writes the first gradient, the
+losses and norms and the weights after the updates; every rank writes the bytes its
+parameters, gradients and optimizer state hold (the tensors' local shards, as allocated).
+Then it checkpoints that state both ways, sharded and whole, into OUT/sharded and
+OUT/whole (run folders with the config), and reads back into a reset model every
+checkpoint there is of this job and of the one-process job beside it (OUT/../one): the
+weights and optimizer state each gives, whole, go into the result too. Each further model
+of MODELS is only updated the same way, in the same launch, its result and memory written
+into OUT/ITS_FOLDER_NAME.
 
-    python tests/shard_worker.py OUT MODE MODEL          # one process
-    torchrun --nproc_per_node 2 tests/shard_worker.py OUT MODE MODEL
+    python tests/shard_worker.py OUT MODE MODELS          # one process
+    torchrun --nproc_per_node 2 tests/shard_worker.py OUT MODE MODELS
 
 MODE: lora or full, with -checkpointed for model.gradient_checkpointing, -every for
 train.shard_grad_sync=every and -kl for a KL term to the base model (LoRA: the adapters
@@ -23,10 +25,12 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from looprl.config import Config, config_from_dict
+from looprl.forward.score import ROOT_CALL
 from looprl.loop import dist as ranks
 from looprl.loop import shard
 from looprl.loop.batches import UpdateState
@@ -82,17 +86,17 @@ def local_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in local)
 
 
-def count_idle_passes() -> list[int]:
-    """The update's passes of weight zero on this rank, counted as they run."""
-    count = [0]
-    real = shard.idle_pass
+def count_idle_passes() -> SimpleNamespace:
+    """The update's passes of weight zero on this rank, counted as they run (`count`;
+    `real`: the function counted)."""
+    counter = SimpleNamespace(count=0, real=shard.idle_pass)
 
     def counted(*args: object) -> None:
-        count[0] += 1
-        real(*args)
+        counter.count += 1
+        counter.real(*args)
 
     shard.idle_pass = counted
-    return count
+    return counter
 
 
 def worker_config(mode: str, model: str, reference: str) -> Config:
@@ -118,8 +122,10 @@ def worker_config(mode: str, model: str, reference: str) -> Config:
     )
 
 
-def main(out: Path, mode: str, model: str) -> None:
-    dist = ranks.start()
+def updated(out: Path, mode: str, model: str, dist: ranks.Dist) -> tuple:
+    """MODEL loaded (sharded over the ranks under torchrun) and updated twice on the fixed
+    episodes: the policy, its optimizer, the groups, and the stats, the first gradient and
+    the weights after (rank 0's are whole). Writes OUT/memory_RANK.json."""
     cfg = worker_config(mode, model, "base")
     torch.manual_seed(0)
     policy = load_policy(cfg)
@@ -153,24 +159,45 @@ def main(out: Path, mode: str, model: str) -> None:
             dist=dist,
         )
         stats.append({k: result[k] for k in ("loss", "grad_norm", "updated")})
+    shard.idle_pass = idle.real
     states = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
     memory = {
         "params": local_bytes(list(policy.model.parameters())),
         "trainable": local_bytes(params),
         "grads": seen["grad_bytes"],
         "optimizer": local_bytes(states),
-        "idle_passes": idle[0],
+        "idle_passes": idle.count,
         "checkpointed": sum(hasattr(m, CHECKPOINTED) for m in policy.model.modules()),
+        "root_calls": hasattr(policy.model, ROOT_CALL),  # the head apart: no [B, S, V] logits
     }
-    weights = weights_now(policy.model)
     (out / f"memory_{dist.rank}.json").write_text(json.dumps(memory))
+    return (
+        policy,
+        optimizer,
+        groups,
+        {"stats": stats, "grads": seen["grads"], "weights": weights_now(policy.model)},
+    )
+
+
+def main(out: Path, mode: str, models: str) -> None:
+    """The first of MODELS (comma-separated) updated, checkpointed both ways, read back and
+    warm-started; each further one only updated, into OUT/ITS_FOLDER_NAME."""
+    dist = ranks.start()
+    first, *more = models.split(",")
+    policy, optimizer, groups, result = updated(out, mode, first, dist)
+    cfg = worker_config(mode, first, "base")
     save_both_ways(out, policy, optimizer, cfg)
-    resumed = read_back(list(dict.fromkeys([out.parent / "one", out])), cfg, dist)
-    anchored = worker_config(mode, model, "start" if "-kl" in mode else "base")
+    result["resumed"] = read_back(list(dict.fromkeys([out.parent / "one", out])), cfg, dist)
+    anchored = worker_config(mode, first, "start" if "-kl" in mode else "base")
     warm = warm_start_and_anchor(out, policy, groups, anchored, dist)
     if dist.is_main:
-        result = {"stats": stats, "grads": seen["grads"], "weights": weights, "resumed": resumed}
         torch.save({**result, **warm}, out / "result.pt")
+    for model in more:
+        folder = out / Path(model).name
+        folder.mkdir(exist_ok=True)
+        result = updated(folder, mode, model, dist)[-1]
+        if dist.is_main:
+            torch.save(result, folder / "result.pt")
     ranks.stop()
 
 

@@ -6,7 +6,9 @@
 # It checks the bf16 policy, engine and trainer paths on the GPU (a one-GPU torchrun job,
 # cascade attention and packing against plain SDPA, the sampler's batch invariance), then
 # runs bench/checks/gpu_yardstick.py: the engine against `generate`, the update's speed
-# and peak memory against `looprl plan`, and a 3-step run; its last line is the summary
+# and peak memory against `looprl plan`, a 3-step run, and one full fine-tuning update of
+# SmolLM2-135M through `train.shard: fsdp`'s FSDP2 units on this one GPU (bf16 compute,
+# float32 reduction: `fsdp_step_s`, `fsdp_peak_gb`); its last line is the summary
 # `RESULT device=... engine_vs_generate_b8=... ...` to record in docs/performance.md.
 # On a machine without a package index (an air-gapped GPU node):
 #   PYTHON=python3    that interpreter (its CUDA torch) instead of `make setup`'s .venv,
@@ -137,8 +139,9 @@ assert same == len(reqs), "a row's tokens on CUDA depend on the rows beside it"
 PY
 # the yardstick: engine vs generate (SmolLM2-135M and Qwen3-0.6B's shape, batches 8, 32,
 # 64), the update of Qwen3-0.6B's shape (LoRA r16 and full, 16k-token micro-batches) with
-# its peak memory against `looprl plan`, and a 3-step run of the default model (its
-# engine-vs-trainer logprob gap must stay under 5e-2)
+# its peak memory against `looprl plan`, a 3-step run of the default model (its
+# engine-vs-trainer logprob gap must stay under 5e-2), and the one-GPU FSDP update
+# (bench/checks/gpu_fsdp.py: a process group of one, nothing split, FSDP2's path run)
 "${py[@]}" bench/checks/gpu_yardstick.py --device cuda --out "$out/yardstick"
 # the vllm engine on CUDA (make setup-vllm installs the CUDA `vllm` where nvidia-smi is
 # found): 3 steps with LoRA and 3 with full fine-tuning, each pushing its weights to the

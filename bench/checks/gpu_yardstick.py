@@ -3,7 +3,7 @@
 Measured the same way on every card.
 
     python bench/checks/gpu_yardstick.py --device cuda [--out DIR]
-                                         [--parts engine,compiled,update,run]
+                                         [--parts engine,compiled,update,run,fsdp]
     python bench/checks/gpu_yardstick.py --device cpu --tiny    # a rehearsal of the code
 
 `bench/checks/gpu_check.sh` runs it on a CUDA machine (sized for about four minutes on one
@@ -35,13 +35,17 @@ vocabulary; speed and memory do not depend on the weights' values).
   the larger |error|.
 - run: a 3-step `looprl run` of smollm2-135m (`--tiny`: tiny-random) in a child
   process: the largest engine-vs-trainer logprob gap it logged and its seconds a step.
+- fsdp: one update of smollm2-135m (`--tiny`: tiny-random), full fine-tuning, the
+  episodes and micro-batches of `update`, through `train.shard: fsdp`'s FSDP2 units over
+  a process group of one (on CUDA bf16 compute, float32 gradient reduction): its seconds
+  (`fsdp_step_s`, median of the repeats after a warm-up) and peak memory (`fsdp_peak_gb`).
 
 Prints a `RESULT` line per measurement, then one summary line:
 
     RESULT device=NVIDIA_H100_80GB_HBM3 dtype=bfloat16 engine_vs_generate_b8=X ...
         engine_compiled_vs_generate_b32=X engine_compile_s=X update_tokens_per_s_lora=X
         update_peak_gb_lora=X update_tokens_per_s_full=X update_peak_gb_full=X
-        plan_error_pct=X run_logprob_gap_max=X run_step_s=X
+        plan_error_pct=X run_logprob_gap_max=X run_step_s=X fsdp_step_s=X fsdp_peak_gb=X
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +72,7 @@ from looprl.loop.update import UpdateState, update_policy
 from looprl.model.load import load_causal_lm, load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.checks.gpu_fsdp import fsdp_part
 from bench.harness import ROOT, arguments, looprl_run, median, print_result
 from bench.speed.rollout import prompts, run_generate, run_looprl, sync
 from bench.speed.update_memory import episodes
@@ -281,10 +287,15 @@ def peak_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
-def measure_update(overrides: list[str], sizes: Sizes, device: torch.device) -> dict:
-    """Tokens/s and peak memory of `update_policy` on one step's built episodes."""
+def measure_update(
+    overrides: list[str], sizes: Sizes, device: torch.device, wrap: Callable | None = None
+) -> dict:
+    """Tokens/s and peak memory of `update_policy` on one step's built episodes (`wrap`:
+    called on the model, train config and device first, as `fsdp_part` shards it)."""
     cfg = load_config(None, overrides)
     policy = load_policy(cfg)
+    if wrap is not None:
+        wrap(policy.model, cfg.train, policy.device)
     groups = episodes(cfg, policy, sizes.response)
     optimizer = make_optimizer(policy.trainable_parameters(), cfg.train.optimizer, 1e-6, 0.0)
 
@@ -396,7 +407,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a rehearsal")
     parser.add_argument("--tiny", action="store_true", help="rehearsal sizes (minutes on a CPU)")
     parser.add_argument("--out", default=None, help="folder for the model and the run")
-    parser.add_argument("--parts", default="engine,compiled,update,run", help="which measurements")
+    parser.add_argument(
+        "--parts", default="engine,compiled,update,run,fsdp", help="which measurements"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -420,6 +433,8 @@ def main() -> None:
         summary |= update_part(folder, sizes, device)
     if "run" in parts:
         summary |= run_part(out / "run-3-steps", sizes, device)
+    if "fsdp" in parts:
+        summary |= fsdp_part(sizes, sizes is TINY, device, measure_update)
     summary["wall_s"] = f"{time.perf_counter() - started:.0f}"
     print_result(summary)
     gap = float(summary.get("run_logprob_gap_max", 0.0))

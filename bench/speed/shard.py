@@ -2,13 +2,16 @@
 model) and on two sharded processes (torchrun, FSDP2), side by side, with `looprl plan`'s
 prediction of each one's per-process peak.
 
-    .venv/bin/python bench/speed/shard.py [--model smollm2-135m] [--lora] [--steps 2]
+    .venv/bin/python bench/speed/shard.py [--model smollm2-135m] [--lora] [--steps 2] \
+        [--set KEY=VALUE ...]
 
 Each run is `looprl run` in a child process (torchrun for the sharded one) whose peak
 resident set the kernel reports when it ends (`wait4`: the largest of its processes, so
 one rank's peak under torchrun). The step time is the median `perf/step_s` of the steps.
 Both runs get the machine's cores (one process with all of them as threads; one thread
-per rank). Ends with
+per rank). `--set` adds a setting to both runs and their plans (after the defaults
+below), e.g. fewer, shorter episodes a step, where the weights, gradients and AdamW
+state, which sharding splits, weigh most beside the update's activations. Ends with
 
     RESULT step_s_one=A step_s_sharded=B peak_gb_one=C peak_gb_sharded=D \
         plan_gb_one=E plan_gb_sharded=F plan_error_pct_one=G plan_error_pct_sharded=H
@@ -32,7 +35,7 @@ from bench.harness import ROOT, arguments, read_jsonl, result_line
 WORLD = 2
 
 
-def settings(model: str, lora: bool, steps: int) -> list[str]:
+def settings(model: str, lora: bool, steps: int, extra: list[str]) -> list[str]:
     return [
         f"model.name={model}",
         f"model.lora.enabled={str(lora).lower()}",
@@ -45,6 +48,7 @@ def settings(model: str, lora: bool, steps: int) -> list[str]:
         f"train.steps={steps}",
         "train.checkpoint_every=0",
         "logging.trackers=[]",
+        *extra,
     ]
 
 
@@ -106,8 +110,11 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--lora", action="store_true", help="LoRA (default: full fine-tuning)")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument(
+        "--set", action="append", default=[], help="KEY=VALUE for both runs (repeatable)"
+    )
     args = parser.parse_args()
-    base = settings(args.model, args.lora, args.steps)
+    base = settings(args.model, args.lora, args.steps, args.set)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, processes, shard in (("one", 1, "none"), ("sharded", WORLD, "fsdp")):
@@ -116,7 +123,10 @@ def main() -> None:
             plan = planned(sets, processes)
             error = 100 * (plan - measured["peak_gb"]) / measured["peak_gb"]
             rows[name] = {**measured, "plan_gb": plan, "error_pct": error}
-    print(f"{args.model}, {'LoRA' if args.lora else 'full fine-tuning'}, {args.steps} steps")
+    print(
+        f"{args.model}, {'LoRA' if args.lora else 'full fine-tuning'}, {args.steps} steps"
+        + "".join(f", {item}" for item in args.set)
+    )
     print(f"{'run':<22}{'step s':>9}{'peak GB':>10}{'plan GB':>10}{'plan error':>12}")
     for name, row in rows.items():
         label = "1 process" if name == "one" else f"{WORLD} processes, fsdp"

@@ -7,10 +7,11 @@ pass each by `micro_batches`, the same split for the update and the rescoring.""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import MethodType
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from looprl.algo import head_logprobs, token_logprobs
 from looprl.forward import cascade
@@ -18,6 +19,8 @@ from looprl.forward.kv import bufferable
 from looprl.forward.prefix import prefix_kwargs, shared_prefill
 from looprl.model.arch import fast_paths
 from looprl.model.load import base_model
+
+SPLIT_HEAD = "_looprl_split_head"  # decoder_and_head's verdict, cached on the base model
 
 
 def micro_batches(
@@ -209,10 +212,27 @@ def _next_token_logprobs(
     """logprobs of ids_BS[:, 1:] from the model's outputs at positions 0..S-2 (a packed
     call's outputs are one row of real tokens: `packing` maps them back)."""
     split = decoder_and_head(model)
+    if split is None and is_sharded(model):
+        split = getattr(base_model(model), SPLIT_HEAD, None)  # taken before it was sharded
+        if split:  # the root's weights gathered for the two parts, as for `model(...)`
+            return root_call(model, _head_logprobs, split, inputs, ids_BS, mask_BS, temperature)
     if split is None:
         logits = model(**inputs).logits
         logits_BSV = (logits if packing is None else logits[0][packing.index_BS])[:, :-1, :]
         return token_logprobs(logits_BSV, ids_BS[:, 1:], temperature=temperature)
+    return _head_logprobs(split, inputs, ids_BS, mask_BS, temperature, packing)
+
+
+def _head_logprobs(
+    split: tuple[Any, Any],
+    inputs: dict[str, Any],
+    ids_BS: torch.Tensor,
+    mask_BS: torch.Tensor,
+    temperature: float,
+    packing: cascade.Packing | None = None,
+) -> torch.Tensor:
+    """The body's hidden states, then the head's logprobs at the loss positions only, a
+    chunk of rows at a time (`head_logprobs`): no [B, S, vocab] logits."""
     decoder, head = split
     hidden = decoder(**inputs).last_hidden_state
     needed_BS = mask_BS[:, 1:]
@@ -246,6 +266,20 @@ def is_sharded(model: Any) -> bool:
     return isinstance(model, FSDPModule)
 
 
+ROOT_CALL = "_looprl_root_call"
+
+
+def root_call(model: Any, fn: Any, *args: Any) -> Any:
+    """`fn(*args)` run as a forward of a sharded model's root unit (FSDP2's
+    `register_fsdp_forward_method`): the root's weights (embeddings, final norm, head)
+    gathered before it, its gradients' reduction hooked to its output, the collectives
+    those of `model(...)`. The trainer's body-then-head split runs so under sharding."""
+    if not hasattr(model, ROOT_CALL):
+        setattr(model, ROOT_CALL, MethodType(lambda _, call, *rest: call(*rest), model))
+        register_fsdp_forward_method(model, ROOT_CALL)
+    return getattr(model, ROOT_CALL)(fn, *args)
+
+
 def _cache_dropped(model: Any) -> bool:
     """transformers drops the KV cache of a model training under gradient checkpointing."""
     base = base_model(model)
@@ -259,12 +293,13 @@ def _cache_dropped(model: Any) -> bool:
 def decoder_and_head(model: Any) -> tuple[Any, Any] | None:
     """The model's body (returning its final hidden states) and output projection, if
     its logits are exactly `head(hidden)`: checked once per model on a short input, so a
-    model that scales or soft-caps its logits keeps the plain path. A sharded model keeps
-    it too: FSDP2 gathers the root's weights only when the root module itself is called."""
+    model that scales or soft-caps its logits keeps the plain path. None for a sharded
+    model: FSDP2 gathers the root's weights only when the root runs, so its trainer
+    passes run the split through `root_call` (the verdict taken before it was sharded)."""
     if is_sharded(model):
         return None
     base = base_model(model)
-    verdict = getattr(base, "_looprl_split_head", None)
+    verdict = getattr(base, SPLIT_HEAD, None)
     if verdict is None:
         verdict = False
         decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
@@ -280,7 +315,7 @@ def decoder_and_head(model: Any) -> tuple[Any, Any] | None:
             model.train(was_training)
             if got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4):
                 verdict = (decoder, head)
-        base._looprl_split_head = verdict
+        setattr(base, SPLIT_HEAD, verdict)
     return verdict or None
 
 

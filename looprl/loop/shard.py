@@ -21,7 +21,9 @@ of them. Two kinds of phase keep that true:
   gradients reduced on the last one only (`set_requires_gradient_sync`; on each with
   `train.shard_grad_sync: every`). The reduction sums (divide factor 1): each rank's
   loss is already divided by the whole minibatch's normaliser (loop/update.py), as the
-  unsharded path's explicit all-reduce assumes.
+  unsharded path's explicit all-reduce assumes. A pass scores with the body and the
+  output head apart, the head at the loss positions only, inside one forward of the
+  root unit (forward/score.py `root_call`): no [tokens, vocab] logits.
 
 With one process there is nothing to split: `train.shard: fsdp` is accepted and the
 model stays whole, so one config resumes at any world size (checkpoints hold whole
@@ -45,9 +47,10 @@ from torch.distributed.fsdp import (
 
 from looprl.config import TrainConfig
 from looprl.errors import ConfigError
-from looprl.forward.score import is_sharded
+from looprl.forward.score import decoder_and_head, is_sharded
 from looprl.loop.dist import Dist, current
 from looprl.model.load import base_model
+from looprl.model.memory import release_free_memory
 
 T = TypeVar("T")
 
@@ -97,6 +100,14 @@ def shard_policy(model: Any, train: TrainConfig, device: torch.device, dist: Dis
             file=sys.stderr,
         )
         return False
+    wrap_units(model, train, device)
+    return True
+
+
+def wrap_units(model: Any, train: TrainConfig, device: torch.device) -> None:
+    """`fully_shard` on each decoder layer and the root over the default process group,
+    whatever its size: a group of one process gives FSDP2's path with nothing split (the
+    GPU yardstick's one-process FSDP step, bench/checks/gpu_yardstick.py)."""
     options: dict[str, Any] = {}
     if device.type == "cuda":
         options["mp_policy"] = MixedPrecisionPolicy(
@@ -104,6 +115,9 @@ def shard_policy(model: Any, train: TrainConfig, device: torch.device, dist: Dis
         )
     if train.offload:
         options["offload_policy"] = CPUOffloadPolicy()
+    # whether the logits are head(body): a check that runs the model, so taken whole and
+    # on every rank alike; the update then scores through the root (forward/score.py)
+    decoder_and_head(model)
     for layer in decoder_layers(model):
         fully_shard(layer, **options)
     fully_shard(model, **options)
@@ -114,7 +128,9 @@ def shard_policy(model: Any, train: TrainConfig, device: torch.device, dist: Dis
     with torch.no_grad():
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))
     model.reshard()  # the root stays whole after a forward: the optimizer must see its shards
-    return True
+    # the whole weights just freed (loaded whole on every rank, then split) stay in glibc's
+    # heap, where later tensors of other sizes rarely fit: given back, not kept resident
+    release_free_memory()
 
 
 def units(model: Any) -> list[FSDPModule]:

@@ -11,8 +11,9 @@ one-process plan of the same run.
   then shrink to 1/N (one micro-batch, or `train.shard_grad_sync: every`: 1/N, each
   layer's reduced as its backward ends);
   a micro-batch is one call of the whole model (no shared prompt pass: the token budget
-  counts each episode's prompt), whose logits are a [tokens, vocab] float32 tensor, with
-  its log-softmax and its gradient.
+  counts each episode's prompt, and the activations are those of every episode's whole
+  sequence), whose head runs apart at the loss positions only, a chunk of rows at a time,
+  as on one process (forward/score.py `root_call`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from looprl.config import Config
 from looprl.plan.devices import Device
 from looprl.plan.memory import (
     DTYPE_BYTES,
+    HEAD_CHUNK,
+    HEAD_COPIES,
     Phase,
     Plan,
     _micro_batch,
@@ -31,7 +34,6 @@ from looprl.plan.memory import (
 from looprl.plan.shape import ModelShape
 from looprl.plan.workload import Workload
 
-LOGIT_COPIES = 3  # the whole-sequence logits, their log-softmax, and the logits' gradient
 LAYERS_IN_FLIGHT = 2  # FSDP2 gathers the next layer while one computes
 
 
@@ -88,9 +90,10 @@ def _update(
     scale = whole_tokens / max(tokens, 1)
     for key in ("activations", "backward temporaries", "freed blocks kept"):
         if key in out.components:
-            out.add(key, out.components[key] * scale, out.notes.get(key, ""))
-    logits = whole_tokens * shape.vocab * 4 * LOGIT_COPIES
-    out.add("logits", logits, f"{whole_tokens:,} positions × {shape.vocab:,}, whole sequences")
+            note = f"micro-batch of {whole_tokens:,} tokens ({rows} episodes), whole sequences"
+            out.add(key, out.components[key] * scale, note if key == "activations" else "")
+    chunk = min(HEAD_CHUNK, max(rows * work.response_tokens, 1))
+    out.add("logits", chunk * shape.vocab * 4 * HEAD_COPIES, f"{chunk} positions at a time")
     every = cfg.train.shard_grad_sync == "every"
     if every or rows >= mine * cfg.rollout.group_size:  # reduced layer by layer, each pass
         grads = out.components["gradients"]
