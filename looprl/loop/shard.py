@@ -50,7 +50,7 @@ from looprl.errors import ConfigError
 from looprl.forward.score import decoder_and_head, is_sharded
 from looprl.loop.dist import Dist, current
 from looprl.model.load import base_model
-from looprl.model.memory import release_free_memory
+from looprl.model.memory import fix_mmap_threshold, release_free_memory
 
 T = TypeVar("T")
 
@@ -129,8 +129,10 @@ def wrap_units(model: Any, train: TrainConfig, device: torch.device) -> None:
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))
     model.reshard()  # the root stays whole after a forward: the optimizer must see its shards
     # the whole weights just freed (loaded whole on every rank, then split) stay in glibc's
-    # heap, where later tensors of other sizes rarely fit: given back, not kept resident
+    # heap, where later tensors of other sizes rarely fit: given back, not kept resident;
+    # and from now on large blocks (a phase's gathered weights) are given back when freed
     release_free_memory()
+    fix_mmap_threshold()
 
 
 def units(model: Any) -> list[FSDPModule]:

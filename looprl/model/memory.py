@@ -51,6 +51,21 @@ def release_free_memory() -> None:
         libc.malloc_trim(0)
 
 
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc's malloc.h)
+
+
+def fix_mmap_threshold(nbytes: int = 128 * 1024) -> bool:
+    """Serve every block over `nbytes` with a mapping of its own, given back to the
+    system when freed, and keep that threshold fixed (setting it turns off glibc's
+    raising it to the largest block freed, up to 32 MB). A sharded rank gathers whole
+    weights for a phase and frees them, then gathers a layer at a time: under the raised
+    threshold those frees stayed in the heap, where blocks of other sizes fit badly, and
+    its peak rose about 1 GB above what it holds (bench/speed/shard.py). False where
+    glibc is not the allocator."""
+    libc = _libc()
+    return libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, nbytes))
+
+
 def checkpoint_layers(model: Any) -> int:
     """Recompute each decoder layer of `model` in the backward pass (whenever the model is
     in training mode with gradients enabled; sampling and no-grad scoring run the layers
