@@ -124,11 +124,15 @@ def test_a_closed_stream_frees_its_rows(app, url):
     assert time.monotonic() - start < 30
 
 
-def test_a_client_that_times_out_frees_its_rows(app, url):
+def test_a_client_that_times_out_frees_its_rows(model, app, url):
     batcher = app.state.batcher
     impatient = client_for(url, timeout=1.0)
+    # the reply cannot end early: an end token drawn within the second would not time out
+    never_stop = {str(t): -100 for t in model.engine.stop_token_ids}
     with pytest.raises(openai.APITimeoutError):
-        impatient.chat.completions.create(model="tiny-random", messages=HI, max_tokens=3000)
+        impatient.chat.completions.create(
+            model="tiny-random", messages=HI, max_tokens=3000, logit_bias=never_stop
+        )
     assert wait_until(lambda: batcher.live_rows() == 0, timeout=30)
 
 
