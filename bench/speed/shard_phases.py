@@ -12,6 +12,7 @@ Not a test: it loads the real model; a minute or two on a 2-core CPU.
 
 from __future__ import annotations
 
+import argparse
 import resource
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.harness import print_result
 from bench.speed.update_memory import episodes
 from looprl.config import load_config
-from looprl.loop import dist as ranks
+from looprl.loop.dist import start, stop
 from looprl.loop.optim import make_optimizer
 from looprl.loop.policy import load_policy
 from looprl.loop.shard import full_weights, start_replicas
@@ -36,7 +37,7 @@ def resident() -> str:
 
 
 def main(shard: str) -> None:
-    dist = ranks.start()
+    dist = start()
     points = {"start": resident()}
     cfg = load_config(
         None,
@@ -73,8 +74,10 @@ def main(shard: str) -> None:
         )
         points[f"update{step + 1}"] = resident()
     print_result({"rank": dist.rank, "shard": shard, **points})
-    ranks.stop()
+    stop()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "fsdp")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("shard", nargs="?", default="fsdp", choices=["fsdp", "none"])
+    main(parser.parse_args().shard)
