@@ -21,8 +21,8 @@ WORKER = str(ROOT / "tests" / "push_worker.py")
 
 def test_two_sharded_ranks_push_whole_weights_one_tensor_at_a_time(tmp_path):
     port = str(free_port())
-    cmd = [*TORCHRUN, "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", port, WORKER, str(tmp_path)]  # fmt: skip
+    rendezvous = ["--master_addr", "127.0.0.1", "--master_port", port]
+    cmd = [*TORCHRUN, "--nproc_per_node", "2", *rendezvous, WORKER, str(tmp_path)]
     finish(launch(cmd), timeout=240)
     for kind, file in (("full", "weights.safetensors"), ("lora", "adapter_model.safetensors")):
         whole = torch.load(tmp_path / f"{kind}_whole.pt")
