@@ -112,6 +112,15 @@ def test_compile_mode_is_checked_and_auto_is_off_on_the_cpu():
     assert CompiledStep("off", CPU).column_multiple == 1
 
 
+def test_compile_with_another_engine_is_refused_at_load():
+    from looprl.config import config_from_dict
+    from looprl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout.compile=on compiles the hf engine"):
+        config_from_dict({"rollout": {"engine": "vllm", "compile": "on"}})
+    assert config_from_dict({"rollout": {"compile": "on"}}).rollout.compile == "on"
+
+
 def test_the_compiled_step_samples_from_the_updated_weights(tokenizer, renderer):
     """The weights are the graph's inputs, not constants: after an in-place update (an
     optimizer step), the compiled engine samples what the eager one samples."""

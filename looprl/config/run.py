@@ -116,6 +116,11 @@ def check_rules(cfg: Config) -> None:
             "train.optimizer=adamw_8bit needs bitsandbytes, which is not installed: "
             "pip install 'looprl[optim8bit]' (or train.optimizer=adamw)"
         )
+    if cfg.rollout.compile != "off" and cfg.rollout.engine != "hf":
+        raise ValueError(
+            f"rollout.compile={cfg.rollout.compile} compiles the hf engine's decode step, and "
+            f"rollout.engine={cfg.rollout.engine} samples elsewhere: set rollout.compile=off"
+        )
     k = cfg.rollout.max_staleness
     if k and cfg.algo.is_correction is None:
         raise ValueError(
