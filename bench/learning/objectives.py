@@ -124,6 +124,31 @@ def cell(before: dict | None, after: dict | None) -> tuple[str, str]:
     )
 
 
+EVALS = ("baseline", "final", "baseline_greedy", "final_greedy")
+
+
+def seed_evals(task: str, seed: int, arms: list[str], out: Path) -> dict[str, dict]:
+    """arm → eval name → EvalResult (None where the file is missing)."""
+    return {
+        arm: {
+            name: load_eval(out / f"{task}-s{seed}-{arm}" / "eval" / f"{name}.json")
+            for name in EVALS
+        }
+        for arm in arms
+    }
+
+
+def pooled(per_seed: dict[int, dict[str, dict]], arm: str, name: str) -> dict | None:
+    """One eval's episodes of every seed as one EvalResult; a task is (seed, task id)."""
+    parts = [(seed, ev[arm][name]) for seed, ev in per_seed.items()]
+    if any(result is None or "rewards" not in result for _, result in parts):
+        return None
+    rewards = [r for _, result in parts for r in result["rewards"]]
+    ids = [f"s{seed}:{t}" for seed, result in parts for t in result["task_ids"]]
+    finite = [r for r in rewards if isinstance(r, (int, float)) and math.isfinite(r)]
+    return {"rewards": rewards, "task_ids": ids, "reward_mean": sum(finite) / len(finite)}
+
+
 def table(task: str, seeds: list[int], arms: list[str], out: Path) -> None:
     print(f"\n### {task}: RL arms from the SFT warm start, paired on the same episodes\n")
     print(
@@ -131,39 +156,31 @@ def table(task: str, seeds: list[int], arms: list[str], out: Path) -> None:
         "| − gspo, sampled | − gspo, greedy |"
     )
     print("|---|---|---|---|---|---|---|")
+    per_seed = {seed: seed_evals(task, seed, arms, out) for seed in seeds}
+    blocks: list[tuple[str, dict[str, dict]]] = [(str(s), ev) for s, ev in per_seed.items()]
+    if len(seeds) > 1:
+        blocks.append(("all", {a: {n: pooled(per_seed, a, n) for n in EVALS} for a in arms}))
     lines = []
-    for seed in seeds:
-        ev = {
-            arm: {
-                name: load_eval(out / f"{task}-s{seed}-{arm}" / "eval" / f"{name}.json")
-                for name in ("baseline", "final", "baseline_greedy", "final_greedy")
-            }
-            for arm in arms
-        }
+    for label, ev in blocks:
         ref = ev.get("gspo")
         for arm in arms:
             e = ev[arm]
             if e["final"] is None:
-                print(f"| {seed} | {arm} | not run | | | | |")
+                print(f"| {label} | {arm} | not run | | | | |")
                 continue
             stage, stage_c = cell(e["baseline"], e["final"])
             greedy, greedy_c = cell(e["baseline_greedy"], e["final_greedy"])
-            vs, vs_c = (
-                ("(reference)", "nan,nan,nan")
-                if arm == "gspo" or ref is None
-                else cell(ref["final"], e["final"])
-            )
-            vs_g, vs_g_c = (
-                ("(reference)", "nan,nan,nan")
-                if arm == "gspo" or ref is None
-                else cell(ref["final_greedy"], e["final_greedy"])
-            )
+            vs, vs_c = ("(reference)", "nan,nan,nan")
+            vs_g, vs_g_c = vs, vs_c
+            if arm != "gspo" and ref is not None:
+                vs, vs_c = cell(ref["final"], e["final"])
+                vs_g, vs_g_c = cell(ref["final_greedy"], e["final_greedy"])
             print(
-                f"| {seed} | {arm} | {e['final']['reward_mean']:+.3f} | {stage} | {greedy} "
+                f"| {label} | {arm} | {e['final']['reward_mean']:+.3f} | {stage} | {greedy} "
                 f"| {vs} | {vs_g} |"
             )
             lines.append(
-                f"RESULT task={task} seed={seed} arm={arm} "
+                f"RESULT task={task} seed={label} arm={arm} "
                 f"start={e['baseline']['reward_mean']:.4f} final={e['final']['reward_mean']:.4f} "
                 f"stage={stage_c} stage_greedy={greedy_c} vs_gspo={vs_c} vs_gspo_greedy={vs_g_c}"
             )
