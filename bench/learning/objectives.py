@@ -4,9 +4,10 @@
     .venv/bin/python bench/learning/objectives.py bookings --seeds 0 --arms gspo,icepop
     .venv/bin/python bench/learning/objectives.py demo --seeds 0,1 --table-only
 
-For each seed, the task's SFT warm start is made once (`looprl run` with `train.steps=0`,
-its checkpoint exported as a plain folder, LoRA merged) unless `--start SEED=DIR` names a
-folder already exported (`looprl export RUN --checkpoint RUN/checkpoints/rl_start`). Then
+For each seed, the task's SFT warm start is made once (`looprl run` with `train.steps=0`
+and a 2-episode eval, its checkpoint exported as a plain folder, LoRA merged) unless
+`--start SEED=DIR` names a folder already exported (`looprl export RUN --checkpoint
+RUN/checkpoints/rl_start`). Then
 each arm runs the task's RL steps from that folder (`sft.enabled=false`, a fresh LoRA),
 under `rollout.max_staleness=1` (overlapped rollouts, one step stale), with the anchor the
 task's run has after an SFT stage (`algo.kl_coef=0.1`, k2, to the warm start: with the SFT
@@ -66,7 +67,9 @@ def warm_start(task: str, seed: int, out: Path, extra: list[str]) -> Path:
     if (folder / "config.json").is_file():
         return folder
     sft_run = out / f"{task}-s{seed}-sft"
-    pairs = [f"seed={seed}", "train.steps=0", "eval.greedy=false", *extra]
+    # its evals are not used (each arm's baseline is this start): the fewest the run takes
+    quick = ["eval.tasks=2", "eval.samples_per_task=1", "eval.greedy=false"]
+    pairs = [f"seed={seed}", "train.steps=0", *quick, *extra]
     cmd = [*LOOPRL, "run", CONFIGS[task], "--out", str(sft_run), "--force", *sets(pairs)]
     run(cmd, out / f"{task}-s{seed}-sft.log")
     ckpts = sorted((sft_run / "checkpoints").glob("step_*"))
