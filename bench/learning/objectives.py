@@ -7,11 +7,11 @@
 For each seed, the task's SFT warm start is made once (`looprl run` with `train.steps=0`
 and a 2-episode eval, its checkpoint exported as a plain folder, LoRA merged) unless
 `--start SEED=DIR` names a folder already exported (`looprl export RUN --checkpoint
-RUN/checkpoints/rl_start`). Then
-each arm runs the task's RL steps from that folder (`sft.enabled=false`, a fresh LoRA),
-under `rollout.max_staleness=1` (overlapped rollouts, one step stale), with the anchor the
-task's run has after an SFT stage (`algo.kl_coef=0.1`, k2, to the warm start: with the SFT
-merged in, `base` is the warm start). The arms differ only in the objective and the
+RUN/checkpoints/rl_start`). Then each arm runs the task's RL steps from that folder
+(`sft.enabled=false`, a fresh LoRA), under `rollout.max_staleness=1` (overlapped rollouts,
+one step stale), with the anchor the task's run has after an SFT stage
+(`algo.kl_coef=0.1`, k2, to the warm start: with the SFT merged in, `base` is the warm
+start). The arms differ only in the objective and the
 importance-sampling correction:
 
     gspo     algo.name=gspo   algo.is_correction=token_truncate  (the default objective)
@@ -22,7 +22,7 @@ importance-sampling correction:
 Every arm's baseline eval is its start (the same weights and eval seeds), so within a seed
 each arm's "RL stage" (final − baseline) and each arm against `gspo` (final − final) are
 paired on the same held-out episodes. Runs go to runs/objectives/TASK-sSEED-ARM/; a finished
-arm (eval/final.json present) is not run again. Ends with one table (markdown) and one
+arm (its report.md, written last, present) is not run again. Ends with one table (markdown) and one
 `RESULT` line per arm.
 """
 
@@ -84,7 +84,7 @@ def warm_start(task: str, seed: int, out: Path, extra: list[str]) -> Path:
 
 def arm_run(task: str, seed: int, arm: str, start: Path, out: Path, extra: list[str]) -> Path:
     folder = out / f"{task}-s{seed}-{arm}"
-    if (folder / "eval" / "final.json").is_file():
+    if (folder / "report.md").is_file():
         return folder
     pairs = [f"seed={seed}", f"model.name={start}", "sft.enabled=false", *ANCHOR, *ARMS[arm]]
     run(
@@ -223,13 +223,17 @@ def main() -> None:
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         parser.error(f"unknown arm(s) {unknown}; known: {', '.join(ARMS)}")
-    starts = dict(item.split("=", 1) for item in args.start)
+    if any("=" not in item for item in args.start):
+        parser.error(f"--start takes SEED=DIR, got {args.start}")
+    starts = {
+        seed: Path(folder).resolve() for seed, folder in (i.split("=", 1) for i in args.start)
+    }
     out = ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
     if not args.table_only:
         for seed in seeds:
             given = starts.get(str(seed))
-            start = Path(given) if given else warm_start(args.task, seed, out, args.set)
+            start = given or warm_start(args.task, seed, out, args.set)
             for arm in arms:
                 arm_run(args.task, seed, arm, start, out, args.set)
     table(args.task, seeds, arms, out)
