@@ -11,8 +11,7 @@ RUN/checkpoints/rl_start`). Then each arm runs the task's RL steps from that fol
 (`sft.enabled=false`, a fresh LoRA), under `rollout.max_staleness=1` (overlapped rollouts,
 one step stale), with the anchor the task's run has after an SFT stage
 (`algo.kl_coef=0.1`, k2, to the warm start: with the SFT merged in, `base` is the warm
-start). The arms differ only in the objective and the
-importance-sampling correction:
+start). The arms differ only in the objective and the importance-sampling correction:
 
     gspo     algo.name=gspo   algo.is_correction=token_truncate  (the default objective)
     cispo    algo.name=cispo  algo.is_correction=token_truncate
@@ -21,9 +20,9 @@ importance-sampling correction:
 
 Every arm's baseline eval is its start (the same weights and eval seeds), so within a seed
 each arm's "RL stage" (final − baseline) and each arm against `gspo` (final − final) are
-paired on the same held-out episodes. Runs go to runs/objectives/TASK-sSEED-ARM/; a finished
-arm (its report.md, written last, present) is not run again. Ends with one table (markdown) and one
-`RESULT` line per arm.
+paired on the same held-out episodes. Runs go to runs/objectives/TASK-sSEED-ARM/; an arm
+whose report.md (written last) is there is not run again. Ends with the tables (markdown)
+and one `RESULT` line per arm.
 """
 
 from __future__ import annotations
