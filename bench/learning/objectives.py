@@ -28,13 +28,12 @@ and one `RESULT` line per arm.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import subprocess
 import sys
 from pathlib import Path
 
-from looprl.report import load_eval, paired_stats
+from looprl.report import load_eval, paired_stats, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 LOOPRL = [sys.executable, "-m", "looprl"]
@@ -105,7 +104,7 @@ STEP_MEANS = (
 
 def step_means(folder: Path) -> dict[str, float]:
     """Each STEP_MEANS metric's mean over the run's steps (nan where never logged)."""
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(folder)
     out = {}
     for key in STEP_MEANS:
         values = [row[key] for row in rows if isinstance(row.get(key), (int, float))]

@@ -6,5 +6,6 @@ from __future__ import annotations
 
 from looprl.report.comparisons import load_eval
 from looprl.report.stats import Paired, paired_stats
+from looprl.report.write import read_metrics
 
-__all__ = ["Paired", "load_eval", "paired_stats"]
+__all__ = ["Paired", "load_eval", "paired_stats", "read_metrics"]
