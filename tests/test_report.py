@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from looprl.config import load_config, to_yaml
+from looprl.report import read_metrics
 from looprl.report.headline import headline
 from looprl.report.stats import paired_difference, paired_stats
 from looprl.report.write import regenerate_report, write_report
@@ -198,6 +199,12 @@ def test_regenerate_takes_time_and_memory_from_metrics(tmp_path):
     (run / "eval" / "final.json").unlink()
     assert "Stopped after step 3" in regenerate_report(run).read_text("utf-8")
     assert not (run / "plots" / "before_after.png").exists()  # no stale plot left behind
+
+
+def test_read_metrics_skips_a_line_torn_by_a_killed_run(tmp_path):
+    assert read_metrics(tmp_path) == []  # no metrics.jsonl: no step
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"ste')
+    assert [row["step"] for row in read_metrics(tmp_path)] == [1, 2]
 
 
 def looprl(*args: str | Path) -> subprocess.CompletedProcess:
